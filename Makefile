@@ -1,0 +1,45 @@
+# Two commands set everything up on a fresh machine:
+#   make lab    create .venv, install everything, open JupyterLab on lessons/
+#   make test   create .venv if missing, install, run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvpaging-installed
+# Where a machine without an NVIDIA GPU gets a CPU-only torch when no local wheel is at hand.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# GPU users who need a particular CUDA build: make lab TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_INDEX ?=
+
+.PHONY: lab test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, so that the package's "torch>=2.11" is already satisfied and pip
+# never swaps in the multi-gigabyte CUDA build on a machine that cannot use it.
+$(STAMP): pyproject.toml | $(BIN)/python
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	    echo "torch $$($(BIN)/python -c 'import torch; print(torch.__version__)') already installed"; \
+	elif [ -n "$(TORCH_INDEX)" ]; then \
+	    $(BIN)/pip install "torch>=2.11" --index-url "$(TORCH_INDEX)"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	    echo "NVIDIA GPU found: installing the CUDA build of torch"; \
+	    $(BIN)/pip install "torch>=2.11"; \
+	else \
+	    echo "no NVIDIA GPU: installing a CPU-only torch"; \
+	    $(BIN)/pip install --no-index --no-deps "torch>=2.11" 2>/dev/null \
+	      || $(BIN)/pip install "torch>=2.11" --no-deps --index-url "$(TORCH_CPU_INDEX)"; \
+	fi
+	$(BIN)/pip install -e ".[notebook,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=lessons
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

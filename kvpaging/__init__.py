@@ -1,0 +1,57 @@
+"""kvpaging: learn how LLM serving engines work by running a real one.
+
+The memory core (this release's foundation):
+    BlockPool, BlockManager     physical blocks, block tables, copy-on-write, prefix cache
+    kv_cache_bytes, ...         how many bytes a model's KV cache takes
+    ContiguousAllocator         the naive baseline that paged attention replaces
+"""
+
+from .block_manager import BlockManager, KVCacheStats, PrefixHit, default_block_hash
+from .block_pool import BlockPool, FreeBlockQueue, KVBlock, validate_block_size
+from .contiguous import (
+    ContiguousAllocator,
+    ContiguousSnapshot,
+    ContiguousStep,
+    OutOfMemory,
+    Reservation,
+    first_refusal,
+    simulate_contiguous,
+)
+from .errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
+from .kv_math import (
+    KV_CACHE_DTYPES,
+    dtype_nbytes,
+    format_bytes,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    num_kv_cache_layers,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockManager",
+    "BlockPool",
+    "ContiguousAllocator",
+    "ContiguousSnapshot",
+    "ContiguousStep",
+    "DuplicateSequenceError",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheStats",
+    "KV_CACHE_DTYPES",
+    "OutOfMemory",
+    "PrefixHit",
+    "Reservation",
+    "SequenceNotFoundError",
+    "SequenceTooLongError",
+    "default_block_hash",
+    "dtype_nbytes",
+    "first_refusal",
+    "format_bytes",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "num_kv_cache_layers",
+    "simulate_contiguous",
+    "validate_block_size",
+]

@@ -1,0 +1,410 @@
+"""The block manager: each sequence's block table, copy-on-write, and the prefix cache.
+
+A sequence's *block table* maps its logical block ``i`` (tokens ``i*block_size``
+to ``(i+1)*block_size - 1``) to a physical block id in the pool, the way a page
+table maps virtual pages to physical frames. Blocks are allocated only as
+tokens arrive -- a prefill chunk or one decode token at a time -- never for the
+worst case, so a sequence wastes at most the unfilled part of its last block.
+
+The life of a sequence, as the scheduler drives it::
+
+    hit = bm.lookup_prefix(token_ids)              # reuse cached leading blocks
+    bm.allocate_sequence(seq_id, n_new, hit)        # waiting -> running
+    ... forward pass ...
+    bm.cache_full_blocks(seq_id, token_ids, n_computed)   # full blocks become findable
+    bm.append_slots(seq_id, 1)                      # each decode step
+    bm.fork(seq_id, child_id)                       # n > 1: children share every block
+    bm.free(seq_id)                                 # finished, aborted or preempted
+
+Only this class changes block tables and reference counts. Copy-on-write copies
+it decides on are queued as ``(src, dst)`` block-id pairs; the model runner takes
+them with :meth:`take_blocks_to_copy` and copies the KV data before the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+from .block_pool import BlockPool, KVBlock
+from .errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
+
+__all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "default_block_hash"]
+
+# The hash of a block covers the hash of the block before it, so equal hashes
+# mean equal whole prefixes (up to collisions, which token comparison catches).
+_ROOT_HASH = 0x6B7670616769_6E67  # any fixed int; not None, whose hash varies between runs before Python 3.12
+
+
+def default_block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chain hash of one full block: Python's tuple hash, deterministic for ints across runs."""
+    return hash((_ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The result of a prefix-cache lookup: leading blocks whose KV is already computed."""
+
+    blocks: tuple[KVBlock, ...] = ()
+    block_hashes: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0  # tokens that were looked up
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(b.num_filled for b in self.blocks)
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A snapshot of the pool's figures, all exact integers or ratios of them."""
+
+    num_blocks: int
+    block_size: int
+    num_sequences: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int  # blocks findable by the prefix cache (in use or free)
+    num_cached_free_blocks: int  # free, but still holding reusable KV
+    num_tokens_stored: int  # slots holding a token, over blocks in use
+    num_table_blocks: int  # sum of all block-table lengths: blocks needed without sharing
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_cow_copies: int
+    num_evictions: int
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Allocated slots holding no token, as a fraction of allocated slots."""
+        allocated = self.num_used_blocks * self.block_size
+        return 0.0 if allocated == 0 else 1.0 - self.num_tokens_stored / allocated
+
+    @property
+    def shared_savings_blocks(self) -> int:
+        """Blocks that would exist without sharing minus blocks that do."""
+        return self.num_table_blocks - self.num_used_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the cache, as a fraction of prompt tokens looked up."""
+        return 0.0 if self.prefix_query_tokens == 0 else self.prefix_hit_tokens / self.prefix_query_tokens
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (vLLM's "KV cache usage")."""
+        return self.num_used_blocks / self.num_blocks
+
+
+@dataclass(eq=False)
+class _SequenceBlocks:
+    blocks: list[KVBlock]
+    block_ids: list[int]  # kept beside ``blocks`` so the runner gets a table without a loop
+    num_tokens: int  # token slots assigned
+    block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
+
+
+class BlockManager:
+    """Block tables over a :class:`BlockPool`, with copy-on-write and automatic prefix caching."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_fn: Callable[[int | None, tuple[int, ...]], int] = default_block_hash,
+    ) -> None:
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = self.pool.block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self._seqs: dict[Hashable, _SequenceBlocks] = {}
+        self._blocks_to_copy: list[tuple[int, int]] = []
+        self._num_table_blocks = 0
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._num_cow_copies = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free_blocks
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def get_block_table(self, seq_id: Hashable) -> list[int]:
+        """Physical block ids of the sequence's logical blocks. The live list: read it, don't change it."""
+        return self._state(seq_id).block_ids
+
+    def get_num_tokens(self, seq_id: Hashable) -> int:
+        """How many token slots the sequence has been given."""
+        return self._state(seq_id).num_tokens
+
+    def get_blocks(self, seq_id: Hashable) -> list[KVBlock]:
+        return self._state(seq_id).blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> KVCacheStats:
+        pool = self.pool
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_sequences=len(self._seqs),
+            num_used_blocks=pool.num_used_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            num_tokens_stored=pool.num_filled_slots,
+            num_table_blocks=self._num_table_blocks,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            num_cow_copies=self._num_cow_copies,
+            num_evictions=pool.num_evictions,
+        )
+
+    # -- prefix cache --------------------------------------------------------
+    def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Find the longest run of leading full blocks already in the cache. Changes nothing.
+
+        The last prompt token is never served from the cache: the model must
+        compute at least one position to produce the next token's logits.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit(num_prompt_tokens=len(token_ids))
+        bs = self.block_size
+        blocks: list[KVBlock] = []
+        hashes: list[int] = []
+        parent: KVBlock | None = None
+        parent_hash: int | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self.hash_fn(parent_hash, toks)
+            block = self.pool.lookup(h, toks, parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent, parent_hash = block, h
+        return PrefixHit(tuple(blocks), tuple(hashes), len(token_ids))
+
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Offer the sequence's newly full, computed blocks to the prefix cache.
+
+        Call it after the forward pass that computed them, never before: a
+        failed step must not leave half-written blocks findable. When another
+        block already holds the very same tokens after the very same prefix
+        (two requests computed one prefix at once), the sequence switches to
+        that block and frees its own duplicate.
+        """
+        if not self.enable_prefix_caching:
+            return
+        st = self._state(seq_id)
+        bs = self.block_size
+        if num_computed_tokens > st.num_tokens or num_computed_tokens > len(token_ids):
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} exceeds the sequence's {st.num_tokens} slots "
+                f"or its {len(token_ids)} tokens"
+            )
+        hashes = st.block_hashes
+        pool = self.pool
+        for i in range(len(hashes), num_computed_tokens // bs):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self.hash_fn(hashes[-1] if i else None, toks)
+            block = st.blocks[i]
+            if block.block_hash is None:
+                parent = st.blocks[i - 1] if i else None
+                twin = pool.lookup(h, toks, parent)
+                if twin is not None:
+                    pool.touch(twin)
+                    st.blocks[i] = twin
+                    st.block_ids[i] = twin.block_id
+                    pool.free_block(block)
+                else:
+                    pool.cache_block(block, h, toks, parent)
+            hashes.append(h)
+
+    # -- allocation ------------------------------------------------------------
+    def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
+        """Give a sequence with no blocks its cached prefix plus slots for ``num_new_tokens``.
+
+        Returns False, changing nothing, when the pool lacks free blocks right
+        now; raises SequenceTooLongError when the pool could never hold it.
+        """
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already holds blocks")
+        _check_count("num_new_tokens", num_new_tokens, minimum=1)
+        pool = self.pool
+        hit = prefix_hit.blocks
+        for block, h in zip(hit, prefix_hit.block_hashes):
+            if block.block_hash != h:
+                raise ValueError(
+                    f"stale prefix hit: block {block.block_id} was evicted since lookup_prefix; "
+                    "look up and allocate in the same scheduling step"
+                )
+        total = len(hit) * self.block_size + num_new_tokens
+        self._check_fits(seq_id, total)
+        # Cached blocks with no owner sit in the free queue: reviving them uses up free blocks too.
+        needed = self.num_blocks_for(total) - len(hit) + sum(1 for b in hit if b.ref_cnt == 0)
+        if needed > pool.free_queue.num_free_blocks:
+            return False
+        for block in hit:
+            pool.touch(block)
+        st = _SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
+        self._seqs[seq_id] = st
+        self._num_table_blocks += len(hit)
+        self._prefix_query_tokens += prefix_hit.num_prompt_tokens
+        self._prefix_hit_tokens += st.num_tokens
+        self._grow(st, num_new_tokens)
+        return True
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
+        """Give a running sequence slots for ``num_new_tokens`` more tokens (a decode token or a prefill chunk).
+
+        If the last block is partly filled and shared with a forked sequence,
+        it is first copied (copy-on-write). Returns False, changing nothing,
+        when the pool lacks free blocks: the scheduler then preempts someone.
+        """
+        st = self._state(seq_id)
+        n = st.num_tokens
+        bs = self.block_size
+        last = st.blocks[-1] if st.blocks else None
+        if num_new_tokens == 1 and n % bs and last is not None and last.ref_cnt == 1:
+            # The common decode step: one more token in an unshared, unfilled last block.
+            last.num_filled += 1
+            self.pool.num_filled_slots += 1
+            st.num_tokens = n + 1
+            return True
+        _check_count("num_new_tokens", num_new_tokens, minimum=1)
+        total = n + num_new_tokens
+        self._check_fits(seq_id, total)
+        cow = 1 if (n % bs and last is not None and last.ref_cnt > 1) else 0
+        if self.num_blocks_for(total) - len(st.blocks) + cow > self.pool.free_queue.num_free_blocks:
+            return False
+        if cow:
+            assert last is not None
+            self._copy_on_write(st, last)
+        self._grow(st, num_new_tokens)
+        return True
+
+    def _copy_on_write(self, st: _SequenceBlocks, shared: KVBlock) -> None:
+        pool = self.pool
+        copy = pool.get_new_block()
+        copy.num_filled = shared.num_filled
+        pool.num_filled_slots += copy.num_filled
+        pool.free_block(shared)  # one owner fewer; it stays with the others
+        st.blocks[-1] = copy
+        st.block_ids[-1] = copy.block_id
+        self._blocks_to_copy.append((shared.block_id, copy.block_id))
+        self._num_cow_copies += 1
+
+    def _grow(self, st: _SequenceBlocks, num_new_tokens: int) -> None:
+        """Fill the last block's free slots, then take new blocks (feasibility already checked)."""
+        pool = self.pool
+        bs = self.block_size
+        remaining = num_new_tokens
+        if st.num_tokens % bs:
+            last = st.blocks[-1]
+            room = min(bs - last.num_filled, remaining)
+            last.num_filled += room
+            pool.num_filled_slots += room
+            remaining -= room
+        while remaining > 0:
+            block = pool.get_new_block()
+            block.num_filled = min(bs, remaining)
+            pool.num_filled_slots += block.num_filled
+            remaining -= block.num_filled
+            st.blocks.append(block)
+            st.block_ids.append(block.block_id)
+            self._num_table_blocks += 1
+        st.num_tokens += num_new_tokens
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Give ``child_id`` the parent's whole block table, sharing every block (no data is copied)."""
+        parent = self._state(parent_id)
+        if child_id in self._seqs:
+            raise DuplicateSequenceError(f"cannot fork into sequence {child_id!r}: it already holds blocks")
+        for block in parent.blocks:
+            self.pool.touch(block)
+        self._seqs[child_id] = _SequenceBlocks(
+            list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes)
+        )
+        self._num_table_blocks += len(parent.blocks)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return a finished, aborted or preempted sequence's blocks to the pool.
+
+        Blocks are freed last-first, so that the tail of a cached prefix is
+        evicted before its head (a later request more likely shares the head).
+        """
+        st = self._seqs.pop(seq_id, None)
+        if st is None:
+            raise SequenceNotFoundError(
+                f"cannot free sequence {seq_id!r}: it holds no blocks (never allocated, or already freed)"
+            )
+        for block in reversed(st.blocks):
+            self.pool.free_block(block)
+        self._num_table_blocks -= len(st.blocks)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs decided since the last call; the runner copies them."""
+        pairs, self._blocks_to_copy = self._blocks_to_copy, []
+        return pairs
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    # -- helpers -----------------------------------------------------------------
+    def _state(self, seq_id: Hashable) -> _SequenceBlocks:
+        st = self._seqs.get(seq_id)
+        if st is None:
+            raise SequenceNotFoundError(
+                f"sequence {seq_id!r} holds no blocks (never allocated, or already finished and freed)"
+            )
+        return st
+
+    def _check_fits(self, seq_id: Hashable, total_tokens: int) -> None:
+        if self.num_blocks_for(total_tokens) > self.num_blocks:
+            raise SequenceTooLongError(
+                f"sequence {seq_id!r} would need {self.num_blocks_for(total_tokens)} blocks for {total_tokens} "
+                f"tokens, but the pool has only {self.num_blocks} blocks of {self.block_size} slots"
+            )
+
+    def check_invariants(self) -> None:
+        """Check every table against the pool (tests only: O(blocks + table entries))."""
+        pool = self.pool
+        pool.check_invariants()
+        owners: dict[int, int] = {}
+        for seq_id, st in self._seqs.items():
+            assert st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync"
+            assert len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks"
+            assert len(st.block_hashes) <= st.num_tokens // self.block_size
+            for i, block in enumerate(st.blocks):
+                assert pool.blocks[block.block_id] is block
+                owners[block.block_id] = owners.get(block.block_id, 0) + 1
+                expected_fill = min(self.block_size, st.num_tokens - i * self.block_size)
+                assert block.num_filled == expected_fill, (
+                    f"{seq_id!r} block {i} (id {block.block_id}) holds {block.num_filled}, expected {expected_fill}"
+                )
+            if self.enable_prefix_caching:
+                for i, h in enumerate(st.block_hashes):
+                    b = st.blocks[i]
+                    assert b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch"
+        for block in pool.blocks:
+            assert block.ref_cnt == owners.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables"
+            )
+        assert self._num_table_blocks == sum(len(st.blocks) for st in self._seqs.values())
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")

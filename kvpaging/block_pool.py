@@ -1,0 +1,268 @@
+"""The block pool: a fixed set of physical KV blocks, managed like pages of memory.
+
+The KV cache of every layer is one big tensor cut into ``num_blocks`` blocks of
+``block_size`` token slots each. This module decides nothing about *which*
+sequence owns which block (that is the block manager's job); it only keeps the
+state of each physical block:
+
+* ``ref_cnt`` -- how many block tables point at the block. Forked sequences
+  (``n > 1`` sampling, GRPO rollouts) share blocks, so a block can have several
+  owners. A block with ``ref_cnt == 0`` is free.
+* ``block_hash`` -- set when the block holds a *full* block of tokens that the
+  prefix cache may hand to another request with the same prefix.
+
+Free blocks wait in a :class:`FreeBlockQueue`, a doubly linked list threaded
+through the blocks themselves. Freed blocks join the tail; allocation takes the
+head. A freed block that still has a hash keeps its data and stays findable in
+the prefix cache until allocation reaches it at the head, so the cached block
+that was used least recently is the first to be overwritten (LRU eviction). When
+a prefix-cache hit revives a free cached block, it leaves the *middle* of the
+queue, which a linked list does in O(1) -- the reason for the list instead of a
+``deque``.
+
+Every operation here is O(1): no method scans all blocks (the exception is
+:meth:`BlockPool.check_invariants`, which exists for tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+__all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "validate_block_size"]
+
+
+def validate_block_size(block_size: object) -> int:
+    """Return ``block_size`` if it is a power of two from 1 to 256, else raise ValueError."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ValueError(f"block_size must be an int, got {block_size!r}")
+    if not (1 <= block_size <= 256) or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
+    return block_size
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """Metadata of one physical block. The K/V data itself lives in the model runner's tensors."""
+
+    block_id: int
+    ref_cnt: int = 0
+    # How many of the block's slots hold a token (for fragmentation figures).
+    num_filled: int = 0
+    # Prefix-cache identity, set only while the block is in the cache.
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # the block's tokens: compared on every hit
+    cache_id: int = -1  # unique per caching; children remember their parent's
+    parent_cache_id: int = -1  # cache_id of the block before it in its sequence (-1: first block)
+    # Links of the free queue (None when the block is not in it).
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+    @property
+    def is_cached(self) -> bool:
+        return self.block_hash is not None
+
+
+class FreeBlockQueue:
+    """Free blocks, oldest first, as a doubly linked list through the blocks.
+
+    Two sentinel blocks (id -1) sit at both ends so that append, pop and remove
+    never test for an empty list. All three are O(1).
+    """
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        """Put a freed block at the tail: it will be reused last."""
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def popleft(self) -> KVBlock:
+        """Take the block that has been free the longest."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        """Take a block out of the middle of the queue (a prefix-cache hit on a free block)."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not self._tail and block is not None:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All physical blocks, their reference counts, and the prefix-cache index.
+
+    The pool hands out blocks and takes them back; it never decides which
+    sequence gets one. Counters are kept up to date on every change, so reading
+    any statistic is O(1).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise ValueError(f"num_blocks must be an int, got {num_blocks!r}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.block_size = validate_block_size(block_size)
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # hash -> the one block cached under it. A block is cached only while
+        # it is registered here; eviction removes it.
+        self.cached_blocks: dict[int, KVBlock] = {}
+        self._next_cache_id = 0
+        self.num_cached_free_blocks = 0  # cached blocks sitting in the free queue
+        self.num_filled_slots = 0  # slots holding a token, over blocks in use
+        self.num_evictions = 0
+
+    # -- figures -----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
+    # -- allocation --------------------------------------------------------
+    def get_new_block(self) -> KVBlock:
+        """Take the least recently freed block, evicting its cached contents if any."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            self._uncache(block)
+            self.num_cached_free_blocks -= 1
+            self.num_evictions += 1
+        block.ref_cnt = 1
+        block.num_filled = 0
+        return block
+
+    def touch(self, block: KVBlock) -> None:
+        """Add one owner to ``block``; a free (cached) block leaves the free queue."""
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
+            self.num_filled_slots += block.num_filled
+        block.ref_cnt += 1
+
+    def free_block(self, block: KVBlock) -> None:
+        """Drop one owner. At zero the block joins the free queue's tail, still cached."""
+        if block.ref_cnt <= 0:
+            raise ValueError(f"block {block.block_id} is already free")
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.num_filled_slots -= block.num_filled
+            if block.block_hash is not None:
+                self.num_cached_free_blocks += 1
+            self.free_queue.append(block)
+
+    # -- prefix cache --------------------------------------------------------
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
+        """The cached block holding ``token_ids`` right after ``parent``, or None.
+
+        A hash match alone is not trusted: the tokens must be equal and the
+        candidate must have been computed after this very ``parent`` block
+        (compared by its unique ``cache_id``), so a hash collision can never
+        hand one request another request's keys and values.
+        """
+        if parent is not None and parent.block_hash is None:
+            return None  # an uncached parent has no identity to match against
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        expected_parent = -1 if parent is None else parent.cache_id
+        if block.parent_cache_id != expected_parent:
+            return None
+        return block
+
+    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> bool:
+        """Register a full, computed block under ``block_hash``. Returns False when it stays uncached.
+
+        A block is cached only after a cached parent (so a chain is cached from
+        its start), and only if no live block already holds that hash. A stale
+        entry (free, e.g. left behind when its parent was evicted) is replaced.
+        """
+        if parent is not None and parent.block_hash is None:
+            return False
+        existing = self.cached_blocks.get(block_hash)
+        if existing is not None:
+            if existing.ref_cnt > 0:
+                return False
+            self._uncache(existing)
+            self.num_cached_free_blocks -= 1
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        block.parent_cache_id = -1 if parent is None else parent.cache_id
+        block.cache_id = self._next_cache_id
+        self._next_cache_id += 1
+        self.cached_blocks[block_hash] = block
+        return True
+
+    def _uncache(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached_blocks[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        block.cache_id = -1
+        block.parent_cache_id = -1
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence uses (vLLM: reset_prefix_cache). Returns how many."""
+        stale = [b for b in self.cached_blocks.values() if b.ref_cnt == 0]
+        for block in stale:
+            self._uncache(block)
+        self.num_cached_free_blocks -= len(stale)
+        return len(stale)
+
+    # -- checking ------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Scan everything and raise AssertionError on any inconsistency (tests only: O(num_blocks))."""
+        free_ids = [b.block_id for b in self.free_queue]
+        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt"
+        free = set(free_ids)
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            assert (block.ref_cnt == 0) == (block.block_id in free), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free}"
+            )
+            assert 0 <= block.num_filled <= self.block_size
+            if block.block_hash is not None:
+                assert self.cached_blocks.get(block.block_hash) is block, f"block {block.block_id} hash not indexed"
+                assert block.token_ids is not None and len(block.token_ids) == self.block_size
+                assert block.num_filled == self.block_size
+        for h, block in self.cached_blocks.items():
+            assert block.block_hash == h
+        assert self.num_used_blocks + self.num_free_blocks == self.num_blocks
+        assert self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None)
+        assert self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0)

@@ -1,0 +1,269 @@
+"""Models for the engine to run, with nothing to download.
+
+The engine serves real transformers models (it swaps their attention for our
+paged attention), so the lessons need models. Three ways to get one:
+
+- ``tiny(arch)``: a few million random weights in the shape of a real
+  architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3). Builds in well under a
+  second on a laptop CPU; this is what the tests and the CPU lessons use.
+- ``real_shaped(name)``: the exact shape of a published model (Qwen3-8B,
+  Llama-3.1-8B, ...) read from a small JSON file shipped with the package, with
+  random weights. Memory use, KV cache size and speed on a GPU are those of the
+  real model; the text it writes is nonsense. Layers can be cut for quick demos.
+- ``load_model(path_or_hub_id)``: real trained weights, from a local directory
+  or the Hugging Face hub, in safetensors format only.
+
+Random weights: the same seed gives the same weights, bit for bit, on the same
+kind of device. The weights are drawn from a private ``torch.Generator``, so
+building a model never moves the global random state that a lesson may have
+seeded for its own purposes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+try:  # transformers 5.x
+    from transformers.initialization import no_init_weights
+except ImportError:  # pragma: no cover - older layouts; we then pay for the library's init, then redo it
+    no_init_weights = contextlib.nullcontext
+
+
+# --------------------------------------------------------------------------- tiny models
+
+# The shape every tiny model shares, whatever its architecture: small enough
+# for a CPU, big enough to have grouped-query attention (8 query heads share
+# 2 KV heads), several layers and a vocabulary worth sampling from.
+TINY_DEFAULTS = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 512,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # Trained models use about 0.02; with random weights that gives logits so
+    # close together that greedy decoding repeats one token forever. Ten times
+    # larger gives logits a few units apart, so outputs look varied.
+    "initializer_range": 0.2,
+}
+
+# What each architecture needs on top of the defaults. Sliding-window attention
+# is switched off everywhere: every layer attends to the whole sequence, which is
+# what our paged attention computes. (Mistral-7B-v0.1 had a 4096-token window;
+# later Mistral releases dropped it too.)
+TINY_ARCHS = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"sliding_window": None, "use_sliding_window": False},
+    "qwen3": {"sliding_window": None, "use_sliding_window": False},
+    "phi3": {"sliding_window": None},
+}
+
+# Keys the config classes accept under an older name and translate themselves.
+_LEGACY_CONFIG_KEYS = {"rope_theta", "rope_scaling", "torch_dtype"}
+
+# The attention transformers runs until the engine installs its paged attention:
+# PyTorch's fused scaled_dot_product_attention, available on every device.
+DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+
+
+def tiny(arch: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
+    """A small causal LM of a real architecture, with seeded random weights, on the CPU.
+
+    ``overrides`` change any config field, for example ``num_hidden_layers=2`` or
+    ``vocab_size=512``; a misspelt field is an error rather than silently ignored.
+    Token ids 0, 1 and 2 are pad, bos and eos.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; available: {sorted(TINY_ARCHS)}")
+    fields = {**TINY_DEFAULTS, **TINY_ARCHS[arch], **overrides}
+    config = _make_config(arch, fields, checked=overrides)
+    return _build_random(config, seed=seed, dtype=dtype, device="cpu")
+
+
+# --------------------------------------------------------------------------- real-shaped models
+
+
+def available_configs() -> list[str]:
+    """Names of the shipped real-model shapes, e.g. ``"Qwen3-8B"``."""
+    folder = resources.files("kvpaging.model_configs")
+    return sorted(entry.name[: -len(".json")] for entry in folder.iterdir() if entry.name.endswith(".json"))
+
+
+def load_config(name: str, **overrides) -> PretrainedConfig:
+    """The transformers config of a shipped model shape, e.g. ``load_config("Qwen3-0.6B")``.
+
+    The JSON files hold the numbers of the published ``config.json`` (the
+    ``_source`` key names the repository they come from); keys starting with
+    ``_`` are notes and are not passed on.
+    """
+    fields = _read_shipped_config(name)
+    model_type = fields.pop("model_type")
+    fields.update(overrides)
+    return _make_config(model_type, fields, checked=overrides)
+
+
+def real_shaped(
+    name: str,
+    num_hidden_layers: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A model with the exact shape of a published one and random weights.
+
+    ``num_hidden_layers`` keeps only the first few layers (a 1-layer Qwen3-8B
+    still has the real hidden size, heads and vocabulary, and fits anywhere).
+    ``device=None`` means the GPU when there is one, else the CPU; ``"meta"``
+    builds the shapes without any memory, to count parameters or plan a cache.
+    The weights are created directly on ``device``, never on the CPU first.
+    """
+    overrides = {} if num_hidden_layers is None else {"num_hidden_layers": num_hidden_layers}
+    config = load_config(name, **overrides)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _build_random(config, seed=seed, dtype=dtype, device=device)
+
+
+def _read_shipped_config(name: str) -> dict:
+    names = available_configs()
+    if name not in names:
+        raise ValueError(f"unknown model config {name!r}; available: {names}")
+    text = resources.files("kvpaging.model_configs").joinpath(f"{name}.json").read_text()
+    return {key: value for key, value in json.loads(text).items() if not key.startswith("_")}
+
+
+# --------------------------------------------------------------------------- building and initialising
+
+
+def _make_config(model_type: str, fields: dict, checked: dict) -> PretrainedConfig:
+    """Build the config in one go, so that fields derived in the constructor
+    (such as the per-layer ``layer_types`` list) agree with the overrides."""
+    config = AutoConfig.for_model(model_type, **fields)
+    default = AutoConfig.for_model(model_type)
+    unknown = [key for key in checked if not hasattr(default, key) and key not in _LEGACY_CONFIG_KEYS]
+    if unknown:
+        raise ValueError(f"{type(config).__name__} has no field(s) {unknown}")
+    return config
+
+
+def _build_random(config: PretrainedConfig, seed: int, dtype: torch.dtype, device) -> PreTrainedModel:
+    """Allocate the model straight on ``device``, then fill it with seeded noise.
+
+    transformers would first initialise every weight its own way (slow for
+    billions of parameters, and drawn from the global RNG); ``no_init_weights``
+    skips that, leaving the matrices uninitialised until ``_init_random_weights``
+    fills them. ``fork_rng`` is a second guard for the global random state.
+    """
+    device = torch.device(device)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
+    model.tie_weights()  # skipped along with the init above; shares the embedding with lm_head where the config says so
+    _init_random_weights(model, std=config.initializer_range, seed=seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_random_weights(model: PreTrainedModel, std: float, seed: int) -> None:
+    """Every matrix (embeddings, projections, lm_head) ~ N(0, std), biases 0.
+
+    One-dimensional weights are the norms' scales; their constructors already
+    set them to the neutral value (ones), so they are left alone.
+    ``named_parameters`` lists a tied weight once and always in the same order,
+    which is what makes the result depend on the seed alone.
+    """
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return  # shapes only: nothing to fill
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(mean=0.0, std=std, generator=generator)
+        elif name.endswith(".bias"):
+            param.zero_()
+
+
+# --------------------------------------------------------------------------- trained models
+
+# Files of which at least one marks a directory as holding a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model(
+    model_or_path: PreTrainedModel | str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A model instance (returned as it is), a local directory, or a hub id.
+
+    Only safetensors files are read. A ``pytorch_model.bin`` is a pickle, and
+    unpickling a file runs whatever code it contains, so a directory with no
+    ``.safetensors`` file is refused. ``dtype=None`` keeps the checkpoint's dtype.
+    """
+    if isinstance(model_or_path, PreTrainedModel):
+        if dtype is not None or device is not None:
+            model_or_path.to(device=device, dtype=dtype)  # in place: still the same object
+        return model_or_path
+
+    source = os.fspath(model_or_path)
+    if os.path.isdir(source):
+        if not any(Path(source).glob("*.safetensors")):
+            raise ValueError(
+                f"{source} holds no .safetensors file; kvpaging loads safetensors only and never unpickles "
+                "pytorch_model.bin (convert it with save_pretrained(..., safe_serialization=True))"
+            )
+    elif _looks_like_local_path(source):
+        raise FileNotFoundError(f"no such directory: {source}")
+
+    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if device is not None:
+        kwargs["device_map"] = torch.device(device)  # weights go straight to the device
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    return model.eval()
+
+
+def load_tokenizer(model_or_path: PreTrainedModel | str | os.PathLike):
+    """The tokenizer that goes with a model, or None when there is none to find.
+
+    A random model built here has no tokenizer (the engine then works on token
+    ids); a model loaded from a directory or the hub remembers where it came
+    from in ``name_or_path``, and the tokenizer is loaded from there.
+    """
+    if isinstance(model_or_path, PreTrainedModel):
+        source = model_or_path.name_or_path
+    else:
+        source = os.fspath(model_or_path)
+    if not source:
+        return None
+    if os.path.isdir(source):
+        if not any(os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
+            return None
+    elif _looks_like_local_path(source):
+        return None  # a directory that has since gone away
+
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _looks_like_local_path(source: str) -> bool:
+    """Hub ids look like ``org/name``; anything absolute or relative-looking is a path."""
+    return os.path.isabs(source) or source.startswith((".", "~")) or os.path.exists(source)

@@ -1,0 +1,132 @@
+"""How one request wants its tokens chosen: ``SamplingParams``, as in vLLM.
+
+The names, defaults and meanings are vLLM's, so code written against kvpaging
+reads the same in vLLM. Where we differ, the docstring says so.
+
+The parameters are checked once, when they are made, and then frozen: the
+engine keeps them for the life of a request, and a value changed half way
+through generation would bypass the checks. To vary a request, ``clone`` it
+with changes (``params.clone(temperature=0.5)``), which checks again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+# Temperatures below this are treated as 0, i.e. greedy. Dividing logits by a
+# temperature this small would overflow to inf anyway; vLLM uses the same 1e-5.
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler treats a request (vLLM's names)."""
+
+    GREEDY = 0  # always the most likely token
+    RANDOM = 1  # sampled, with the engine's shared random generator
+    RANDOM_SEED = 2  # sampled, with the request's own generator seeded from ``seed``
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request.
+
+    n: how many completions to generate for the prompt (they share its KV blocks).
+    temperature: logits are divided by it; 0 means greedy. Higher is more random.
+    top_p: keep the smallest set of most likely tokens whose probability adds up to
+        at least ``top_p`` (nucleus sampling); 1 keeps everything.
+    top_k: keep only the ``top_k`` most likely tokens; 0 or -1 keeps everything
+        (vLLM accepts both; -1 is stored as 0).
+    min_p: drop tokens less likely than ``min_p`` times the most likely one; 0 keeps all.
+    seed: makes this request's samples reproducible, whatever else is in the batch.
+    max_tokens: the most tokens to generate. vLLM also accepts None (up to the
+        model's length); here it must be a number.
+    stop_token_ids: generation stops after any of these (kept in the output).
+    ignore_eos: keep going after the end-of-sequence token (for benchmarks).
+    logprobs: None for none; k >= 0 to get the chosen token's log-probability
+        plus those of the k most likely tokens.
+
+    With temperature 0 the sampler ignores top_p, top_k and min_p; like vLLM we
+    reset them to their neutral values so that the stored params say so.
+    Unlike vLLM (which, for greedy, refuses best_of > 1), n > 1 with temperature 0
+    is allowed: the n completions are simply identical.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=-(2**63))
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        stop = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {stop!r}")
+        for token_id in stop:
+            _check_int("stop_token_ids entry", token_id, minimum=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+
+        # Normalise. The dataclass is frozen, so assignments go through object.__setattr__.
+        normal = {"temperature": float(self.temperature), "top_p": float(self.top_p),
+                  "min_p": float(self.min_p), "stop_token_ids": list(stop)}
+        if self.top_k == -1:
+            normal["top_k"] = 0
+        if self.temperature < SAMPLING_EPS:
+            normal.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def clone(self, **changes) -> SamplingParams:
+        """A copy (with its own stop list), optionally with some fields changed and checked again."""
+        changes.setdefault("stop_token_ids", list(self.stop_token_ids))
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    # bool is a subclass of int in Python; n=True is a bug, not a request for one sample.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")

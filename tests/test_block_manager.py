@@ -1,0 +1,378 @@
+"""Unit tests of the block pool and block manager: exact block ids, reference counts and eviction order."""
+
+import pytest
+
+from kvpaging.block_manager import BlockManager, default_block_hash
+from kvpaging.block_pool import BlockPool
+from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
+
+
+def free_order(bm):
+    return [b.block_id for b in bm.pool.free_queue]
+
+
+def refcounts(bm):
+    return [b.ref_cnt for b in bm.pool.blocks]
+
+
+def prefill(bm, seq_id, tokens):
+    """Admit a sequence as the scheduler does: look up, allocate the rest, cache after 'computing'."""
+    hit = bm.lookup_prefix(tokens)
+    n_cached = hit.num_cached_tokens
+    assert bm.allocate_sequence(seq_id, len(tokens) - n_cached, hit)
+    bm.cache_full_blocks(seq_id, tokens, len(tokens))
+    return n_cached
+
+
+def decode(bm, seq_id, tokens, token):
+    """Append one token: slots for it, then (after the 'forward') cache full blocks."""
+    assert bm.append_slots(seq_id, 1)
+    tokens.append(token)
+    bm.cache_full_blocks(seq_id, tokens, len(tokens))
+
+
+# -- block pool ------------------------------------------------------------------
+
+
+def test_pool_allocates_in_id_order_and_reuses_least_recently_freed():
+    pool = BlockPool(num_blocks=4, block_size=16)
+    a, b, c = pool.get_new_block(), pool.get_new_block(), pool.get_new_block()
+    assert [a.block_id, b.block_id, c.block_id] == [0, 1, 2]
+    assert pool.num_free_blocks == 1 and pool.num_used_blocks == 3
+    pool.free_block(b)
+    pool.free_block(a)
+    # free queue: 3 (never used), then 1, then 0 in the order freed
+    assert [x.block_id for x in pool.free_queue] == [3, 1, 0]
+    assert pool.get_new_block().block_id == 3
+    assert pool.get_new_block().block_id == 1
+
+
+def test_pool_touch_removes_a_free_block_from_the_middle():
+    pool = BlockPool(num_blocks=5, block_size=4)
+    blocks = [pool.get_new_block() for _ in range(5)]
+    for blk in blocks:
+        pool.free_block(blk)
+    pool.touch(blocks[2])
+    assert [x.block_id for x in pool.free_queue] == [0, 1, 3, 4]
+    assert blocks[2].ref_cnt == 1
+    pool.check_invariants()
+
+
+def test_pool_double_free_is_refused():
+    pool = BlockPool(num_blocks=2, block_size=4)
+    blk = pool.get_new_block()
+    pool.free_block(blk)
+    with pytest.raises(ValueError, match="block 0 is already free"):
+        pool.free_block(blk)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, 3, 5, 12, 512, -16, 16.0, "16", True, None])
+def test_block_size_must_be_power_of_two_up_to_256(bad):
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(num_blocks=8, block_size=bad)
+
+
+@pytest.mark.parametrize("good", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+def test_every_power_of_two_block_size_works(good):
+    bm = BlockManager(num_blocks=4, block_size=good)
+    tokens = list(range(2 * good + 1))
+    assert bm.allocate_sequence("s", len(tokens))
+    assert bm.get_block_table("s") == [0, 1, 2]
+    bm.free("s")
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "8", False, None])
+def test_num_blocks_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(num_blocks=bad)
+
+
+# -- block tables ------------------------------------------------------------------
+
+
+def test_blocks_are_allocated_only_as_tokens_arrive():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate_sequence("a", 5)  # 5 tokens -> 2 blocks, 3 slots of the 2nd empty
+    assert bm.get_block_table("a") == [0, 1]
+    assert [b.num_filled for b in bm.get_blocks("a")] == [4, 1]
+    for _ in range(3):
+        assert bm.append_slots("a", 1)
+    assert bm.get_block_table("a") == [0, 1]  # the last block filled up, no new block
+    assert bm.append_slots("a", 1)
+    assert bm.get_block_table("a") == [0, 1, 2]
+    assert bm.get_num_tokens("a") == 9
+    assert bm.append_slots("a", 6)  # a prefill chunk: fills block 2, then block 3 partly
+    assert bm.get_block_table("a") == [0, 1, 2, 3]
+    assert [b.num_filled for b in bm.get_blocks("a")] == [4, 4, 4, 3]
+    bm.check_invariants()
+
+
+def test_free_returns_blocks_last_first_and_stats_go_back_to_zero():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    assert bm.allocate_sequence("a", 9)  # blocks 0,1,2
+    assert bm.allocate_sequence("b", 3)  # block 3
+    bm.free("a")
+    assert free_order(bm) == [4, 5, 2, 1, 0]
+    bm.free("b")
+    s = bm.stats()
+    assert (s.num_used_blocks, s.num_free_blocks, s.num_tokens_stored, s.num_sequences) == (0, 6, 0, 0)
+    bm.check_invariants()
+
+
+def test_not_enough_blocks_returns_false_and_changes_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.allocate_sequence("a", 8)
+    assert bm.allocate_sequence("z", 1)
+    before = (bm.stats(), free_order(bm), refcounts(bm), list(bm.get_block_table("a")))
+    assert not bm.allocate_sequence("b", 5)  # needs 2 blocks, 1 is free
+    assert not bm.has_sequence("b")
+    assert (bm.stats(), free_order(bm), refcounts(bm), bm.get_block_table("a")) == before
+    assert bm.append_slots("a", 4)  # takes the last free block
+    before = (bm.stats(), free_order(bm), refcounts(bm), list(bm.get_block_table("a")))
+    assert not bm.append_slots("a", 1)
+    assert (bm.stats(), free_order(bm), refcounts(bm), bm.get_block_table("a")) == before
+    assert bm.get_num_tokens("a") == 12
+    bm.check_invariants()
+
+
+def test_a_sequence_longer_than_the_pool_is_refused_with_a_clear_error():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    with pytest.raises(SequenceTooLongError, match="9 tokens.*only 2 blocks"):
+        bm.allocate_sequence("a", 9)
+    assert bm.allocate_sequence("a", 8)
+    with pytest.raises(SequenceTooLongError):
+        bm.append_slots("a", 1)
+    assert bm.get_num_tokens("a") == 8
+    bm.check_invariants()
+
+
+def test_unknown_and_finished_sequences_are_refused():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    with pytest.raises(SequenceNotFoundError, match="'ghost'"):
+        bm.free("ghost")
+    with pytest.raises(SequenceNotFoundError, match="'ghost'"):
+        bm.fork("ghost", "child")
+    assert bm.allocate_sequence("a", 3)
+    bm.free("a")
+    with pytest.raises(SequenceNotFoundError, match="already finished"):
+        bm.append_slots("a", 1)
+    with pytest.raises(SequenceNotFoundError):
+        bm.free("a")
+    assert bm.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.0, True, "2"])
+def test_num_new_tokens_is_validated(bad):
+    bm = BlockManager(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        bm.allocate_sequence("a", bad)
+    assert bm.allocate_sequence("a", 2)
+    if bad != 1.0 and bad is not True:  # bad values that the decode fast path can't mistake for 1
+        with pytest.raises(ValueError, match="num_new_tokens"):
+            bm.append_slots("a", bad)
+    assert bm.get_num_tokens("a") == 2
+    bm.check_invariants()
+
+
+def test_duplicate_ids_are_refused():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.allocate_sequence("a", 3)
+    assert bm.allocate_sequence("b", 3)
+    with pytest.raises(DuplicateSequenceError, match="'a'"):
+        bm.allocate_sequence("a", 1)
+    with pytest.raises(DuplicateSequenceError, match="'b'"):
+        bm.fork("a", "b")
+    assert refcounts(bm) == [1, 1, 0, 0]
+
+
+# -- fork and copy-on-write ------------------------------------------------------------
+
+
+def test_fork_shares_every_block_and_cow_copies_only_the_partial_last_block():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    assert bm.allocate_sequence("p", 10)  # blocks 0,1 full; block 2 holds 2 tokens
+    bm.fork("p", "c1")
+    bm.fork("p", "c2")
+    assert refcounts(bm)[:3] == [3, 3, 3]
+    assert bm.stats().shared_savings_blocks == 6
+
+    assert bm.append_slots("c1", 1)  # writes into shared block 2 -> copy first
+    assert bm.get_block_table("c1") == [0, 1, 3]
+    assert bm.take_blocks_to_copy() == [(2, 3)]
+    assert bm.append_slots("c2", 1)
+    assert bm.get_block_table("c2") == [0, 1, 4]
+    assert bm.take_blocks_to_copy() == [(2, 4)]
+    assert bm.append_slots("p", 1)  # the last owner writes in place: no copy
+    assert bm.get_block_table("p") == [0, 1, 2]
+    assert bm.take_blocks_to_copy() == []
+    assert refcounts(bm)[:5] == [3, 3, 1, 1, 1]
+    assert bm.stats().num_cow_copies == 2
+    bm.check_invariants()
+
+
+def test_full_shared_blocks_are_never_copied():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    assert bm.allocate_sequence("p", 8)  # two full blocks
+    bm.fork("p", "c")
+    assert bm.append_slots("c", 1)
+    assert bm.append_slots("p", 1)
+    assert bm.take_blocks_to_copy() == []
+    assert bm.get_block_table("c") == [0, 1, 2]
+    assert bm.get_block_table("p") == [0, 1, 3]
+    bm.free("p")
+    assert refcounts(bm)[:4] == [1, 1, 1, 0]
+    bm.free("c")
+    bm.check_invariants()
+
+
+def test_cow_needs_a_free_block_and_changes_nothing_without_one():
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    assert bm.allocate_sequence("p", 6)
+    bm.fork("p", "c")
+    assert bm.allocate_sequence("x", 1)  # takes the last free block
+    assert not bm.append_slots("c", 1)
+    assert bm.get_block_table("c") == [0, 1]
+    assert bm.take_blocks_to_copy() == []
+    bm.check_invariants()
+
+
+def test_grpo_sixteen_rollouts_share_the_prompt():
+    bm = BlockManager(num_blocks=64, block_size=16)
+    prompt = list(range(100))  # 6 full blocks + 4 tokens
+    prefill(bm, "r0", prompt)
+    for i in range(1, 16):
+        bm.fork("r0", f"r{i}")
+    s = bm.stats()
+    assert s.num_used_blocks == 7
+    assert s.shared_savings_blocks == 7 * 16 - 7
+    for i in range(16):
+        assert bm.append_slots(f"r{i}", 1)
+    # 15 copies of the partial block; the last writer keeps the original
+    assert len(bm.take_blocks_to_copy()) == 15
+    assert bm.stats().num_used_blocks == 6 + 16
+    for i in range(16):
+        bm.free(f"r{i}")
+    assert bm.stats().num_used_blocks == 0
+    bm.check_invariants()
+
+
+# -- prefix caching ----------------------------------------------------------------
+
+
+def test_prefix_cache_reuses_full_blocks_and_never_the_last_token():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    system = [7, 7, 7, 7, 8, 8, 8, 8]
+    a = system + [1, 2, 3]
+    assert prefill(bm, "a", a) == 0
+    assert prefill(bm, "b", system + [9]) == 8
+    assert bm.get_block_table("b")[:2] == bm.get_block_table("a")[:2]
+    assert refcounts(bm)[:2] == [2, 2]
+    # a prompt that is exactly the cached blocks still computes its last token
+    assert prefill(bm, "c", list(system)) == 4
+    s = bm.stats()
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (11 + 9 + 8, 12)
+    bm.check_invariants()
+
+
+def test_freed_cached_blocks_stay_findable_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    prefill(bm, "a", [1, 2, 3, 4, 5])  # blocks 0,1 cached, block 2 partial
+    bm.free("a")
+    s = bm.stats()
+    assert (s.num_free_blocks, s.num_cached_blocks, s.num_cached_free_blocks) == (4, 2, 2)
+    assert free_order(bm) == [3, 2, 1, 0]
+    assert prefill(bm, "b", [1, 2, 3, 4, 9]) == 4  # revives blocks 0 and 1
+    assert bm.get_block_table("b") == [0, 1, 3]
+    bm.free("b")
+    # eviction takes the least recently freed first: block 2 (never cached), then the tail block 1
+    assert free_order(bm) == [2, 3, 1, 0]
+    assert bm.allocate_sequence("x", 6)
+    assert bm.get_block_table("x") == [2, 3, 1]
+    assert bm.stats().num_evictions == 1
+    bm.free("x")
+    # block 1 (tokens 3, 4) was evicted; block 0 (tokens 1, 2) is still cached
+    assert prefill(bm, "y", [1, 2, 3, 4, 5]) == 2
+    assert bm.get_block_table("y")[0] == 0
+    bm.check_invariants()
+
+
+def test_prefix_caching_switch_off():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    prefill(bm, "a", [1, 2, 3, 4, 5])
+    assert prefill(bm, "b", [1, 2, 3, 4, 5]) == 0
+    assert bm.stats().num_cached_blocks == 0
+
+
+def test_decode_tokens_become_cacheable_when_their_block_fills():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    tokens = [1, 2, 3]
+    prefill(bm, "a", tokens)
+    assert bm.stats().num_cached_blocks == 1
+    decode(bm, "a", tokens, 4)
+    assert bm.stats().num_cached_blocks == 2
+    assert prefill(bm, "b", [1, 2, 3, 4, 5]) == 4
+
+
+def test_duplicate_prefix_computed_twice_is_deduplicated():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    tokens = [5, 6, 7, 8, 9]
+    # both admitted before either was computed: neither can hit
+    assert bm.allocate_sequence("a", 5, bm.lookup_prefix(tokens))
+    assert bm.allocate_sequence("b", 5, bm.lookup_prefix(tokens))
+    assert bm.stats().num_used_blocks == 6
+    bm.cache_full_blocks("a", tokens, 5)
+    bm.cache_full_blocks("b", tokens, 5)  # b switches to a's blocks and frees its own
+    assert bm.get_block_table("b")[:2] == bm.get_block_table("a")[:2] == [0, 1]
+    assert bm.stats().num_used_blocks == 4
+    bm.check_invariants()
+
+
+def test_a_hash_collision_never_serves_another_requests_blocks():
+    # every block hashes to the same value
+    bm = BlockManager(num_blocks=16, block_size=2, hash_fn=lambda parent, toks: 42)
+    prefill(bm, "a", [1, 2, 3, 4, 5])
+    assert prefill(bm, "b", [9, 9, 3, 4, 5]) == 0  # same hash, other tokens: miss
+    assert prefill(bm, "c", [1, 2, 9, 9, 5]) == 2  # first block genuinely equal: hit
+    # same tokens in block 1 but after another block 0: its KV differs, so no hit
+    bm2 = BlockManager(num_blocks=16, block_size=2, hash_fn=lambda parent, toks: hash(toks))
+    prefill(bm2, "a", [1, 2, 3, 4, 5])
+    assert prefill(bm2, "b", [7, 7, 3, 4, 5]) == 0
+    bm.check_invariants()
+    bm2.check_invariants()
+
+
+def test_default_hash_is_a_chain():
+    h0 = default_block_hash(None, (1, 2))
+    assert default_block_hash(h0, (3, 4)) != default_block_hash(default_block_hash(None, (9, 9)), (3, 4))
+    assert default_block_hash(None, (1, 2)) == h0
+
+
+def test_stats_are_exact():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    prefill(bm, "a", list(range(6)))  # 2 blocks, 6 tokens
+    bm.fork("a", "b")
+    s = bm.stats()
+    assert s.num_used_blocks == 2
+    assert s.num_tokens_stored == 6
+    assert s.internal_fragmentation == pytest.approx(2 / 8)
+    assert s.shared_savings_blocks == 2
+    assert s.usage == pytest.approx(0.2)
+    assert bm.append_slots("b", 1)  # copy of the partial block, then one more token
+    s = bm.stats()
+    assert (s.num_used_blocks, s.num_tokens_stored, s.shared_savings_blocks) == (3, 6 + 3, 1)
+
+
+def test_stale_prefix_hit_is_refused():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    prefill(bm, "a", [1, 2, 3])
+    bm.free("a")
+    hit = bm.lookup_prefix([1, 2, 3])
+    assert hit.num_cached_tokens == 2
+    assert bm.allocate_sequence("x", 6)  # evicts everything
+    bm.free("x")
+    with pytest.raises(ValueError, match="stale prefix hit"):
+        bm.allocate_sequence("b", 1, hit)
+    assert not bm.has_sequence("b")
+    bm.check_invariants()
