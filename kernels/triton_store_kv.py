@@ -21,12 +21,9 @@ import triton.language as tl
 
 from .fp8 import FP8_MAX, is_fp8
 from .triton_utils import (
-    check_head_dim,
-    check_last_dim_contiguous,
-    check_triton_device,
     scale_pointer_and_stride,
 )
-from .validation import check_store_kv_args
+from .validation import check_head_dim, check_last_dim_contiguous, check_store_kv_args, check_triton_device
 
 
 @triton.jit

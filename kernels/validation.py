@@ -10,6 +10,7 @@ so they cost no GPU synchronisation and are safe inside CUDA-graph capture.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -199,3 +200,53 @@ def check_copy_blocks_args(
         )
     check_index("block_mapping", block_mapping, torch.int64, (None, 2))
     check_same_device(k_cache=first, block_mapping=block_mapping)
+
+
+# --- checks specific to the Triton kernels ----------------------------------
+
+# Head dims are padded to the next power of two (tl.arange needs one) and the
+# padding is masked; past 256 a tile of keys no longer fits in registers.
+MAX_HEAD_DIM = 256
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET`` is set: kernels then run on the CPU, in numpy.
+
+    Triton reads the variable when a kernel is *defined* (at import of the
+    module holding the ``@triton.jit``), so it must be set before the Triton
+    kernels of this package are first used.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def check_triton_device(device: torch.device, cache_dtype: torch.dtype) -> None:
+    """Triton kernels run on a CUDA (or ROCm) GPU, or on the CPU under the interpreter."""
+    if device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "the Triton kernels got CPU tensors; use kvpaging.kernels.reference on a CPU, "
+                "or set TRITON_INTERPRET=1 before importing the Triton kernels"
+            )
+        return
+    if device.type != "cuda":
+        raise ValueError(f"the Triton kernels run on CUDA devices, got {device}")
+    if is_fp8(cache_dtype) and torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"an FP8 (e4m3) KV cache needs an NVIDIA GPU of compute capability 8.9+ "
+                f"(Ada, Hopper or newer); this one is {major}.{minor}"
+            )
+
+
+def check_head_dim(head_dim: int) -> None:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported by the Triton kernels (1..{MAX_HEAD_DIM})")
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """The kernels assume each head's ``head_dim`` numbers sit next to each other
+    in memory (stride 1), so that one row is one coalesced load."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {t.stride()}")

@@ -1,9 +1,11 @@
 """kvpaging: learn how LLM serving engines work by running a real one.
 
-The memory core (this release's foundation):
+    LLM, SamplingParams         the vLLM-style front door (LLM.generate, llm.engine.step)
     BlockPool, BlockManager     physical blocks, block tables, copy-on-write, prefix cache
+    Scheduler                   continuous batching, chunked prefill, preemption
     kv_cache_bytes, ...         how many bytes a model's KV cache takes
     ContiguousAllocator         the naive baseline that paged attention replaces
+    kvpaging.models             tiny random-weight models and real-shaped configs, offline
 """
 
 from .block_manager import BlockManager, KVCacheStats, PrefixHit, default_block_hash
@@ -17,6 +19,12 @@ from .contiguous import (
     first_refusal,
     simulate_contiguous,
 )
+from .engine import LLMEngine, StepRecord
+from .llm import LLM
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import Sampler, SamplerOutput, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
 from .errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
 from .kv_math import (
     KV_CACHE_DTYPES,
@@ -30,6 +38,18 @@ from .kv_math import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "StepRecord",
+    "Sampler",
+    "SamplerOutput",
+    "make_generator",
+    "Scheduler",
+    "SchedulerOutput",
     "BlockManager",
     "BlockPool",
     "ContiguousAllocator",

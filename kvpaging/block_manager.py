@@ -207,12 +207,14 @@ class BlockManager:
             return
         st = self._state(seq_id)
         bs = self.block_size
+        hashes = st.block_hashes
+        if num_computed_tokens // bs <= len(hashes):
+            return  # no block became full: most decode steps end here
         if num_computed_tokens > st.num_tokens or num_computed_tokens > len(token_ids):
             raise ValueError(
                 f"num_computed_tokens={num_computed_tokens} exceeds the sequence's {st.num_tokens} slots "
                 f"or its {len(token_ids)} tokens"
             )
-        hashes = st.block_hashes
         pool = self.pool
         for i in range(len(hashes), num_computed_tokens // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])

@@ -22,6 +22,7 @@ seeded for its own purposes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from importlib import resources
@@ -234,9 +235,15 @@ def load_model(
     kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if device is not None:
-        kwargs["device_map"] = torch.device(device)  # weights go straight to the device
+    device = None if device is None else torch.device(device)
+    # transformers can put the weights straight onto a GPU, but only with the
+    # optional `accelerate` package; without it they go through the CPU first.
+    direct = device is not None and device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+    if direct:
+        kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if device is not None and not direct:
+        model.to(device)
     return model.eval()
 
 

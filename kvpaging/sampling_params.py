@@ -84,10 +84,8 @@ class SamplingParams:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         _check_int("max_tokens", self.max_tokens, minimum=1)
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {stop!r}")
-        for token_id in stop:
-            _check_int("stop_token_ids entry", token_id, minimum=0)
+        if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.logprobs is not None:
@@ -117,9 +115,13 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _is_int(value) -> bool:
     # bool is a subclass of int in Python; n=True is a bug, not a request for one sample.
-    if isinstance(value, bool) or not isinstance(value, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,263 @@
+"""``paged_prefill_attention`` in Triton: causal attention of query chunks over a paged cache.
+
+Reference: :func:`kvpaging.kernels.reference.paged_prefill_attention`.
+
+One kernel serves a fresh prefill, a later chunk of a chunked prefill, a
+prefix-cache hit (the prefix's K/V is already in the cache) and even decode:
+sequence ``i``'s ``q_len`` queries are the last ``q_len`` of its ``seq_len``
+cached tokens, so query ``j`` sits at position ``context_len + j`` with
+``context_len = seq_len - q_len`` and sees keys ``0 .. context_len + j``.
+
+The grid: (query tile, KV head)
+-------------------------------
+Query tokens of all sequences are packed one after another. The host cuts each
+sequence's queries into tiles of ``QUERIES_PER_TILE`` tokens and builds a small
+map, tile -> (sequence, first query of the tile), so each program knows whose
+queries it has without searching ``cu_seqlens_q``. The grid then is
+``(number of tiles, num_kv_heads)``. It depends on the lengths, which is fine:
+prefill runs eagerly, never inside a CUDA graph.
+
+Memory access pattern
+---------------------
+* Query tile: ``BLOCK_M`` rows, each one (query token, query head of this KV
+  head's group) pair, with the group members of a token next to each other:
+  row ``r`` is token ``r // GROUP_PAD``, head ``r % GROUP_PAD`` of the group.
+  In ``query[token, head, :]`` the heads of a group are adjacent, so a token's
+  rows are one contiguous run of ``group * head_dim`` numbers. Packing the group
+  into the rows means each K/V tile is read once for all heads sharing it.
+* K/V tiles: ``BLOCK_N`` tokens at a time, each found through the block table
+  (``block_tables[seq, t // block_size]``, offset ``t % block_size``) and read
+  as one contiguous ``head_dim`` row, as in decode. Key tiles stop at the last
+  position any query of the tile can see, so the upper triangle of a causal
+  prefill is never loaded.
+* Online softmax in base 2 (see the decode kernel): a running max, sum and
+  weighted value sum per row, rescaled whenever the max grows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import is_fp8
+from .triton_utils import dot_dtype_and_precision, padded_head_dim, scale_pointer_and_stride
+from .validation import check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device
+
+LOG2_E = math.log2(math.e)
+BLOCK_M = 64  # query rows (token, head) per program
+BLOCK_N = 64  # keys per inner-loop step
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    tile_seq_ptr,  # int32 [num_tiles]: which sequence a tile belongs to
+    tile_first_query_ptr,  # int32 [num_tiles]: index of its first query in that sequence
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    query_stride_token,
+    query_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    table_stride_batch,
+    k_scale_stride,
+    v_scale_stride,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = tl.load(tile_seq_ptr + tile)
+    first_query = tl.load(tile_first_query_ptr + tile)
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # Rows: (query token, group member) pairs.
+    rows = tl.arange(0, BLOCK_M)
+    query_index = first_query + rows // GROUP_PAD  # within this sequence's chunk
+    member = rows % GROUP_PAD
+    row_mask = (query_index < q_len) & (member < GROUP)
+    heads = kv_head * GROUP + member
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+
+    token = (q_begin + query_index).to(tl.int64)
+    q = tl.load(
+        query_ptr + token[:, None] * query_stride_token + heads[:, None] * query_stride_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    query_position = context_len + query_index  # position of each row's token in its sequence
+
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head * k_scale_stride)
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # The tile's last query sees the most keys: positions < kv_end. Key 0 is
+    # visible to every row, so each row's max is finite after the first step.
+    kv_end = context_len + tl.minimum(first_query + QUERIES_PER_TILE, q_len)
+    table_row = block_tables_ptr + seq * table_stride_batch
+    head_offset = kv_head * cache_stride_head
+    key_in_tile = tl.arange(0, BLOCK_N)
+    for kv_start in range(0, kv_end, BLOCK_N):
+        key_position = kv_start + key_in_tile
+        is_real = key_position < kv_end
+        block_ids = tl.load(table_row + key_position // BLOCK_SIZE, mask=is_real, other=0)
+        token_offsets = (
+            block_ids.to(tl.int64) * cache_stride_block
+            + (key_position % BLOCK_SIZE) * cache_stride_offset
+            + head_offset
+        )
+        kv_offsets = token_offsets[:, None] + dims[None, :]
+        kv_mask = is_real[:, None] & dim_mask[None, :]
+
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        # Causal: a query sees keys at its own position and before.
+        visible = (key_position[None, :] <= query_position[:, None]) & is_real[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        correction = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * correction + tl.sum(p, axis=1)
+
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * correction[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr + kv_head * v_scale_stride)
+    tl.store(
+        out_ptr + token[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def _tile_map(
+    cu_seqlens_q: list[int], seq_lens: list[int], num_query_tokens: int, queries_per_tile: int
+) -> tuple[list[int], list[int]]:
+    """For every query tile: its sequence and the index of its first query there.
+
+    Example with 4 queries per tile and chunk lengths [6, 0, 3]: sequence 0 gets
+    tiles starting at queries 0 and 4, sequence 1 none, sequence 2 one tile at 0:
+    ``tile_seq = [0, 0, 2]``, ``tile_first_query = [0, 4, 0]``.
+    """
+    if cu_seqlens_q[0] != 0 or cu_seqlens_q[-1] > num_query_tokens:
+        raise ValueError(
+            f"cu_seqlens_q must start at 0 and end at most at {num_query_tokens} query tokens, "
+            f"got {cu_seqlens_q}"
+        )
+    tile_seq, tile_first_query = [], []
+    for seq, (start, end) in enumerate(zip(cu_seqlens_q, cu_seqlens_q[1:])):
+        q_len = end - start
+        if not 0 <= q_len <= seq_lens[seq]:
+            raise ValueError(
+                f"sequence {seq} has {q_len} query tokens and seq_len {seq_lens[seq]}; "
+                "need 0 <= q_len <= seq_len"
+            )
+        for first in range(0, q_len, queries_per_tile):
+            tile_seq.append(seq)
+            tile_first_query.append(first)
+    return tile_seq, tile_first_query
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed query chunks over a paged KV cache.
+
+    Same arguments and result as the reference. Each sequence needs
+    ``q_len <= seq_len``; rows of ``query`` past ``cu_seqlens_q[-1]`` are left
+    as zeros.
+    """
+    check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
+    check_triton_device(query.device, k_cache.dtype)
+    check_head_dim(query.shape[2])
+    check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(BLOCK_M, group_pad)  # at least one whole group per tile
+    out = torch.zeros_like(query)
+
+    # The lengths come to the host once (prefill runs eagerly, this sync is
+    # fine) to size the grid and build the tile map.
+    tile_seq, tile_first_query = _tile_map(
+        cu_seqlens_q.tolist(), seq_lens.tolist(), query.shape[0], block_m // group_pad
+    )
+    num_tiles = len(tile_seq)
+    if num_tiles == 0:
+        return out
+    tile_seq = torch.tensor(tile_seq, dtype=torch.int32, device=query.device)
+    tile_first_query = torch.tensor(tile_first_query, dtype=torch.int32, device=query.device)
+
+    k_scale_arg, k_scale_stride = scale_pointer_and_stride(k_scale, placeholder=query)
+    v_scale_arg, v_scale_stride = scale_pointer_and_stride(v_scale, placeholder=query)
+    dot_dtype, dot_precision = dot_dtype_and_precision(query.dtype)
+    head_dim_pad = padded_head_dim(head_dim)
+
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
+        tile_seq, tile_first_query, k_scale_arg, v_scale_arg,
+        float(scale) * LOG2_E,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        k_scale_stride, v_scale_stride,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N if head_dim_pad <= 128 else 32,
+        FP8=is_fp8(k_cache.dtype),
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,109 @@
+"""Paged attention plugged into transformers models through ``AttentionInterface``.
+
+We run the transformers model itself, not a re-implementation: its embedding,
+RoPE, norms and MLPs are untouched. Only the attention call is ours. transformers
+looks attention functions up by name (``config._attn_implementation``), so we
+register one called ``"kvpaging"``. For each layer it receives the step's new
+queries, keys and values (RoPE already applied) and:
+
+1. writes the new keys and values into the paged cache at their slots
+   (``store_kv`` with the step's slot mapping), then
+2. attends each query over its own sequence's cached tokens, found through its
+   block table (``paged_decode_attention`` when every sequence brings exactly one
+   token, ``paged_prefill_attention`` otherwise).
+
+The step's bookkeeping travels as a keyword argument (``kvpaging=AttentionMetadata``)
+that transformers passes down to every attention call: no global state. Without
+that argument (say, ``model.generate()`` on the same model object) the function
+falls back to transformers' own SDPA attention, so the model keeps working as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+ATTN_NAME = "kvpaging"
+
+__all__ = ["AttentionMetadata", "register_attention", "get_backend", "ATTN_NAME"]
+
+
+@dataclass(eq=False)
+class AttentionMetadata:
+    """Everything a layer's attention needs for one packed step."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V goes
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in the cache after this step
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's queries start
+    is_decode_only: bool  # every sequence brings exactly one new token
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer FP8 scales, or (None, None)
+    backend: ModuleType  # a module with store_kv / paged_decode_attention / paged_prefill_attention
+
+
+def get_backend(name: str) -> ModuleType:
+    """The module whose kernels serve attention: the torch reference or the Triton kernels."""
+    if name == "torch":
+        from .kernels import reference
+
+        return reference
+    if name == "triton":
+        from . import kernels
+
+        return kernels
+    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    meta: AttentionMetadata | None = kwargs.get(ATTN_NAME)
+    if meta is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window"):
+        raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which kvpaging does not serve")
+    # transformers hands us [batch=1, heads, tokens, head_dim]; the kernels take [tokens, heads, head_dim]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    layer = module.layer_idx
+    k_cache, v_cache = meta.kv_caches[layer]
+    k_scale, v_scale = meta.kv_scales[layer]
+    ops = meta.backend
+    ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    if meta.is_decode_only:
+        out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale)
+    else:
+        out = ops.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scaling, k_scale, v_scale
+        )
+    return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
+
+
+def _no_mask(*args, **kwargs):
+    """Paged attention needs no mask tensor: causality and sequence boundaries come from the metadata."""
+    return None
+
+
+_registered = False
+
+
+def register_attention() -> None:
+    """Register the "kvpaging" attention function (and a matching no-op mask function) with transformers."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    # When the model runs outside the engine (generate()), masks are built as for SDPA,
+    # matching the SDPA fallback above; inside the engine a ready 4D placeholder mask
+    # makes transformers skip mask creation altogether.
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    _registered = True

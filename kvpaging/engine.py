@@ -1,0 +1,326 @@
+"""LLMEngine: one step = schedule -> forward -> sample -> update, with vLLM's method names.
+
+    engine.add_request("r0", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                print(out.outputs[0].token_ids)
+
+Every step also produces a compact :class:`StepRecord` for observers
+(visualizers, metrics, traces). Records are built only when someone listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .block_manager import BlockManager
+from .errors import DuplicateSequenceError
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import Sampler, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Request, Sequence
+
+logger = logging.getLogger("kvpaging")
+
+__all__ = ["LLMEngine", "StepRecord", "EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool
+    scheduling: str
+    attention_backend: str
+    kv_cache_dtype: str
+    enforce_eager: bool
+
+
+@dataclass(frozen=True)
+class ScheduledEntry:
+    request_id: str
+    seq_id: int
+    index: int  # completion index within the request
+    num_tokens: int
+    is_prefill: bool  # a prompt (or recompute) chunk, not a decode token
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What happened in one step: small, immutable, and enough to redraw every visualization."""
+
+    step: int
+    start_time: float
+    wall_time: float
+    scheduled: tuple[ScheduledEntry, ...]
+    num_batched_tokens: int
+    preempted: tuple[int, ...]  # seq ids
+    finished: tuple[int, ...]  # seq ids
+    blocks_copied: tuple[tuple[int, int], ...]
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_tokens_stored: int
+    num_waiting: int
+    num_running: int
+    block_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq id -> table, for running seqs
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig, seed: int = 0, kv_torch_dtype=None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            scheduling=config.scheduling,
+            eos_token_ids=self.eos_token_ids,
+            make_generator=self._make_generator,
+        )
+        self.runner = ModelRunner(model, self.block_manager, config.attention_backend, kv_torch_dtype)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._observers: list[Callable[[StepRecord], None]] = []
+        self.trace: deque[StepRecord] | list[StepRecord] = deque(maxlen=256)
+        self.keep_trace = False
+        self.final_outputs_only = False  # LLM.generate needs no per-step outputs of running requests
+        self.num_steps = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Everything is checked first: a refused request changes nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self.scheduler.requests:
+            raise DuplicateSequenceError(f"request_id {request_id!r} is already in use by an unfinished request")
+        text, token_ids = self._tokenize(prompt)
+        cfg = self.config
+        if len(token_ids) >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate: max_model_len={cfg.max_model_len}"
+            )
+        if params.n > cfg.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        request = Request(request_id, token_ids, params, time.perf_counter() if arrival_time is None else arrival_time, text)
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self._check_token_ids(self.tokenizer(prompt)["input_ids"])
+        return None, self._check_token_ids(prompt)
+
+    def _check_token_ids(self, token_ids) -> list[int]:
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        if not isinstance(token_ids, (list, tuple)):
+            raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(token_ids).__name__}")
+        if len(token_ids) == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return list(token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id not in self.scheduler.requests:
+            raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def add_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        """Call ``fn(record)`` after every step. An observer that raises is logged once and detached."""
+        self._observers.append(fn)
+
+    def remove_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        self._observers.remove(fn)
+
+    def _make_generator(self, params: SamplingParams, index: int):
+        if params.seed is None:
+            return None
+        # completion k of a seeded request draws from its own stream, derived from (seed, k)
+        seed = params.seed if index == 0 else hash((params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+        return make_generator(seed, self.device)
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        try:
+            logits = self.runner.execute(out)
+        except Exception as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
+            logger.error("forward failed at step %d: %r; failing its requests", out.step, error)
+            failed = sched.fail_step(out, error)
+            self._emit(out, start, [s.seq_id for s in failed])
+            return self._outputs({s.request for s in failed}, time.perf_counter())
+        rows = sched.finish_compute(out)
+        seqs: list[Sequence] = []
+        if len(rows) != logits.shape[0]:
+            raise RuntimeError(f"{logits.shape[0]} logits rows for {len(rows)} sampling sequences")
+        if any(len(group) > 1 for group in rows):
+            index = [i for i, group in enumerate(rows) for _ in group]
+            logits = logits[index]
+        for group in rows:
+            seqs.extend(group)
+        touched: set[Request] = set()
+        if seqs:
+            want_logprobs = any(s.request.params.logprobs is not None for s in seqs)
+            sampled = self.sampler(
+                logits, [s.request.params for s in seqs], [s.generator for s in seqs], self.generator
+            )
+            finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs if want_logprobs else None)
+            now = time.perf_counter()
+            for seq in seqs:
+                req = seq.request
+                if seq.index == 0:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    req.token_times.append(now)
+                touched.add(req)
+            for seq in finished:
+                if seq.request.is_finished:
+                    seq.request.finished_time = now
+        else:
+            finished = []
+            now = time.perf_counter()
+        for s in out.scheduled:
+            if s.seq.request.first_scheduled_time is None:
+                s.seq.request.first_scheduled_time = start
+        self._emit(out, start, [s.seq_id for s in finished])
+        if self.final_outputs_only:
+            touched = {r for r in touched if r.is_finished}
+        return self._outputs(touched, now)
+
+    def _outputs(self, requests, now: float) -> list[RequestOutput]:
+        result = []
+        for req in sorted(requests, key=lambda r: r.arrival_time):
+            result.append(self._request_output(req))
+        return result
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        done = req.is_finished
+        completions = []
+        for seq in req.seqs:
+            tokens = seq.output_token_ids
+            text = ""
+            if done and self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            lp = seq.output_logprobs if req.params.logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=tokens,
+                    cumulative_logprob=math.fsum(lp) if lp else None,
+                    logprobs=list(lp) if lp is not None else None,
+                    finish_reason=seq.status.value if seq.status.is_finished else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        metrics = RequestMetrics(
+            req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time, list(req.token_times)
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=done,
+            metrics=metrics,
+            error=req.error,
+        )
+
+    # -- observers -------------------------------------------------------------------------------
+    def _emit(self, out: SchedulerOutput, start: float, finished_ids: list[int]) -> None:
+        if not self._observers and not self.keep_trace:
+            return
+        bm = self.block_manager
+        stats = bm.stats()
+        record = StepRecord(
+            step=out.step,
+            start_time=start,
+            wall_time=time.perf_counter() - start,
+            scheduled=tuple(
+                ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens, not s.sample or s.num_new_tokens > 1)
+                for s in out.scheduled
+            ),
+            num_batched_tokens=out.num_batched_tokens,
+            preempted=tuple(s.seq_id for s in out.preempted),
+            finished=tuple(finished_ids),
+            blocks_copied=tuple(out.blocks_to_copy),
+            num_free_blocks=stats.num_free_blocks,
+            num_used_blocks=stats.num_used_blocks,
+            num_cached_blocks=stats.num_cached_blocks,
+            num_tokens_stored=stats.num_tokens_stored,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            block_tables={s.seq_id: tuple(bm.get_block_table(s.seq_id)) for s in self.scheduler.running},
+        )
+        if self.keep_trace:
+            self.trace.append(record)
+        for fn in list(self._observers):
+            try:
+                fn(record)
+            except Exception:  # noqa: BLE001 - a broken observer must not stop serving
+                logger.exception("observer %r raised; detaching it", fn)
+                self._observers.remove(fn)
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)

@@ -1,0 +1,167 @@
+"""The model runner: owns the KV cache tensors and runs one packed forward pass per step.
+
+Each step, every scheduled sequence contributes the tokens it needs computed
+(a whole prompt, a prefill chunk, or one decode token). The runner packs them
+into ONE padding-free batch of shape ``[1, num_tokens]``, with per-token
+positions, as variable-length attention does. Beside the tokens it builds:
+
+* ``slot_mapping``: for each new token, the cache slot where its K/V goes,
+  ``block_table[pos // block_size] * block_size + pos % block_size``;
+* ``block_tables`` and ``seq_lens``: where each sequence's whole context lives;
+* ``cu_seqlens_q``: where each sequence's queries start in the packed batch;
+* the indices of the positions whose logits are needed (the last token of each
+  sequence that reaches its end this step; a mid-prompt chunk needs none).
+
+This input preparation runs on the host every step, so it is written with as
+little Python per token as possible. The runner keeps no per-request state
+between steps: everything above is rebuilt from the scheduler's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import ATTN_NAME, AttentionMetadata, get_backend, register_attention
+from .block_manager import BlockManager
+from .scheduler import SchedulerOutput
+
+__all__ = ["ModelRunner", "check_model_supported"]
+
+
+def check_model_supported(model) -> None:
+    """Refuse models whose attention kvpaging cannot serve, saying which feature is the problem."""
+    config = model.config
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; kvpaging serves decoder-only causal LMs")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise ValueError(f"{name} has {other} layers; kvpaging serves full-attention layers only")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        if getattr(config, "model_type", "") in ("mistral", "mixtral", "phi3") or layer_types is None:
+            raise ValueError(
+                f"{name} uses sliding-window attention (sliding_window={config.sliding_window}); "
+                "kvpaging serves full attention only (set config.sliding_window=None to run it as full attention)"
+            )
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, field, None):
+            raise ValueError(f"{name} uses logit soft-capping ({field}={getattr(config, field)}), which kvpaging does not serve")
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise ValueError(f"{name} has no language-model head; pass a causal LM (AutoModelForCausalLM)")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        block_manager: BlockManager,
+        attention_backend: str = "torch",
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        check_model_supported(model)
+        self.model = model
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
+        self.backend_name = attention_backend
+        self.backend = get_backend(attention_backend)
+        shape = (block_manager.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: masked-out positions are multiplied by a probability of 0, and 0 * NaN is NaN
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
+        register_attention()
+        model.set_attn_implementation(ATTN_NAME)
+        # A ready 4D mask makes transformers skip building one; our attention ignores it.
+        self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy whole blocks (every layer) before the forward that writes into the copies."""
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+        self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        """Pack the step's tokens and build the attention metadata (host work, measured by the benchmarks)."""
+        bs = self.block_size
+        get_table = self.bm.get_block_table
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu_seqlens = [0]
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        decode_only = True
+        total = 0
+        for s in out.scheduled:
+            toks = s.seq.token_ids
+            table = get_table(s.seq.seq_id)
+            start, n = s.start, s.num_new_tokens
+            end = start + n
+            if n == 1:
+                input_ids.append(toks[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                decode_only = False
+                input_ids.extend(toks[start:end])
+                pos = range(start, end)
+                positions.extend(pos)
+                slots.extend([table[p // bs] * bs + p % bs for p in pos])
+            total += n
+            cu_seqlens.append(total)
+            seq_lens.append(end)
+            tables.append(table)
+            if s.sample:
+                logits_indices.append(total - 1)
+        width = max(len(t) for t in tables)
+        flat: list[int] = []
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(tables), width),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            is_decode_only=decode_only,
+            kv_caches=self.kv_caches,
+            kv_scales=self.kv_scales,
+            backend=self.backend,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev).unsqueeze(0)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(0)
+        return ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order."""
+        self.copy_blocks(out.blocks_to_copy)
+        ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        result = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._placeholder_mask,
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            **{ATTN_NAME: meta},
+        )
+        return result.logits[0].float()

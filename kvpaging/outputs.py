@@ -1,0 +1,59 @@
+"""What the engine returns, with vLLM's names: RequestOutput holding CompletionOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics"]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` completions."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Times (seconds, time.perf_counter clock) that the latency figures come from."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT: arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Gaps between consecutive output tokens of completion 0."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (cumulative, not a delta)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    error: BaseException | None = None  # set when the request failed inside the model's forward

@@ -1,0 +1,96 @@
+"""Requests and sequences: the state the scheduler moves between its queues.
+
+A *request* is what a user submits: one prompt and its SamplingParams. With
+``n > 1`` it grows into ``n`` *sequences* after its prompt is computed: the
+first sequence is forked, and all ``n`` share the prompt's KV blocks. The
+scheduler schedules sequences, not requests.
+
+A sequence's progress is one number, ``num_computed_tokens``: how many of its
+tokens already have keys and values in the cache. Prefill, chunked prefill,
+decode and recompute after preemption are all "compute the tokens from
+``num_computed_tokens`` to ``len(token_ids)``" -- the scheduler only decides how
+many of them fit in this step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+__all__ = ["SequenceStatus", "Sequence", "Request"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS or a stop token
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the model's forward raised during its step
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion being generated. Only the scheduler changes its status."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n completions
+    token_ids: list[int]  # prompt followed by generated tokens
+    generator: torch.Generator | None = None
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_logprobs: list[float] = field(default_factory=list)
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.prompt_len :]
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while tokens other than the newest one still wait for their KV (prefill or recompute)."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+
+@dataclass(eq=False)
+class Request:
+    """A user's request: prompt, sampling parameters, timing, and its sequences."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # True once the n completions exist
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output step of completion 0 ended
+    error: BaseException | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
