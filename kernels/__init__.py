@@ -16,6 +16,7 @@ Four operations, each in two versions with the same signature:
   ``TRITON_INTERPRET=1`` is set (slowly: meant for tests and for reading).
 
 ``fp8`` holds the FP8 (e4m3) helpers: per-KV-head scales, quantize, dequantize.
+``testing`` builds random paged caches (for tests, the benchmark and notebooks).
 
 Why the Triton entry points are loaded lazily
 ---------------------------------------------

@@ -77,10 +77,12 @@ def random_paged_kv(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_scale = v_scale = None
     if is_fp8(dtype):
-        # Heads with ranges from 0.5 to 8: per-head scales have work to do.
-        head_range = torch.logspace(-1, 3, num_kv_heads, base=2.0, device=draw_on).reshape(1, 1, -1, 1)
-        k_float = torch.randn(shape, generator=generator, device=draw_on) * head_range
-        v_float = torch.randn(shape, generator=generator, device=draw_on) * head_range.flip(2)
+        # Heads of different ranges (keys 0.5 to 8, values 0.5 to 2), so that
+        # per-head scales have work to do.
+        k_range = torch.logspace(-1, 3, num_kv_heads, base=2.0, device=draw_on).reshape(1, 1, -1, 1)
+        v_range = torch.logspace(1, -1, num_kv_heads, base=2.0, device=draw_on).reshape(1, 1, -1, 1)
+        k_float = torch.randn(shape, generator=generator, device=draw_on) * k_range
+        v_float = torch.randn(shape, generator=generator, device=draw_on) * v_range
         k_scale, v_scale = compute_kv_scales(k_float), compute_kv_scales(v_float)
         k_cache, v_cache = quantize_kv_cache(k_float, k_scale), quantize_kv_cache(v_float, v_scale)
         k_scale, v_scale = k_scale.to(device), v_scale.to(device)

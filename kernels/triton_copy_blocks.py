@@ -9,12 +9,14 @@ be copied there, in every layer, for keys and values.
 
 One launch for all layers
 -------------------------
-The caches of different layers are separate tensors, so the kernel gets a small
-int64 tensor holding each cache's address (``tensor.data_ptr()``: the K caches
-of every layer, then the V caches) and turns the number back into a pointer.
-That works on a GPU and under the CPU interpreter alike (the interpreter reads
-host memory at those addresses). Grid: ``(2 * num_layers, num_pairs)``, one
-program per (cache, block pair).
+The caches of different layers are separate tensors, but one kernel argument is
+a pointer to only one of them. So the kernel gets the first cache as its base
+pointer, plus a small int64 tensor saying where every cache starts relative to
+that base, in elements: ``(data_ptr(cache_i) - data_ptr(cache_0)) / element_size``
+(the K caches of every layer, then the V caches). Base pointer plus offset is
+ordinary pointer arithmetic, so it works on a GPU and under the CPU interpreter
+alike (the interpreter uses real host addresses). Grid:
+``(2 * num_layers, num_pairs)``, one program per (cache, block pair).
 
 Memory access pattern
 ---------------------
@@ -42,18 +44,18 @@ CHUNK = 1024  # elements per load/store
 
 @triton.jit
 def _copy_blocks_kernel(
-    cache_addresses_ptr,  # int64 [2 * num_layers]: data_ptr() of every cache
+    base_ptr,  # the first cache, viewed as integers of the element's width
+    cache_starts_ptr,  # int64 [2 * num_layers]: where each cache starts, in elements from base_ptr
     block_mapping_ptr,  # int64 [num_pairs, 2]: (src, dst)
     mapping_stride_pair,
     mapping_stride_side,
     cache_stride_block,
     BLOCK_NUMEL: tl.constexpr,
-    WORD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     cache_index = tl.program_id(0)
     pair = tl.program_id(1)
-    cache = tl.load(cache_addresses_ptr + cache_index).to(tl.pointer_type(WORD))
+    cache = base_ptr + tl.load(cache_starts_ptr + cache_index)
     src_block = tl.load(block_mapping_ptr + pair * mapping_stride_pair)
     dst_block = tl.load(block_mapping_ptr + pair * mapping_stride_pair + mapping_stride_side)
     src = cache + src_block * cache_stride_block
@@ -90,16 +92,19 @@ def copy_blocks(
         return
 
     # Rebuilt on every call: copy-on-write is rare and runs eagerly, and the
-    # caches' addresses are only a few numbers.
-    cache_addresses = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
+    # caches' starts are only a few numbers. Torch aligns every tensor to its
+    # element size, so the byte distances divide exactly.
+    element_size = first.element_size()
+    starts = [(c.data_ptr() - first.data_ptr()) // element_size for c in caches]
+    cache_starts = torch.tensor(starts, dtype=torch.int64, device=first.device)
     _copy_blocks_kernel[(len(caches), num_pairs)](
-        cache_addresses,
+        first.view(bit_copy_dtype(element_size)),
+        cache_starts,
         block_mapping,
         block_mapping.stride(0),
         block_mapping.stride(1),
         first.stride(0),
         BLOCK_NUMEL=math.prod(first.shape[1:]),
-        WORD=bit_copy_dtype(first.element_size()),
         CHUNK=CHUNK,
         num_warps=4,
     )

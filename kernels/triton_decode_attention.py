@@ -62,11 +62,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .triton_utils import (
-    dot_dtype_and_precision,
-    padded_head_dim,
-    scale_pointer_and_stride,
-)
+from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride
 from .validation import check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device
 
 LOG2_E = math.log2(math.e)
@@ -104,7 +100,6 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
     FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,7 +147,7 @@ def _decode_split_kernel(
         kv_mask = is_real[:, None] & dim_mask[None, :]
 
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
+        scores = matmul(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, TILE_N]
         scores = tl.where(is_real[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -161,7 +156,7 @@ def _decode_split_kernel(
         l = l * correction + tl.sum(p, axis=1)
 
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * correction[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        acc = acc * correction[:, None] + matmul(p.to(DOT_DTYPE), v)
         m = m_new
 
     # This slice's normalised output and log2-sum-exp; an empty slice (past the
@@ -289,7 +284,6 @@ def paged_decode_attention(
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
     k_scale_arg, k_scale_stride = scale_pointer_and_stride(k_scale, placeholder=query)
     v_scale_arg, v_scale_stride = scale_pointer_and_stride(v_scale, placeholder=query)
-    dot_dtype, dot_precision = dot_dtype_and_precision(query.dtype)
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, k_scale_arg, v_scale_arg,
@@ -307,8 +301,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         FP8=is_fp8(k_cache.dtype),
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=dot_precision,
+        DOT_DTYPE=dot_dtype(query.dtype),
         num_warps=4,
     )
     _decode_merge_kernel[(batch, num_heads)](
@@ -319,6 +312,6 @@ def paged_decode_attention(
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        num_warps=1 if head_dim_pad <= 64 else 2,
+        num_warps=4,
     )
     return out

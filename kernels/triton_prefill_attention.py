@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .triton_utils import dot_dtype_and_precision, padded_head_dim, scale_pointer_and_stride
+from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride
 from .validation import check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device
 
 LOG2_E = math.log2(math.e)
@@ -81,12 +81,11 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    QUERIES_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP_PAD
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
-    QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
 
@@ -140,7 +139,7 @@ def _prefill_kernel(
         kv_mask = is_real[:, None] & dim_mask[None, :]
 
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        scores = matmul(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
         # Causal: a query sees keys at its own position and before.
         visible = (key_position[None, :] <= query_position[:, None]) & is_real[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -151,7 +150,7 @@ def _prefill_kernel(
         l = l * correction + tl.sum(p, axis=1)
 
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * correction[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        acc = acc * correction[:, None] + matmul(p.to(DOT_DTYPE), v)
         m = m_new
 
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
@@ -225,9 +224,8 @@ def paged_prefill_attention(
 
     # The lengths come to the host once (prefill runs eagerly, this sync is
     # fine) to size the grid and build the tile map.
-    tile_seq, tile_first_query = _tile_map(
-        cu_seqlens_q.tolist(), seq_lens.tolist(), query.shape[0], block_m // group_pad
-    )
+    queries_per_tile = block_m // group_pad
+    tile_seq, tile_first_query = _tile_map(cu_seqlens_q.tolist(), seq_lens.tolist(), query.shape[0], queries_per_tile)
     num_tiles = len(tile_seq)
     if num_tiles == 0:
         return out
@@ -236,7 +234,6 @@ def paged_prefill_attention(
 
     k_scale_arg, k_scale_stride = scale_pointer_and_stride(k_scale, placeholder=query)
     v_scale_arg, v_scale_stride = scale_pointer_and_stride(v_scale, placeholder=query)
-    dot_dtype, dot_precision = dot_dtype_and_precision(query.dtype)
     head_dim_pad = padded_head_dim(head_dim)
 
     _prefill_kernel[(num_tiles, num_kv_heads)](
@@ -254,10 +251,10 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
+        QUERIES_PER_TILE=queries_per_tile,
         BLOCK_N=BLOCK_N if head_dim_pad <= 128 else 32,
         FP8=is_fp8(k_cache.dtype),
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=dot_precision,
+        DOT_DTYPE=dot_dtype(query.dtype),
         num_warps=4,
     )
     return out

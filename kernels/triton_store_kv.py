@@ -20,10 +20,30 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_MAX, is_fp8
-from .triton_utils import (
-    scale_pointer_and_stride,
+from .triton_utils import scale_pointer_and_stride
+from .validation import (
+    check_head_dim,
+    check_last_dim_contiguous,
+    check_store_kv_args,
+    check_triton_device,
+    interpreter_enabled,
 )
-from .validation import check_head_dim, check_last_dim_contiguous, check_store_kv_args, check_triton_device
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """Round float32 ``x`` (|x| <= 448) to the nearest e4m3 number, staying in float32.
+
+    Only used under the CPU interpreter, whose float32 -> float8e4nv cast (triton
+    3.9) loses the carry when rounding up to the next power of two (124 becomes
+    64 instead of 128). After this rounding the cast has nothing left to round.
+    e4m3 keeps 3 mantissa bits, so numbers in [2^e, 2^(e+1)) are spaced
+    2^(e-3) apart; below 2^-6 (subnormals) the spacing stays 2^-9. Exact ties
+    round up here rather than to even, a difference the tests tolerate.
+    """
+    exponent = tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625)))  # 0.015625 = 2^-6
+    step = tl.exp2(exponent - 3.0)
+    return tl.floor(x / step + 0.5) * step
 
 
 @triton.jit
@@ -51,6 +71,7 @@ def _store_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    ROUND_FP8_IN_SOFTWARE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -77,6 +98,9 @@ def _store_kv_kernel(
         # Clamp first: e4m3 has no infinity, out-of-range values would become NaN.
         key = tl.minimum(tl.maximum(key, -FP8_MAX), FP8_MAX)
         value = tl.minimum(tl.maximum(value, -FP8_MAX), FP8_MAX)
+        if ROUND_FP8_IN_SOFTWARE:
+            key = _round_to_e4m3_grid(key)
+            value = _round_to_e4m3_grid(value)
 
     # The slot's address: block, then offset inside the block. int64, because
     # block_id * cache_stride_block overflows 32 bits in a large cache.
@@ -126,5 +150,6 @@ def store_kv(
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         FP8=fp8,
         FP8_MAX=FP8_MAX,
+        ROUND_FP8_IN_SOFTWARE=fp8 and interpreter_enabled(),
         num_warps=4,
     )

@@ -31,25 +31,38 @@ def scale_pointer_and_stride(scale: torch.Tensor | None, placeholder: torch.Tens
     return scale, (scale.stride(0) if scale.numel() > 1 else 0)
 
 
-def dot_dtype_and_precision(query_dtype: torch.dtype):
-    """The dtype the attention kernels feed to ``tl.dot``, and its precision flag.
+def dot_dtype(query_dtype: torch.dtype):
+    """The dtype the attention kernels feed to ``tl.dot``.
 
     * float16 / bfloat16 queries: that dtype, so the products run on tensor cores
       (FP8 keys and values are converted to it after loading).
-    * float32 queries: float32 with ``input_precision="ieee"``; Triton's default
-      for float32 (TF32) keeps only 10 mantissa bits, too few for fp32 tests.
+    * float32 queries: float32, multiplied exactly (see :func:`matmul`).
     * Under the CPU interpreter, bfloat16 is fed as float32: the interpreter keeps
       bfloat16 as raw 16-bit integers and its ``tl.dot`` would multiply the bit
       patterns (seen with triton 3.9). GPU runs are unaffected.
     """
     if query_dtype == torch.float16:
-        return tl.float16, "tf32"  # the flag only affects float32 operands
+        return tl.float16
     if query_dtype == torch.bfloat16 and not interpreter_enabled():
-        return tl.bfloat16, "tf32"
-    return tl.float32, "ieee"
+        return tl.bfloat16
+    return tl.float32
 
 
-def bit_copy_dtype(element_size: int):
-    """An integer Triton dtype as wide as one cache element: copying bits instead
-    of numbers works for every cache dtype, FP8 included, and changes nothing."""
-    return {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[element_size]
+@triton.jit
+def matmul(a, b):
+    """``tl.dot(a, b)``, exact for float32 operands.
+
+    For float32, Triton's default on NVIDIA GPUs is TF32, which keeps only 10
+    mantissa bits: too few for float32 tests. 16-bit operands have no such
+    choice and keep Triton's default.
+    """
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def bit_copy_dtype(element_size: int) -> torch.dtype:
+    """An integer dtype as wide as one cache element: copying bits instead of
+    numbers works for every cache dtype, FP8 included, and changes nothing."""
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[element_size]

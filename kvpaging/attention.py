@@ -9,8 +9,9 @@ queries, keys and values (RoPE already applied) and:
 1. writes the new keys and values into the paged cache at their slots
    (``store_kv`` with the step's slot mapping), then
 2. attends each query over its own sequence's cached tokens, found through its
-   block table (``paged_decode_attention`` when every sequence brings exactly one
-   token, ``paged_prefill_attention`` otherwise).
+   block table. The runner packs sequences that bring one token (decodes) first:
+   they go through ``paged_decode_attention`` in one batched call, and the
+   multi-token prefill chunks after them through ``paged_prefill_attention``.
 
 The step's bookkeeping travels as a keyword argument (``kvpaging=AttentionMetadata``)
 that transformers passes down to every attention call: no global state. Without
@@ -35,10 +36,10 @@ class AttentionMetadata:
     """Everything a layer's attention needs for one packed step."""
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V goes
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]; one-token sequences come first
     seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in the cache after this step
-    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's queries start
-    is_decode_only: bool  # every sequence brings exactly one new token
+    prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1]: query starts within the prefill part
+    num_decodes: int  # the first num_decodes tokens each belong to a different one-token sequence
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer FP8 scales, or (None, None)
     backend: ModuleType  # a module with store_kv / paged_decode_attention / paged_prefill_attention
@@ -76,12 +77,19 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     k_scale, v_scale = meta.kv_scales[layer]
     ops = meta.backend
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    if meta.is_decode_only:
+    nd = meta.num_decodes
+    if nd == q.shape[0]:
         out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale)
-    else:
-        out = ops.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scaling, k_scale, v_scale
+        return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = ops.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale
         )
+    out[nd:] = ops.paged_prefill_attention(
+        q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q, meta.seq_lens[nd:],
+        scaling, k_scale, v_scale,
+    )
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
 
 

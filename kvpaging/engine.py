@@ -158,7 +158,9 @@ class LLMEngine:
         if len(token_ids) == 0:
             raise ValueError("prompt is empty: at least one token is needed")
         for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"token ids must be ints, got token id {t!r} ({type(t).__name__})")
+            if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         return list(token_ids)
 
@@ -196,27 +198,20 @@ class LLMEngine:
             return []
         self.num_steps += 1
         try:
-            logits = self.runner.execute(out)
-        except Exception as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
-            logger.error("forward failed at step %d: %r; failing its requests", out.step, error)
+            seqs, sampled = self._forward_and_sample(out)
+        except BaseException as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
+            # The scheduler has already given this step's sequences their slots, and nothing
+            # can take them back half way: fail the step's requests so that the books balance,
+            # even on Ctrl-C (KeyboardInterrupt), which then still stops the caller.
+            logger.error("step %d failed: %r; failing its requests", out.step, error)
             failed = sched.fail_step(out, error)
+            if not isinstance(error, Exception):
+                raise
             self._emit(out, start, [s.seq_id for s in failed])
             return self._outputs({s.request for s in failed}, time.perf_counter())
-        rows = sched.finish_compute(out)
-        seqs: list[Sequence] = []
-        if len(rows) != logits.shape[0]:
-            raise RuntimeError(f"{logits.shape[0]} logits rows for {len(rows)} sampling sequences")
-        if any(len(group) > 1 for group in rows):
-            index = [i for i, group in enumerate(rows) for _ in group]
-            logits = logits[index]
-        for group in rows:
-            seqs.extend(group)
         touched: set[Request] = set()
         if seqs:
             want_logprobs = any(s.request.params.logprobs is not None for s in seqs)
-            sampled = self.sampler(
-                logits, [s.request.params for s in seqs], [s.generator for s in seqs], self.generator
-            )
             finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs if want_logprobs else None)
             now = time.perf_counter()
             for seq in seqs:
@@ -239,6 +234,21 @@ class LLMEngine:
         if self.final_outputs_only:
             touched = {r for r in touched if r.is_finished}
         return self._outputs(touched, now)
+
+    def _forward_and_sample(self, out: SchedulerOutput):
+        """Run the model, record what it computed, and sample: the part of a step that may fail."""
+        logits = self.runner.execute(out)
+        rows = self.scheduler.finish_compute(out)
+        if len(rows) != logits.shape[0]:
+            raise RuntimeError(f"{logits.shape[0]} logits rows for {len(rows)} sampling sequences")
+        if any(len(group) > 1 for group in rows):
+            index = [i for i, group in enumerate(rows) for _ in group]
+            logits = logits[index]
+        seqs: list[Sequence] = [seq for group in rows for seq in group]
+        if not seqs:
+            return seqs, None
+        sampled = self.sampler(logits, [s.request.params for s in seqs], [s.generator for s in seqs], self.generator)
+        return seqs, sampled
 
     def _outputs(self, requests, now: float) -> list[RequestOutput]:
         result = []
@@ -290,7 +300,7 @@ class LLMEngine:
             start_time=start,
             wall_time=time.perf_counter() - start,
             scheduled=tuple(
-                ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens, not s.sample or s.num_new_tokens > 1)
+                ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens, _is_prefill(s))
                 for s in out.scheduled
             ),
             num_batched_tokens=out.num_batched_tokens,
@@ -313,6 +323,15 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - a broken observer must not stop serving
                 logger.exception("observer %r raised; detaching it", fn)
                 self._observers.remove(fn)
+
+
+def _is_prefill(s) -> bool:
+    """A prompt or recompute chunk: it brings several tokens, yields no token, or still holds prompt tokens.
+
+    The last chunk of a prompt may be a single token (a 1-token prompt, or a chunked
+    prompt's remainder); that is still prefill, not a decode step.
+    """
+    return s.num_new_tokens > 1 or not s.sample or s.start < s.seq.prompt_len
 
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:

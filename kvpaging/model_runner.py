@@ -8,7 +8,7 @@ positions, as variable-length attention does. Beside the tokens it builds:
 * ``slot_mapping``: for each new token, the cache slot where its K/V goes,
   ``block_table[pos // block_size] * block_size + pos % block_size``;
 * ``block_tables`` and ``seq_lens``: where each sequence's whole context lives;
-* ``cu_seqlens_q``: where each sequence's queries start in the packed batch;
+* ``prefill_cu_seqlens_q``: where each prefill chunk's queries start (one-token sequences are packed first);
 * the indices of the positions whose logits are needed (the last token of each
   sequence that reaches its end this step; a mid-prompt chunk needs none).
 
@@ -19,13 +19,16 @@ between steps: everything above is rebuilt from the scheduler's output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from .attention import ATTN_NAME, AttentionMetadata, get_backend, register_attention
 from .block_manager import BlockManager
 from .scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "check_model_supported"]
+__all__ = ["ModelRunner", "StepInputs", "check_model_supported", "prepare_step_inputs"]
 
 
 def check_model_supported(model) -> None:
@@ -98,58 +101,19 @@ class ModelRunner:
         self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def prepare_inputs(self, out: SchedulerOutput):
-        """Pack the step's tokens and build the attention metadata (host work, measured by the benchmarks)."""
-        bs = self.block_size
-        get_table = self.bm.get_block_table
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu_seqlens = [0]
-        logits_indices: list[int] = []
-        tables: list[list[int]] = []
-        decode_only = True
-        total = 0
-        for s in out.scheduled:
-            toks = s.seq.token_ids
-            table = get_table(s.seq.seq_id)
-            start, n = s.start, s.num_new_tokens
-            end = start + n
-            if n == 1:
-                input_ids.append(toks[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                decode_only = False
-                input_ids.extend(toks[start:end])
-                pos = range(start, end)
-                positions.extend(pos)
-                slots.extend([table[p // bs] * bs + p % bs for p in pos])
-            total += n
-            cu_seqlens.append(total)
-            seq_lens.append(end)
-            tables.append(table)
-            if s.sample:
-                logits_indices.append(total - 1)
-        width = max(len(t) for t in tables)
-        flat: list[int] = []
-        for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
-        dev = self.device
+        """Pack the step's tokens and wrap the step inputs as attention metadata."""
+        inputs = prepare_step_inputs(out, self.bm, self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(tables), width),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            is_decode_only=decode_only,
+            slot_mapping=inputs.slot_mapping,
+            block_tables=inputs.block_tables,
+            seq_lens=inputs.seq_lens,
+            prefill_cu_seqlens_q=inputs.prefill_cu_seqlens_q,
+            num_decodes=inputs.num_decodes,
             kv_caches=self.kv_caches,
             kv_scales=self.kv_scales,
             backend=self.backend,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev).unsqueeze(0)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev).unsqueeze(0)
-        return ids, pos_t, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
+        return inputs.input_ids, inputs.positions, meta, inputs.logits_indices
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -165,3 +129,77 @@ class ModelRunner:
             **{ATTN_NAME: meta},
         )
         return result.logits[0].float()
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """The tensors of one packed step (see the module docstring)."""
+
+    input_ids: torch.Tensor  # int64 [1, num_tokens]
+    positions: torch.Tensor  # int64 [1, num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with 0; one-token sequences first
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1]: query starts, counted from the first prefill token
+    logits_indices: torch.Tensor  # int64 [num_sampling_seqs], in scheduled order
+    num_decodes: int  # the first num_decodes tokens (and sequences) bring one token each
+
+
+def prepare_step_inputs(out: SchedulerOutput, bm: BlockManager, device: torch.device | str = "cpu") -> StepInputs:
+    """Build a step's input tensors from the scheduler's output: the host work measured by the benchmarks.
+
+    Sequences bringing one token (decodes, and one-token chunks) are packed
+    first, multi-token prefill chunks after them, so attention can serve the
+    first part with the decode kernel and the rest with the prefill kernel.
+    A decode token costs a handful of list appends; only prefill chunks loop
+    over their tokens (once, to compute slots).
+    """
+    bs = bm.block_size
+    get_table = bm.get_block_table
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    last_index = [0] * len(out.scheduled)  # packed position of each scheduled sequence's last token
+    chunks = []
+    for k, s in enumerate(out.scheduled):
+        if s.num_new_tokens != 1:
+            chunks.append((k, s))
+            continue
+        start = s.start
+        table = get_table(s.seq.seq_id)
+        last_index[k] = len(input_ids)
+        input_ids.append(s.seq.token_ids[start])
+        positions.append(start)
+        slots.append(table[start // bs] * bs + start % bs)
+        seq_lens.append(start + 1)
+        tables.append(table)
+    num_decodes = len(input_ids)
+    cu_prefill = [0]
+    for k, s in chunks:
+        start, end = s.start, s.start + s.num_new_tokens
+        table = get_table(s.seq.seq_id)
+        input_ids.extend(s.seq.token_ids[start:end])
+        pos = range(start, end)
+        positions.extend(pos)
+        slots.extend([table[p // bs] * bs + p % bs for p in pos])
+        last_index[k] = len(input_ids) - 1
+        cu_prefill.append(len(input_ids) - num_decodes)
+        seq_lens.append(end)
+        tables.append(table)
+    logits_indices = [last_index[k] for k, s in enumerate(out.scheduled) if s.sample]
+    # numpy fills rows from lists several times faster than torch.tensor() on a padded flat list
+    block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        prefill_cu_seqlens_q=torch.tensor(cu_prefill, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        num_decodes=num_decodes,
+    )

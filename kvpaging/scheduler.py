@@ -34,7 +34,7 @@ from .sequence import Request, Sequence, SequenceStatus
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ScheduledSeq:
     """One sequence's share of a step: compute tokens ``[start, start + num_new_tokens)``."""
 
@@ -136,10 +136,11 @@ class Scheduler:
         if not preempted and (self.scheduling == "continuous" or self._static_admitting or not running):
             if not running:
                 self._static_admitting = True
+            seats = sum(_seats(s) for s in running)
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
-                need = 1 if seq.request.forked or seq.request.params.n == 1 else seq.request.params.n
-                if len(running) + need > self.max_num_seqs:
+                need = _seats(seq)
+                if seats + need > self.max_num_seqs:
                     break
                 hit = bm.lookup_prefix(seq.token_ids)
                 start = len(hit.blocks) * bm.block_size
@@ -150,6 +151,7 @@ class Scheduler:
                 seq.num_computed_tokens = start
                 seq.status = SequenceStatus.RUNNING
                 running.append(seq)
+                seats += need
                 scheduled.append(ScheduledSeq(seq, start, n, start + n == len(seq.token_ids)))
                 budget -= n
 
@@ -257,7 +259,7 @@ class Scheduler:
         running_ids = {id(s) for s in self.running}
         assert len(running_ids) == len(self.running), "a sequence is running twice"
         assert not running_ids & {id(s) for s in self.waiting}, "a sequence is both waiting and running"
-        assert len(self.running) <= self.max_num_seqs + max((r.params.n for r in self.requests.values()), default=1)
+        assert sum(_seats(s) for s in self.running) <= self.max_num_seqs, "more sequences than max_num_seqs"
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING
             assert self.bm.has_sequence(seq.seq_id), f"running sequence {seq.seq_id} holds no blocks"
@@ -265,3 +267,9 @@ class Scheduler:
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING
             assert not self.bm.has_sequence(seq.seq_id), f"waiting sequence {seq.seq_id} holds blocks"
+
+
+def _seats(seq: Sequence) -> int:
+    """Batch seats a sequence takes: an n > 1 request not yet forked holds seats for all n completions."""
+    request = seq.request
+    return 1 if request.forked or request.params.n == 1 else request.params.n

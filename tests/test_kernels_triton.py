@@ -131,10 +131,11 @@ def decode_case(gen, block_size, head_dim, num_kv_heads, group, dtype, lens=None
         long = int(torch.randint(200, 400, (1,), generator=gen))
         lens = [0, 1, block_size - 1, block_size, block_size + 1, long]
     needed = max((n + block_size - 1) // block_size for n in lens)
+    # spare_columns of random block ids past the longest sequence, and the table
+    # is a column slice of a wider one, so its row stride is not its width.
     kv = random_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, DEVICE, gen,
-                         max_blocks=needed + spare_columns)
-    if spare_columns:  # a column slice: the table's row stride is not its width
-        kv.block_tables = kv.block_tables[:, : needed + 1]
+                         max_blocks=needed + spare_columns + 1)
+    kv.block_tables = kv.block_tables[:, : needed + spare_columns]
     query_dtype = torch.bfloat16 if dtype == FP8 else dtype
     query = query_view(gen, len(lens), num_kv_heads * group, num_kv_heads, head_dim, query_dtype)
     return kv, query
@@ -187,19 +188,30 @@ def test_decode_other_block_sizes(gen, block_size):
 
 
 @pytest.mark.interpreter
+def test_largest_head_dim(gen):
+    """head_dim 256 takes smaller key tiles (registers); also odd group sizes."""
+    kv, query = decode_case(gen, 16, 256, 1, 3, torch.float32, lens=[0, 40, 100])
+    torch.testing.assert_close(run_decode(kernels.paged_decode_attention, query, kv),
+                               run_decode(reference.paged_decode_attention, query, kv), **tolerance(torch.float32))
+    kv, cu, query = prefill_case(gen, 16, 256, 1, 3, torch.float32, sequences=[(40, 40), (100, 9)])
+    torch.testing.assert_close(run_prefill(kernels.paged_prefill_attention, query, kv, cu),
+                               run_prefill(reference.paged_prefill_attention, query, kv, cu), **tolerance(torch.float32))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("query_dtype, per_head", [(torch.bfloat16, True), (torch.float32, False)])
 def test_decode_fp8_matches_reference_on_dequantized_cache(gen, query_dtype, per_head):
+    """The oracle reads the same FP8 numbers, dequantized to float32 up front."""
     kv, query = decode_case(gen, 16, 128, 4, 2, FP8)
     query = query.to(query_dtype)
     if not per_head:  # one scale for the whole tensor
         kv.k_scale, kv.v_scale = kv.k_scale.max().reshape(1), kv.v_scale.max().reshape(()).clone()
     out = run_decode(kernels.paged_decode_attention, query, kv, 3)
     expected = reference.paged_decode_attention(
-        query, fp8.dequantize_kv_cache(kv.k_cache, kv.k_scale, query_dtype),
-        fp8.dequantize_kv_cache(kv.v_cache, kv.v_scale, query_dtype),
+        query.float(), fp8.dequantize_kv_cache(kv.k_cache, kv.k_scale), fp8.dequantize_kv_cache(kv.v_cache, kv.v_scale),
         kv.block_tables, kv.seq_lens, 128**-0.5,
     )
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -274,11 +286,10 @@ def test_prefill_fp8_matches_reference_on_dequantized_cache(gen):
     kv, cu, query = prefill_case(gen, 16, 128, 2, 4, FP8, sequences=[(40, 40), (90, 25), (7, 1)])
     out = run_prefill(kernels.paged_prefill_attention, query, kv, cu)
     expected = reference.paged_prefill_attention(
-        query, fp8.dequantize_kv_cache(kv.k_cache, kv.k_scale, query.dtype),
-        fp8.dequantize_kv_cache(kv.v_cache, kv.v_scale, query.dtype),
+        query.float(), fp8.dequantize_kv_cache(kv.k_cache, kv.k_scale), fp8.dequantize_kv_cache(kv.v_cache, kv.v_scale),
         kv.block_tables, cu, kv.seq_lens, 128**-0.5,
     )
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 # --- copy_blocks ---------------------------------------------------------------
@@ -323,8 +334,8 @@ def test_triton_wrappers_reject_bad_arguments(gen):
     with pytest.raises(ValueError, match="cu_seqlens_q must have shape"):
         kernels.paged_prefill_attention(query, *args[:3], cu_seqlens([1], DEVICE), kv.seq_lens, 0.1)
     with pytest.raises(ValueError, match="key dtype torch.bfloat16"):
-        kernels.store_kv(query.bfloat16(), query.bfloat16(), kv.k_cache, kv.v_cache,
-                         torch.arange(2, device=DEVICE))
+        key = query[:, :2].bfloat16()  # right shape, wrong dtype
+        kernels.store_kv(key, key, kv.k_cache, kv.v_cache, torch.arange(2, device=DEVICE))
     with pytest.raises(ValueError, match="block_mapping must be torch.int64"):
         kernels.copy_blocks([kv.k_cache], [kv.v_cache], torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE))
 

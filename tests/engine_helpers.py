@@ -1,0 +1,174 @@
+"""Shared pieces of the engine tests: tiny models, prompts, a trusted reference, pool checks.
+
+The reference is transformers' own ``model.generate()`` (greedy, batch 1, no
+padding), run on a second model built from the same seed, so the expected
+tokens never come from kvpaging's code. ``tiny(arch, seed=0)`` gives identical
+weights every time it is called, so "the same model" can be built twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpaging import LLM, SamplingParams
+from kvpaging.models import tiny
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+NUM_LAYERS = 2  # enough to test layer indexing; keeps every forward cheap on a 2-core CPU
+FIRST_ORDINARY_TOKEN = 3  # ids 0, 1, 2 are pad, bos and eos in every tiny model
+TIE_TOLERANCE = 1e-4  # two logits closer than this (float32) may be ordered either way
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one CPU thread.
+
+    The models here are so small that threads buy nothing, and on a shared 2-core
+    machine two busy-waiting OpenMP threads competing with other processes made
+    every forward pass some 50 times slower.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(arch: str = "qwen3", **overrides):
+    return tiny(arch, seed=0, num_hidden_layers=NUM_LAYERS, **overrides)
+
+
+def random_prompt(length: int, seed: int, vocab_size: int = 4096) -> list[int]:
+    """A prompt of ordinary tokens (no pad / bos / eos), the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_ORDINARY_TOKEN, vocab_size, (length,), generator=g).tolist()
+
+
+class Reference:
+    """Greedy continuations from transformers' generate(), computed once and cached.
+
+    Greedy decoding without an end token is prefix-stable (the first k tokens of a
+    longer run are the k-token run), so one run per prompt serves every length.
+    """
+
+    def __init__(self, arch: str = "qwen3", **overrides) -> None:
+        self.arch = arch
+        self.model = make_model(arch, **overrides)
+        # No end token at all on the reference model: generate() must produce exactly the
+        # tokens asked for, and may pick the EOS token as greedily as the engine does with
+        # ignore_eos=True. (min_new_tokens alone would *ban* EOS, which is not ignoring it;
+        # and an eos_token_id=None passed to generate() is replaced by the model's default.)
+        self.model.config.eos_token_id = None
+        self.model.generation_config.eos_token_id = None
+        self._cache: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        key = tuple(prompt)
+        known = self._cache.get(key, [])
+        if len(known) < num_tokens:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=num_tokens,
+                    min_new_tokens=num_tokens,
+                    pad_token_id=0,
+                )
+            known = out[0, len(prompt):].tolist()
+            assert len(known) == num_tokens, f"generate() gave {len(known)} tokens, asked for {num_tokens}"
+            self._cache[key] = known
+        return known[:num_tokens]
+
+    def last_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits after ``token_ids``, from one plain full forward pass (no cache at all)."""
+        with torch.no_grad():
+            return self.model(torch.tensor([token_ids])).logits[0, -1].float()
+
+    def assert_greedy(self, prompt: list[int], got: list[int], num_tokens: int | None = None, what: str = "") -> None:
+        """``got`` must equal the reference continuation, except for a divergence at a genuine tie.
+
+        At the first position where the two differ, the reference logits for the
+        common prefix are recomputed with one full forward pass. The divergence is
+        allowed only if the top-2 logits are within TIE_TOLERANCE and the engine's
+        token is one of those two; the rest is then not compared (the sequences
+        legitimately went separate ways).
+        """
+        num_tokens = len(got) if num_tokens is None else num_tokens
+        assert len(got) == num_tokens, f"{what}: got {len(got)} tokens, expected {num_tokens}"
+        expected = self.greedy(prompt, num_tokens)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            if a == b:
+                continue
+            logits = self.last_logits(prompt + expected[:i])
+            top2 = torch.topk(logits, 2)
+            gap = (top2.values[0] - top2.values[1]).item()
+            is_tie = gap < TIE_TOLERANCE and a in top2.indices.tolist()
+            assert is_tie, (
+                f"{what}: token {i} is {a}, transformers' generate() gives {b} "
+                f"(top-2 logit gap {gap:.3g}, not a tie)\n engine:    {got}\n reference: {expected}"
+            )
+            TIES.append((self.arch, what, i, gap))
+            return
+
+
+TIES: list[tuple] = []  # divergences accepted as ties, for anyone curious how often they happen
+
+
+def greedy_params(num_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, **kwargs)
+
+
+def build_llm(model, **kwargs) -> LLM:
+    """An LLM with a small explicit pool (the default max_model_len, 4096, would need a big one)."""
+    settings = {"block_size": 4, "num_blocks": 64, "max_model_len": 64}
+    settings.update(kwargs)
+    return LLM(model, **settings)
+
+
+def assert_pool_clean(engine) -> None:
+    """Nothing left running, every block free, and the block manager's books balance."""
+    engine = getattr(engine, "engine", engine)
+    assert not engine.has_unfinished_requests()
+    assert engine.get_num_unfinished_requests() == 0
+    stats = engine.block_manager.stats()
+    assert stats.num_used_blocks == 0, f"{stats.num_used_blocks} blocks still in use"
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.num_sequences == 0
+    engine.block_manager.check_invariants()
+    engine.scheduler.check_invariants()
+
+
+def assert_consistent(engine) -> None:
+    """Between two steps, the scheduler's and the block manager's books agree.
+
+    A running sequence holds slots for exactly the tokens whose KV is computed, and
+    its newest token (sampled, or a prompt token still to come) is not computed yet.
+    """
+    engine.block_manager.check_invariants()
+    engine.scheduler.check_invariants()
+    for seq in engine.scheduler.running:
+        assert engine.block_manager.get_num_tokens(seq.seq_id) == seq.num_computed_tokens, (
+            f"sequence {seq.seq_id}: {engine.block_manager.get_num_tokens(seq.seq_id)} slots "
+            f"for {seq.num_computed_tokens} computed tokens"
+        )
+        assert seq.num_computed_tokens < len(seq.token_ids)
+
+
+def run_engine(engine, max_steps: int = 10_000, check: bool = False) -> dict:
+    """Step until idle; return the last output of every request that finished, by request id.
+
+    With ``check``, the books are checked after every step.
+    """
+    finished = {}
+    for _ in range(max_steps):
+        if check:
+            assert_consistent(engine)
+        if not engine.has_unfinished_requests():
+            return finished
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} reported finished twice"
+                finished[out.request_id] = out
+    raise AssertionError(f"engine still busy after {max_steps} steps")

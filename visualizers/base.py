@@ -1,0 +1,440 @@
+"""What every view shares: playback controls, live feeding, static HTML export, colours.
+
+A view is split in two on purpose:
+
+- a **pure function** turns step records into arrays (``memory_map_frame``,
+  ``block_table_frame``, ...). It knows nothing of widgets, so it is tested
+  with plain asserts and timed without a browser;
+- a thin **view class** puts those arrays into a plotly ``FigureWidget``.
+
+The base class :class:`View` below does the widget plumbing once: a step
+slider with Play / Pause / Step (:class:`PlaybackControls`), redrawing on
+change, a static HTML animation (plotly frames with a play button and a
+slider) and a plain-text summary for terminals.
+
+Live views follow an engine through :class:`LiveFeed`. The engine calls its
+observer after every step, so the observer only appends the record to a queue
+and returns: drawing there would slow the engine down. A painter (a background
+thread, or the loop of ``Dashboard.run``) wakes a few times a second, takes
+every queued record at once, and draws only the newest state. When the engine
+outruns the display, intermediate steps are skipped, never queued up.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+__all__ = [
+    "View",
+    "TraceView",
+    "PlaybackControls",
+    "LiveFeed",
+    "PALETTE",
+    "discrete_colorscale",
+    "sample_positions",
+]
+
+#: Soft colours for sequences and requests, chosen so black text stays readable and none
+#: of them looks like the strong red that marks shared blocks.
+PALETTE = (
+    "#8dd3c7", "#bebada", "#80b1d3", "#fdb462", "#b3de69", "#fccde5", "#bc80bd", "#ccebc5",
+    "#ffed6f", "#a6cee3", "#b2df8a", "#cab2d6", "#ffd92f", "#66c2a5", "#8da0cb", "#e5c494",
+)
+
+
+def discrete_colorscale(colors: Iterable[str]) -> list[list]:
+    """A heatmap colorscale where integer code ``k`` gets ``colors[k]``; use zmin=-0.5, zmax=len-0.5."""
+    colors = list(colors)
+    n = len(colors)
+    scale = []
+    for k, color in enumerate(colors):
+        scale.append([k / n, color])
+        scale.append([(k + 1) / n, color])
+    return scale
+
+
+def sample_positions(num_positions: int, max_frames: int) -> list[int]:
+    """At most ``max_frames`` positions spread evenly over ``0..num_positions-1``, ends included."""
+    if num_positions <= 0:
+        return []
+    if num_positions <= max_frames:
+        return list(range(num_positions))
+    picked = np.unique(np.linspace(0, num_positions - 1, max_frames).round().astype(int))
+    return picked.tolist()
+
+
+class PlaybackControls:
+    """Play / Pause, Step, Back and a slider over positions ``0..n-1``.
+
+    The Play widget animates in the browser and is linked to the slider there
+    (``jslink``), so playing costs the kernel one redraw per frame and nothing
+    else. The kernel listens to the slider only; Step and Back move the slider.
+    """
+
+    def __init__(self, num_positions: int, on_change: Callable[[int], None], interval_ms: int = 250) -> None:
+        import ipywidgets as widgets
+
+        top = max(num_positions - 1, 0)
+        self.play = widgets.Play(value=top, min=0, max=top, step=1, interval=interval_ms, description="Play",
+                                 show_repeat=False, tooltip="play / pause")
+        self.slider = widgets.IntSlider(value=top, min=0, max=top, description="step", continuous_update=True,
+                                        readout=False, layout=widgets.Layout(width="320px"))
+        self.back_button = widgets.Button(description="◀", tooltip="one step back", layout=widgets.Layout(width="40px"))
+        self.step_button = widgets.Button(description="Step ▶", tooltip="one step forward",
+                                          layout=widgets.Layout(width="80px"))
+        self.label = widgets.HTML()
+        widgets.jslink((self.play, "value"), (self.slider, "value"))
+        self._on_change = on_change
+        self.slider.observe(self._changed, names="value")
+        self.step_button.on_click(lambda _button: self.step(+1))
+        self.back_button.on_click(lambda _button: self.step(-1))
+        self.widget = widgets.HBox(
+            [self.play, self.back_button, self.step_button, self.slider, self.label],
+            layout=widgets.Layout(align_items="center"),
+        )
+        self.widget.add_class("kvpaging-controls")
+
+    @property
+    def value(self) -> int:
+        return self.slider.value
+
+    def step(self, delta: int) -> None:
+        self.slider.value = min(max(self.slider.value + delta, self.slider.min), self.slider.max)
+
+    def set_num_positions(self, num_positions: int, follow: bool = True) -> None:
+        """Grow the range (live runs); stay on the newest position if the slider was at the end."""
+        top = max(num_positions - 1, 0)
+        at_end = self.slider.value >= self.slider.max
+        self.slider.max = self.play.max = top
+        if follow and at_end:
+            self.slider.value = top
+
+    def _changed(self, change) -> None:
+        self._on_change(change["new"])
+
+
+class View:
+    """Base of every view: subclasses provide data, this class draws it.
+
+    Subclasses implement :meth:`num_positions`, :meth:`position_label`,
+    :meth:`base_figure` (traces and layout, drawn once), :meth:`frame`
+    (the per-position updates: a list of dicts, one per trace, and a dict of
+    layout changes) and :meth:`summary`.
+    """
+
+    #: figure height in pixels
+    height = 420
+
+    def __init__(self, *, controls: bool = True, interval_ms: int = 250) -> None:
+        self.position = 0
+        self._at_end = True  # on the newest step: live updates move the view along
+        self._figure = None
+        self._widget = None
+        self._controls: PlaybackControls | None = None
+        self._want_controls = controls
+        self._interval_ms = interval_ms
+        self._lock = threading.RLock()  # the painter thread and the kernel both draw
+        self._extra_widgets: list = []  # e.g. a page selector, shown above the figure
+
+    # -- to implement ------------------------------------------------------------------------------
+    def num_positions(self) -> int:
+        raise NotImplementedError
+
+    def position_label(self, position: int) -> str:
+        return str(position)
+
+    def base_figure(self):
+        raise NotImplementedError
+
+    def frame(self, position: int) -> tuple[list[dict], dict]:
+        raise NotImplementedError
+
+    def summary(self, position: int | None = None) -> str:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Catch up with new records (live views); nothing to do for fixed data."""
+
+    # -- drawing -------------------------------------------------------------------------------------
+    @property
+    def figure(self):
+        """The plotly FigureWidget, built on first use."""
+        if self._figure is None:
+            import plotly.graph_objects as go
+
+            with self._lock:
+                fig = go.FigureWidget(self.base_figure())
+                self._figure = fig
+                self._apply(self.position)
+        return self._figure
+
+    @property
+    def controls(self) -> PlaybackControls | None:
+        if self._controls is None and self._want_controls:
+            self._controls = PlaybackControls(self.num_positions(), self.show, self._interval_ms)
+            self._controls.slider.value = self.position
+            self._update_label()
+        return self._controls
+
+    @property
+    def widget(self):
+        """Controls (unless the view is part of a dashboard) above the figure."""
+        if self._widget is None:
+            import ipywidgets as widgets
+
+            parts = []
+            if self.controls is not None:
+                parts.append(self.controls.widget)
+            parts.extend(self._extra_widgets)
+            parts.append(self.figure)
+            self._widget = widgets.VBox(parts)
+            self._widget.add_class("kvpaging-view")
+        return self._widget
+
+    def show(self, position: int) -> None:
+        """Draw the state after step ``position`` (clamped to the data)."""
+        with self._lock:
+            n = self.num_positions()
+            position = int(min(max(position, 0), max(n - 1, 0)))
+            self.position = position
+            self._at_end = position >= n - 1
+            if self._figure is not None:
+                self._apply(position)
+            if self._controls is not None and self._controls.slider.value != position:
+                self._controls.slider.value = position  # calls show() again, which changes nothing
+            self._update_label()
+
+    def redraw(self) -> None:
+        self.show(self.position)
+
+    def refresh(self, follow: bool = True) -> None:
+        """Take new records and, if the view was on the newest step, move to the new newest."""
+        with self._lock:
+            was_at_end = self._at_end
+            self.sync()
+            n = self.num_positions()
+            if self._controls is not None:
+                self._controls.set_num_positions(n, follow=follow)
+            if follow and was_at_end:
+                self.show(n - 1)
+            else:
+                self.redraw()
+
+    def _apply(self, position: int) -> None:
+        if self.num_positions() == 0:
+            return
+        traces, layout = self.frame(position)
+        fig = self._figure
+        with fig.batch_update():
+            for trace, update in zip(fig.data, traces):
+                trace.update(update)
+            if layout:
+                fig.layout.update(layout)
+
+    def _update_label(self) -> None:
+        if self._controls is not None:
+            n = self.num_positions()
+            label = self.position_label(self.position) if n else "-"
+            self._controls.label.value = f"<code>{label}</code> ({self.position + 1 if n else 0} / {n})"
+
+    # -- static export ------------------------------------------------------------------------------
+    def static_figure(self, max_frames: int = 120):
+        """A plain ``go.Figure`` with one animation frame per (sampled) step, a play button and a slider."""
+        import plotly.graph_objects as go
+
+        self.sync()
+        fig = go.Figure(self.base_figure())
+        positions = sample_positions(self.num_positions(), max_frames)
+        if not positions:
+            return fig
+        frames = []
+        for p in positions:
+            traces, layout = self.frame(p)
+            data = [dict(update, type=trace.type) for trace, update in zip(fig.data, traces)]
+            frames.append(go.Frame(data=data, traces=list(range(len(data))), layout=layout, name=str(p)))
+        first_traces, first_layout = self.frame(positions[0])
+        for trace, update in zip(fig.data, first_traces):
+            trace.update(update)
+        fig.update_layout(first_layout)
+        fig.frames = frames
+        play_args = {"frame": {"duration": self._interval_ms, "redraw": True}, "fromcurrent": True,
+                     "transition": {"duration": 0}}
+        pause_args = {"frame": {"duration": 0, "redraw": False}, "mode": "immediate", "transition": {"duration": 0}}
+        fig.update_layout(
+            updatemenus=[{
+                "type": "buttons", "direction": "left", "x": 0.0, "y": -0.08, "xanchor": "left", "yanchor": "top",
+                "pad": {"t": 10, "r": 10}, "showactive": False,
+                "buttons": [
+                    {"label": "▶ Play", "method": "animate", "args": [None, play_args]},
+                    {"label": "❚❚ Pause", "method": "animate", "args": [[None], pause_args]},
+                ],
+            }],
+            sliders=[{
+                "x": 0.18, "y": -0.08, "len": 0.82, "xanchor": "left", "yanchor": "top", "pad": {"t": 10},
+                "currentvalue": {"prefix": "step "},
+                "steps": [
+                    {"label": self.position_label(p), "method": "animate",
+                     "args": [[str(p)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
+                                         "transition": {"duration": 0}}]}
+                    for p in positions
+                ],
+            }],
+        )
+        fig.update_layout(margin={"b": 110})
+        return fig
+
+    def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 120) -> str:
+        """The static animation as an HTML page; written to ``path`` if given.
+
+        ``self_contained=True`` embeds plotly.js (about 4.5 MB, works offline);
+        ``False`` loads it from the plotly CDN (small file, needs the internet).
+        """
+        html = self.static_figure(max_frames).to_html(
+            include_plotlyjs=True if self_contained else "cdn", full_html=True, auto_play=False
+        )
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(html)
+        return html
+
+    # -- display ---------------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        self._displayed = True
+        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
+        if bundle is not None:
+            bundle["text/plain"] = self.summary()
+        return bundle
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+class TraceView(View):
+    """A view of an engine trace, held in a shared :class:`~.replay.TraceReplay`.
+
+    Give it a list of step records (``engine.trace``, ``load_trace(path)``), a
+    ``TraceReplay`` (to share one between views), or nothing and
+    :meth:`attach` it to an engine to watch it live.
+    """
+
+    def __init__(self, trace=None, *, block_size: int | None = None, controls: bool = True,
+                 interval_ms: int = 250) -> None:
+        from .replay import TraceReplay
+
+        super().__init__(controls=controls, interval_ms=interval_ms)
+        if isinstance(trace, TraceReplay):
+            self.replay = trace
+        else:
+            self.replay = TraceReplay(trace if trace is not None else (), block_size=block_size)
+        self.position = max(len(self.replay) - 1, 0)
+        self._feed: LiveFeed | None = None
+
+    def num_positions(self) -> int:
+        return len(self.replay)
+
+    def position_label(self, position: int) -> str:
+        if not len(self.replay):
+            return "-"
+        return f"step {self.replay.records[position].step}"
+
+    def attach(self, engine, *, fps: float = 4.0, background: bool = True) -> LiveFeed:
+        """Follow ``engine`` (an ``LLMEngine`` or ``LLM``) live, redrawing at most ``fps`` times a second."""
+        self._feed = LiveFeed(self.replay, [self], fps=fps)
+        self._feed.attach(engine, background=background)
+        return self._feed
+
+    def detach(self) -> None:
+        if self._feed is not None:
+            self._feed.detach()
+            self._feed = None
+
+
+class LiveFeed:
+    """An engine observer that only queues records, and a throttled painter that draws the newest.
+
+    ``observe`` is what the engine calls after every step: one deque append and
+    a flag, nothing that could slow the engine down. ``tick`` (called by the
+    painter thread every ``1/fps`` seconds, or by a loop that drives the
+    engine) moves all queued records into the replay and redraws the views
+    once, showing the newest state: never a backlog of stale frames.
+    """
+
+    def __init__(self, replay, views: list[View], fps: float = 4.0) -> None:
+        if fps <= 0:
+            raise ValueError(f"fps must be positive, got {fps!r}")
+        self.replay = replay
+        self.views = views
+        self.interval = 1.0 / fps
+        self.queue: collections.deque = collections.deque()
+        self.dirty = False
+        self.num_frames = 0  # redraws so far: tests check the throttle with it
+        self._last_paint = 0.0
+        self._engine = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # the observer: keep it this small
+    def observe(self, record) -> None:
+        self.queue.append(record)
+        self.dirty = True
+
+    def attach(self, engine, background: bool = True) -> None:
+        engine = getattr(engine, "engine", engine)  # an LLM holds its LLMEngine as .engine
+        if self.replay.block_size is None:
+            self.replay.block_size = engine.config.block_size
+        if self.replay.num_blocks is None:
+            self.replay.num_blocks = engine.config.num_blocks
+        engine.add_observer(self.observe)
+        self._engine = engine
+        if background:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._paint_loop, name="kvpaging-live-feed", daemon=True)
+            self._thread.start()
+
+    def detach(self) -> None:
+        """Stop following: remove the observer, stop the painter, draw the final state."""
+        if self._engine is not None:
+            try:
+                self._engine.remove_observer(self.observe)
+            except ValueError:
+                pass  # the engine detached it already (it raised once)
+            self._engine = None
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.tick(force=True)
+
+    def tick(self, force: bool = False) -> bool:
+        """Draw if there is something new and a frame is due (or ``force``); True if it drew."""
+        if not self.dirty:
+            return False
+        now = time.perf_counter()
+        if not force and now - self._last_paint < self.interval:
+            return False
+        with self._lock:
+            self.dirty = False
+            new = []
+            while self.queue:
+                new.append(self.queue.popleft())
+            self.replay.extend(new)
+            for view in self.views:
+                view.refresh(follow=True)
+            self._last_paint = time.perf_counter()
+            self.num_frames += 1
+        return True
+
+    def _paint_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a drawing error must not kill the painter silently
+                import logging
+
+                logging.getLogger("kvpaging").exception("live view failed to draw")

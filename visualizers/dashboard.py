@@ -1,0 +1,272 @@
+"""Dashboard: every view in one layout, driven by one set of Play / Pause / Step controls.
+
+Live, in a notebook cell::
+
+    dash = Dashboard(llm)
+    outputs = dash.run(prompts, SamplingParams(max_tokens=32))   # draws while the engine runs
+
+or follow an engine that something else drives (``llm.generate``, a server loop)::
+
+    dash = Dashboard(llm); dash.attach(); display(dash)
+    llm.generate(prompts, params)
+    dash.detach()
+
+and in replay, from a trace recorded earlier (here or on another machine)::
+
+    Dashboard.from_trace(load_trace("run.json"))
+
+All views share one :class:`~.replay.TraceReplay`, so a record is replayed
+once however many views show it. While the engine runs, the dashboard redraws
+at most ``fps`` times a second and always shows the newest step; the slider
+then lets you go back over every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from html import escape
+
+from .base import LiveFeed, PlaybackControls, View
+from .block_table import BlockTableView
+from .bubbles import BubbleTimeline
+from .contiguous_view import ContiguousMemoryView, ContiguousTraceSim
+from .memory_map import MemoryMapView
+from .replay import TraceReplay
+from .throughput import ThroughputPanel
+from .trace_io import save_chrome_trace, save_trace
+
+__all__ = ["Dashboard"]
+
+
+class Dashboard:
+    """Block tables, memory map, bubbles, contiguous baseline and throughput of one engine or trace."""
+
+    def __init__(self, llm=None, *, trace=None, block_size: int | None = None, fps: float = 4.0,
+                 interval_ms: int = 250, rows_per_page: int = 16, max_cells: int = 4096,
+                 num_slots: int | None = None, reserve_tokens=None) -> None:
+        self.engine = getattr(llm, "engine", llm)
+        num_blocks = None
+        if self.engine is not None:
+            block_size = block_size or self.engine.config.block_size
+            num_blocks = self.engine.config.num_blocks
+            if reserve_tokens is None:
+                reserve_tokens = {}  # run() fills it: prompt + max_tokens; other requests fall back below
+        self.fps = fps
+        self.replay = trace if isinstance(trace, TraceReplay) else TraceReplay(
+            trace if trace is not None else (), block_size=block_size, num_blocks=num_blocks)
+        self._reserve = reserve_tokens
+        self._sim = ContiguousTraceSim(self.replay, None, self._reserve_for if isinstance(reserve_tokens, dict)
+                                       else reserve_tokens)
+        self.block_table = BlockTableView(self.replay, rows_per_page=rows_per_page, controls=False)
+        self.memory_map = MemoryMapView(self.replay, max_cells=max_cells, controls=False)
+        self.bubbles = BubbleTimeline(self.replay, num_slots=num_slots, controls=False)
+        self.contiguous = ContiguousMemoryView(controls=False, _sim=self._sim)
+        self.throughput = ThroughputPanel(self.replay, controls=False)
+        self.views: list[View] = [self.block_table, self.memory_map, self.bubbles, self.contiguous, self.throughput]
+        self.position = max(len(self.replay) - 1, 0)
+        self._at_end = True
+        self._interval_ms = interval_ms
+        self._controls: PlaybackControls | None = None
+        self._widget = None
+        self._feed: LiveFeed | None = None
+        self._displayed = False
+        self._ids = itertools.count()
+        for view in self.views:
+            view.position = self.position
+
+    @classmethod
+    def from_trace(cls, trace, *, block_size: int | None = None, **kwargs) -> Dashboard:
+        """Replay a recorded trace (``engine.trace``, or ``load_trace(path)``)."""
+        return cls(trace=trace, block_size=block_size, **kwargs)
+
+    def _reserve_for(self, request_id: str) -> int:
+        """Contiguous worst case of a request: prompt + max_tokens when run() knows them, else max_model_len."""
+        if request_id in self._reserve:
+            return self._reserve[request_id]
+        if self.engine is not None:
+            return self.engine.config.max_model_len
+        return self._sim.default_need
+
+    # -- playback ------------------------------------------------------------------------------------
+    @property
+    def controls(self) -> PlaybackControls:
+        if self._controls is None:
+            self._controls = PlaybackControls(len(self.replay), self.show, self._interval_ms)
+            self._controls.slider.value = self.position
+        return self._controls
+
+    def show(self, position: int) -> None:
+        """Show every view after step ``position`` (an index into the trace)."""
+        n = len(self.replay)
+        position = int(min(max(position, 0), max(n - 1, 0)))
+        self.position = position
+        self._at_end = position >= n - 1
+        for view in self.views:
+            view.show(position)
+        if self._controls is not None:
+            if self._controls.slider.value != position:
+                self._controls.slider.value = position
+            label = self.block_table.position_label(position) if n else "-"
+            self._controls.label.value = f"<code>{label}</code> ({position + 1 if n else 0} / {n})"
+
+    def step(self, delta: int = 1) -> None:
+        self.show(self.position + delta)
+
+    def refresh(self, follow: bool = True) -> None:
+        """Take the records that arrived since the last frame; called by the live feed."""
+        was_at_end = self._at_end
+        for view in self.views:
+            view.sync()
+        n = len(self.replay)
+        if self._controls is not None:
+            self._controls.set_num_positions(n, follow=False)
+        self.show(n - 1 if (follow and was_at_end) else self.position)
+
+    # -- live -----------------------------------------------------------------------------------------
+    def attach(self, engine=None, *, background: bool = True) -> LiveFeed:
+        """Follow an engine live (default: the one given to the constructor)."""
+        if engine is not None:
+            self.engine = getattr(engine, "engine", engine)
+        if self.engine is None:
+            raise ValueError("no engine to attach to: Dashboard(llm).attach() or dashboard.attach(llm)")
+        self.detach()
+        self._feed = LiveFeed(self.replay, [self], fps=self.fps)
+        self._feed.attach(self.engine, background=background)
+        return self._feed
+
+    def detach(self) -> None:
+        if self._feed is not None:
+            self._feed.detach()
+            self._feed = None
+
+    def run(self, prompts, sampling_params=None, *, display: bool = True):
+        """Add ``prompts`` to the engine and step it to completion, drawing as it goes.
+
+        Returns their ``RequestOutput``s in the order given, like ``LLM.generate``.
+        """
+        from ..sampling_params import SamplingParams
+
+        if self.engine is None:
+            raise ValueError("Dashboard.run needs an engine: Dashboard(llm).run(prompts, params)")
+        engine = self.engine
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        if display and not self._displayed:
+            from IPython.display import display as ipy_display
+
+            ipy_display(self)
+        ids = []
+        for prompt, sp in zip(prompts, params):
+            rid = f"r{next(self._ids)}"
+            if isinstance(self._reserve, dict):
+                self._reserve[rid] = _prompt_len(engine, prompt) + sp.max_tokens
+            engine.add_request(rid, prompt, sp)
+            ids.append(rid)
+        results = {}
+        pending = set(ids)
+        feed = LiveFeed(self.replay, [self], fps=self.fps)
+        feed.attach(engine, background=False)
+        try:
+            while pending and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                feed.tick()
+        except BaseException:
+            for rid in pending:  # leave the engine usable, as LLM.generate does
+                try:
+                    engine.abort_request(rid)
+                except ValueError:
+                    pass
+            raise
+        finally:
+            feed.detach()
+        metrics = {rid: out.metrics for rid, out in results.items() if out.metrics is not None}
+        self.throughput.metrics.update(metrics)
+        self.throughput.redraw()
+        return [results[rid] for rid in ids if rid in results]
+
+    # -- display ---------------------------------------------------------------------------------------
+    @property
+    def widget(self):
+        if self._widget is None:
+            import ipywidgets as widgets
+
+            def half(view):
+                box = view.widget
+                box.layout.width = "50%"
+                box.layout.min_width = "420px"
+                return box
+
+            header = widgets.HTML("<b>kvpaging dashboard</b> — block tables, physical pool, batch slots, "
+                                  "the contiguous baseline and throughput, step by step")
+            rows = [
+                header,
+                self.controls.widget,
+                widgets.HBox([half(self.block_table), half(self.memory_map)],
+                             layout=widgets.Layout(flex_flow="row wrap")),
+                widgets.HBox([half(self.bubbles), half(self.contiguous)], layout=widgets.Layout(flex_flow="row wrap")),
+                self.throughput.widget,
+            ]
+            self._widget = widgets.VBox(rows)
+            self._widget.add_class("kvpaging-dashboard")
+        return self._widget
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        self._displayed = True
+        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
+        if bundle is not None:
+            bundle["text/plain"] = self.summary()
+        return bundle
+
+    def summary(self, position: int | None = None) -> str:
+        position = self.position if position is None else position
+        if not len(self.replay):
+            return "Dashboard: no steps yet"
+        return "\n\n".join(view.summary(position) for view in self.views)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    # -- export -----------------------------------------------------------------------------------------
+    def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 60) -> str:
+        """Every view's static animation on one HTML page (each with its own play button and slider)."""
+        parts = []
+        for i, view in enumerate(self.views):
+            fig = view.static_figure(max_frames)
+            include = (True if self_contained else "cdn") if i == 0 else False
+            parts.append(fig.to_html(include_plotlyjs=include, full_html=False, auto_play=False))
+        summary = escape(self.summary(len(self.replay) - 1)) if len(self.replay) else ""
+        html = (
+            "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvpaging dashboard</title></head><body>"
+            "<h2>kvpaging dashboard</h2>" + "".join(f"<div>{p}</div>" for p in parts)
+            + f"<h3>Summary of the last step</h3><pre>{summary}</pre></body></html>"
+        )
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(html)
+        return html
+
+    def save_trace(self, path) -> None:
+        save_trace(self.replay.records, path, block_size=self.replay.block_size, num_blocks=self.replay.num_blocks)
+
+    def save_chrome_trace(self, path) -> None:
+        save_chrome_trace(self.replay.records, path)
+
+
+def _prompt_len(engine, prompt) -> int:
+    """Tokens in a prompt, for the contiguous baseline's worst-case reservation."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return len(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt", "")
+    if isinstance(prompt, str):
+        return len(engine.tokenizer(prompt)["input_ids"]) if engine.tokenizer is not None else 0
+    return len(prompt)
