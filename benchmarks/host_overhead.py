@@ -47,8 +47,7 @@ def run(args) -> dict:
         t1 = clock()
         prepare_step_inputs(out, bm)
         t2 = clock()
-        rows = sched.finish_compute(out)
-        seqs = [s for group in rows for s in group]
+        seqs, _ = sched.finish_compute(out)
         k = steps % 2048
         sched.append_tokens(seqs, tokens[k : k + len(seqs)] if k + len(seqs) <= 4096 else tokens[: len(seqs)], None)
         t3 = clock()

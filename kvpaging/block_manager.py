@@ -26,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
+import numpy as np
+
 from .block_pool import BlockPool, KVBlock
 from .errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
 
-__all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "default_block_hash"]
+__all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "SequenceBlocks", "default_block_hash"]
 
 # The hash of a block covers the hash of the block before it, so equal hashes
 # mean equal whole prefixes (up to collisions, which token comparison catches).
@@ -98,11 +100,51 @@ class KVCacheStats:
 
 
 @dataclass(eq=False)
-class _SequenceBlocks:
+class SequenceBlocks:
+    """One sequence's block table, as the block manager keeps it. Read it; never change it."""
+
     blocks: list[KVBlock]
     block_ids: list[int]  # kept beside ``blocks`` so the runner gets a table without a loop
     num_tokens: int  # token slots assigned
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
+    row: int = -1  # this table's row in BlockManager.table_array
+
+
+class _TableArray:
+    """Every live block table as one row of a numpy array, kept up to date block by block.
+
+    The model runner needs the step's block tables as a tensor. Copying each
+    table from a Python list every step costs a microsecond or more per
+    sequence; with the tables already in an array, a step takes its rows with
+    one fancy-indexing call. Rows and columns grow by doubling when needed.
+    Entries past a table's length are 0.
+    """
+
+    def __init__(self, rows: int = 64, cols: int = 64) -> None:
+        self.array = np.zeros((rows, cols), dtype=np.int32)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def take_row(self) -> int:
+        if not self._free_rows:
+            rows, cols = self.array.shape
+            self.array = np.concatenate([self.array, np.zeros((rows, cols), dtype=np.int32)])
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def release_row(self, row: int, length: int) -> None:
+        self.array[row, :length] = 0
+        self._free_rows.append(row)
+
+    def set(self, row: int, col: int, block_id: int) -> None:
+        if col >= self.array.shape[1]:
+            rows, cols = self.array.shape
+            self.array = np.concatenate([self.array, np.zeros((rows, max(cols, col + 1)), dtype=np.int32)], axis=1)
+        self.array[row, col] = block_id
+
+    def set_prefix(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            self.set(row, len(block_ids) - 1, block_ids[-1])  # grows the columns if needed
+            self.array[row, : len(block_ids)] = block_ids
 
 
 class BlockManager:
@@ -122,7 +164,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
-        self._seqs: dict[Hashable, _SequenceBlocks] = {}
+        self._seqs: dict[Hashable, SequenceBlocks] = {}
+        self._tables = _TableArray()
         self._blocks_to_copy: list[tuple[int, int]] = []
         self._num_table_blocks = 0
         self._prefix_query_tokens = 0
@@ -140,6 +183,15 @@ class BlockManager:
     def get_block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block ids of the sequence's logical blocks. The live list: read it, don't change it."""
         return self._state(seq_id).block_ids
+
+    def get_sequence_blocks(self, seq_id: Hashable) -> SequenceBlocks:
+        """The sequence's live table record (block ids, token count, row in ``table_array``): read only."""
+        return self._state(seq_id)
+
+    @property
+    def table_array(self) -> np.ndarray:
+        """All live block tables, one row each (see ``SequenceBlocks.row``), padded with 0. Read only."""
+        return self._tables.array
 
     def get_num_tokens(self, seq_id: Hashable) -> int:
         """How many token slots the sequence has been given."""
@@ -227,6 +279,7 @@ class BlockManager:
                     pool.touch(twin)
                     st.blocks[i] = twin
                     st.block_ids[i] = twin.block_id
+                    self._tables.set(st.row, i, twin.block_id)
                     pool.free_block(block)
                 else:
                     pool.cache_block(block, h, toks, parent)
@@ -258,7 +311,9 @@ class BlockManager:
             return False
         for block in hit:
             pool.touch(block)
-        st = _SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
+        st = SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
+        st.row = self._tables.take_row()
+        self._tables.set_prefix(st.row, st.block_ids)
         self._seqs[seq_id] = st
         self._num_table_blocks += len(hit)
         self._prefix_query_tokens += prefix_hit.num_prompt_tokens
@@ -273,7 +328,9 @@ class BlockManager:
         it is first copied (copy-on-write). Returns False, changing nothing,
         when the pool lacks free blocks: the scheduler then preempts someone.
         """
-        st = self._state(seq_id)
+        st = self._seqs.get(seq_id)
+        if st is None:
+            st = self._state(seq_id)  # raises the clear error
         n = st.num_tokens
         bs = self.block_size
         last = st.blocks[-1] if st.blocks else None
@@ -295,7 +352,7 @@ class BlockManager:
         self._grow(st, num_new_tokens)
         return True
 
-    def _copy_on_write(self, st: _SequenceBlocks, shared: KVBlock) -> None:
+    def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
         copy = pool.get_new_block()
         copy.num_filled = shared.num_filled
@@ -303,10 +360,11 @@ class BlockManager:
         pool.free_block(shared)  # one owner fewer; it stays with the others
         st.blocks[-1] = copy
         st.block_ids[-1] = copy.block_id
+        self._tables.set(st.row, len(st.block_ids) - 1, copy.block_id)
         self._blocks_to_copy.append((shared.block_id, copy.block_id))
         self._num_cow_copies += 1
 
-    def _grow(self, st: _SequenceBlocks, num_new_tokens: int) -> None:
+    def _grow(self, st: SequenceBlocks, num_new_tokens: int) -> None:
         """Fill the last block's free slots, then take new blocks (feasibility already checked)."""
         pool = self.pool
         bs = self.block_size
@@ -324,6 +382,7 @@ class BlockManager:
             remaining -= block.num_filled
             st.blocks.append(block)
             st.block_ids.append(block.block_id)
+            self._tables.set(st.row, len(st.block_ids) - 1, block.block_id)
             self._num_table_blocks += 1
         st.num_tokens += num_new_tokens
 
@@ -334,9 +393,10 @@ class BlockManager:
             raise DuplicateSequenceError(f"cannot fork into sequence {child_id!r}: it already holds blocks")
         for block in parent.blocks:
             self.pool.touch(block)
-        self._seqs[child_id] = _SequenceBlocks(
-            list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes)
-        )
+        child = SequenceBlocks(list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes))
+        child.row = self._tables.take_row()
+        self._tables.set_prefix(child.row, child.block_ids)
+        self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks)
 
     def free(self, seq_id: Hashable) -> None:
@@ -353,6 +413,7 @@ class BlockManager:
         for block in reversed(st.blocks):
             self.pool.free_block(block)
         self._num_table_blocks -= len(st.blocks)
+        self._tables.release_row(st.row, len(st.blocks))
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs decided since the last call; the runner copies them."""
@@ -363,7 +424,7 @@ class BlockManager:
         return self.pool.reset_prefix_cache()
 
     # -- helpers -----------------------------------------------------------------
-    def _state(self, seq_id: Hashable) -> _SequenceBlocks:
+    def _state(self, seq_id: Hashable) -> SequenceBlocks:
         st = self._seqs.get(seq_id)
         if st is None:
             raise SequenceNotFoundError(
@@ -385,6 +446,9 @@ class BlockManager:
         owners: dict[int, int] = {}
         for seq_id, st in self._seqs.items():
             assert st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync"
+            row = self._tables.array[st.row]
+            assert row[: len(st.block_ids)].tolist() == st.block_ids, f"{seq_id!r}: table_array row out of sync"
+            assert not row[len(st.block_ids) :].any(), f"{seq_id!r}: table_array row not zero-padded"
             assert len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks"
             assert len(st.block_hashes) <= st.num_tokens // self.block_size
             for i, block in enumerate(st.blocks):

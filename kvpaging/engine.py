@@ -238,13 +238,11 @@ class LLMEngine:
     def _forward_and_sample(self, out: SchedulerOutput):
         """Run the model, record what it computed, and sample: the part of a step that may fail."""
         logits = self.runner.execute(out)
-        rows = self.scheduler.finish_compute(out)
-        if len(rows) != logits.shape[0]:
-            raise RuntimeError(f"{logits.shape[0]} logits rows for {len(rows)} sampling sequences")
-        if any(len(group) > 1 for group in rows):
-            index = [i for i, group in enumerate(rows) for _ in group]
-            logits = logits[index]
-        seqs: list[Sequence] = [seq for group in rows for seq in group]
+        seqs, row_of = self.scheduler.finish_compute(out)
+        if row_of is not None:  # n > 1 forks: several completions sample from one row
+            logits = logits[row_of]
+        if len(seqs) != logits.shape[0]:
+            raise RuntimeError(f"{logits.shape[0]} logits rows for {len(seqs)} sampling sequences")
         if not seqs:
             return seqs, None
         sampled = self.sampler(logits, [s.request.params for s in seqs], [s.generator for s in seqs], self.generator)

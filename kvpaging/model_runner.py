@@ -155,12 +155,13 @@ def prepare_step_inputs(out: SchedulerOutput, bm: BlockManager, device: torch.de
     over their tokens (once, to compute slots).
     """
     bs = bm.block_size
-    get_table = bm.get_block_table
+    get_table = bm.get_sequence_blocks
+    rows: list[int] = []
+    width = 0
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
-    tables: list[list[int]] = []
     last_index = [0] * len(out.scheduled)  # packed position of each scheduled sequence's last token
     chunks = []
     for k, s in enumerate(out.scheduled):
@@ -168,18 +169,22 @@ def prepare_step_inputs(out: SchedulerOutput, bm: BlockManager, device: torch.de
             chunks.append((k, s))
             continue
         start = s.start
-        table = get_table(s.seq.seq_id)
+        st = get_table(s.seq.seq_id)
+        table = st.block_ids
         last_index[k] = len(input_ids)
         input_ids.append(s.seq.token_ids[start])
         positions.append(start)
         slots.append(table[start // bs] * bs + start % bs)
         seq_lens.append(start + 1)
-        tables.append(table)
+        rows.append(st.row)
+        if len(table) > width:
+            width = len(table)
     num_decodes = len(input_ids)
     cu_prefill = [0]
     for k, s in chunks:
         start, end = s.start, s.start + s.num_new_tokens
-        table = get_table(s.seq.seq_id)
+        st = get_table(s.seq.seq_id)
+        table = st.block_ids
         input_ids.extend(s.seq.token_ids[start:end])
         pos = range(start, end)
         positions.extend(pos)
@@ -187,12 +192,12 @@ def prepare_step_inputs(out: SchedulerOutput, bm: BlockManager, device: torch.de
         last_index[k] = len(input_ids) - 1
         cu_prefill.append(len(input_ids) - num_decodes)
         seq_lens.append(end)
-        tables.append(table)
+        rows.append(st.row)
+        if len(table) > width:
+            width = len(table)
     logits_indices = [last_index[k] for k, s in enumerate(out.scheduled) if s.sample]
-    # numpy fills rows from lists several times faster than torch.tensor() on a padded flat list
-    block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = t
+    # the block manager keeps every table as a row of one array: the step takes its rows in one call
+    block_tables = bm.table_array[rows, :width]
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0),
         positions=torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0),

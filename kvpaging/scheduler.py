@@ -84,6 +84,8 @@ class Scheduler:
         self._step = 0
         self._static_admitting = True  # static mode: the batch is open until its first token is sampled
         self.num_preemptions = 0
+        # seats held beyond one by running n > 1 requests that have not forked yet
+        self._unforked_extra_seats = 0
 
     # -- queue changes from the engine ---------------------------------------------------
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -136,7 +138,7 @@ class Scheduler:
         if not preempted and (self.scheduling == "continuous" or self._static_admitting or not running):
             if not running:
                 self._static_admitting = True
-            seats = sum(_seats(s) for s in running)
+            seats = len(running) + self._unforked_extra_seats
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
                 need = _seats(seq)
@@ -152,6 +154,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 running.append(seq)
                 seats += need
+                self._unforked_extra_seats += need - 1
                 scheduled.append(ScheduledSeq(seq, start, n, start + n == len(seq.token_ids)))
                 budget -= n
 
@@ -166,44 +169,56 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
         self.bm.free(seq.seq_id)
+        self._unforked_extra_seats -= _seats(seq) - 1
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish_compute(self, out: SchedulerOutput) -> list[list[Sequence]]:
+    def finish_compute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int] | None]:
         """After a successful forward: record computed tokens, cache full blocks, fork n > 1 requests.
 
-        Returns, for each sequence that reached its end (one logits row each),
-        the sequences that sample from that row: just itself, or all ``n``
-        completions of a request whose prompt was computed this very step.
+        Returns the sequences that sample a token now, and, when a fork made
+        several of them share one logits row, the row each one reads (else None:
+        one row each, in order). A request with n > 1 forks right after its
+        prompt is computed, so all n completions sample from the prompt's last
+        position and share its blocks.
         """
         bm = self.bm
-        rows: list[list[Sequence]] = []
+        bs = bm.block_size
+        seqs: list[Sequence] = []
+        row_of: list[int] | None = None
+        row = -1  # the logits row of the current sampling sequence: one per sequence that reached its end
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            n = s.num_new_tokens
+            computed = seq.num_computed_tokens = s.start + n
+            if n > 1 or computed % bs == 0:  # only then can a block have become full
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, computed)
             if not s.sample:
                 continue
+            row += 1
+            seqs.append(seq)
+            if row_of is not None:
+                row_of.append(row)
             request = seq.request
             if request.params.n > 1 and not request.forked:
+                if row_of is None:
+                    row_of = list(range(len(seqs)))
                 request.forked = True
-                group = [seq]
+                self._unforked_extra_seats -= request.params.n - 1
                 for index in range(1, request.params.n):
                     child = self.new_sequence(request, index, list(seq.token_ids))
                     bm.fork(seq.seq_id, child.seq_id)
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_computed_tokens = computed
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
-                    group.append(child)
-                rows.append(group)
-            else:
-                rows.append([seq])
-        if rows and self.scheduling == "static":
+                    seqs.append(child)
+                    row_of.append(row)
+        if seqs and self.scheduling == "static":
             self._static_admitting = False
-        return rows
+        return seqs, row_of
 
     def append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float] | None) -> list[Sequence]:
         """Append each sampled token, finish sequences that are done and free their blocks. Returns the finished."""
@@ -246,6 +261,8 @@ class Scheduler:
         seq.status = status
         if self.bm.has_sequence(seq.seq_id):
             self.bm.free(seq.seq_id)
+        if was is SequenceStatus.RUNNING:
+            self._unforked_extra_seats -= _seats(seq) - 1
         if remove:
             if was is SequenceStatus.RUNNING:
                 self.running.remove(seq)
@@ -259,7 +276,9 @@ class Scheduler:
         running_ids = {id(s) for s in self.running}
         assert len(running_ids) == len(self.running), "a sequence is running twice"
         assert not running_ids & {id(s) for s in self.waiting}, "a sequence is both waiting and running"
-        assert sum(_seats(s) for s in self.running) <= self.max_num_seqs, "more sequences than max_num_seqs"
+        extra = sum(_seats(s) - 1 for s in self.running)
+        assert extra == self._unforked_extra_seats, f"seat count {self._unforked_extra_seats} != {extra}"
+        assert len(self.running) + extra <= self.max_num_seqs, "more sequences than max_num_seqs"
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING
             assert self.bm.has_sequence(seq.seq_id), f"running sequence {seq.seq_id} holds no blocks"
