@@ -38,7 +38,7 @@ import argparse
 import random
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -70,10 +70,12 @@ class SoakConfig:
     max_model_len: int = 40
     max_prompt: int = 28
     max_output: int = 12
-    max_arrivals_per_step: int = 8
-    abort_fraction: float = 0.05  # of requests, each aborted at a random step after it arrives
+    max_arrivals_per_step: int = 4  # 2 a step on average: about what the engine serves, so the queue stays short
+    abort_rate: float = 0.1  # chance, at each step, that one random live request is aborted
     solo_checks: int = 30  # greedy and seeded requests re-run alone
     check_every: int = 1  # steps between full invariant checks
+    enable_prefix_caching: bool = True
+    scheduling: str = "continuous"
 
 
 @dataclass
@@ -84,7 +86,6 @@ class Spec:
     prompt: list[int]
     params: SamplingParams
     kind: str  # "greedy", "seeded" or "random"
-    abort_after: int | None = None  # steps after its arrival; None: never aborted
 
 
 @dataclass
@@ -92,6 +93,8 @@ class SoakResult:
     config: SoakConfig
     finals: dict[str, object] = field(default_factory=dict)  # request id -> final RequestOutput
     aborted: set[str] = field(default_factory=set)
+    aborted_while: Counter = field(default_factory=Counter)  # what the aborted requests were doing
+    finish_reasons: Counter = field(default_factory=Counter)  # over completions of finished requests
     problems: list[str] = field(default_factory=list)
     steps: int = 0
     preemptions: int = 0
@@ -111,7 +114,8 @@ class SoakResult:
         return (
             f"soak seed={c.seed}: {c.requests} requests ({len(self.finals)} finished, {len(self.aborted)} aborted), "
             f"{self.generated_tokens} tokens generated in {self.steps} steps, "
-            f"{self.preemptions} preemptions, peak {self.peak_used_blocks}/{c.num_blocks} blocks used, "
+            f"{self.preemptions} preemptions, aborted while {dict(self.aborted_while)}, "
+            f"completions ended by {dict(self.finish_reasons)}, peak {self.peak_used_blocks}/{c.num_blocks} blocks used, "
             f"max {self.max_running} running, max {self.max_batched_tokens}/{c.max_num_batched_tokens} tokens in a step, "
             f"prefix hit rate {self.prefix_hit_rate:.1%}, {self.cow_copies} copy-on-write copies, "
             f"{self.evictions} evictions, {self.solo_checked} requests re-run alone; "
@@ -168,8 +172,7 @@ def make_workload(config: SoakConfig) -> list[Spec]:
         if rng.random() < 0.1:
             sampling["logprobs"] = rng.choice([0, 2])
         params = SamplingParams(n=rng.choices([1, 2, 3], weights=[6, 3, 2])[0], max_tokens=max_tokens, **sampling)
-        abort_after = rng.randint(0, 25) if rng.random() < config.abort_fraction else None
-        specs.append(Spec(f"r{i}", prompt, params, kind, abort_after))
+        specs.append(Spec(f"r{i}", prompt, params, kind))
     return specs
 
 
@@ -184,7 +187,8 @@ def make_llm(model, config: SoakConfig, **overrides) -> LLM:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
-        enable_prefix_caching=True,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling=config.scheduling,
         seed=config.seed,
     )
     settings.update(overrides)
@@ -218,7 +222,6 @@ def run_soak(config: SoakConfig, model=None, progress: bool = False) -> SoakResu
     result = SoakResult(config)
     pending = deque(specs)
     live: set[str] = set()
-    abort_at: dict[int, list[str]] = {}
     max_steps = 200 * config.requests + 1000
 
     def watch(record):  # an observer: every step's batch stays within the token budget and the sequence cap
@@ -240,13 +243,14 @@ def run_soak(config: SoakConfig, model=None, progress: bool = False) -> SoakResu
             spec = pending.popleft()
             engine.add_request(spec.request_id, spec.prompt, spec.params)
             live.add(spec.request_id)
-            if spec.abort_after is not None:
-                abort_at.setdefault(step + spec.abort_after, []).append(spec.request_id)
-        for rid in abort_at.pop(step, []):
-            if rid in live:  # it may have finished already
-                engine.abort_request(rid)
-                live.discard(rid)
-                result.aborted.add(rid)
+        if live and rng.random() < config.abort_rate:
+            # a third of the aborts hit a request in the middle of its (chunked or recomputed) prefill, if any
+            prefilling = sorted({s.request.request_id for s in engine.scheduler.running if s.is_prefill})
+            rid = rng.choice(prefilling if prefilling and rng.random() < 1 / 3 else sorted(live))
+            result.aborted_while[_doing(engine.scheduler.requests[rid])] += 1
+            engine.abort_request(rid)
+            live.discard(rid)
+            result.aborted.add(rid)
         outputs = engine.step()
         step += 1
         if step > max_steps:
@@ -307,8 +311,19 @@ def run_soak(config: SoakConfig, model=None, progress: bool = False) -> SoakResu
             continue
         result.problems.extend(check_output(spec, out, config.max_model_len, engine.eos_token_ids))
         result.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            cut = c.finish_reason == "length" and len(c.token_ids) < spec.params.max_tokens
+            result.finish_reasons["max_model_len" if cut else c.finish_reason] += 1
     assert set(by_id) >= set(result.finals)
     return result
+
+
+def _doing(request) -> str:
+    """waiting, preempted (waiting again), prefill (a chunk of its prompt computed, or recomputing after preemption) or decode."""
+    seq = request.seqs[0]
+    if seq.status.value == "waiting":
+        return "preempted" if seq.num_preemptions else "waiting"
+    return "prefill" if seq.is_prefill else "decode"
 
 
 def check_output(spec: Spec, out, max_model_len: int, eos_token_ids) -> list[str]:
@@ -413,6 +428,9 @@ def main(argv=None) -> int:
     parser.add_argument("--solo-checks", type=int, default=defaults.solo_checks)
     parser.add_argument("--check-every", type=int, default=defaults.check_every,
                         help="steps between full invariant checks (0: only at the end)")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--scheduling", choices=["continuous", "static"], default=defaults.scheduling)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -424,6 +442,9 @@ def main(argv=None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         solo_checks=args.solo_checks,
         check_every=args.check_every,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        scheduling=args.scheduling,
     )
     result = soak(config, progress=True)
     print(result.figures())

@@ -27,6 +27,7 @@ from types import ModuleType
 import torch
 
 ATTN_NAME = "kvpaging"
+CALIBRATION_KWARG = "kvpaging_calibration"  # a dict layer -> (k amax, v amax) per KV head, filled in place
 
 __all__ = ["AttentionMetadata", "register_attention", "get_backend", "ATTN_NAME"]
 
@@ -63,6 +64,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        amax = kwargs.pop(CALIBRATION_KWARG, None)
+        if amax is not None:  # an FP8 calibration pass: record each KV head's largest |key| and |value|
+            k_max = key.detach().abs().amax(dim=(0, 2, 3)).float()
+            v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
+            old = amax.get(module.layer_idx)
+            amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("sliding_window"):
         raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which kvpaging does not serve")

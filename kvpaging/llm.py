@@ -63,10 +63,8 @@ class LLM:
             _check_int("max_model_len", max_model_len, 2)
         if kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
-        if kv_cache_dtype != "auto":
-            if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-                raise NotImplementedError("kv_cache_dtype='fp8' is not available yet; use 'auto'")
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
         if attention_backend not in ("auto", "torch", "triton"):
@@ -97,7 +95,9 @@ class LLM:
             logger.info("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
 
         model_dtype = next(model.parameters()).dtype
-        bytes_per_block = kv_bytes_per_token(config, model_dtype) * block_size
+        # "fp8": keys and values stored as float8_e4m3fn with per-KV-head scales (half the bytes of bf16)
+        kv_dtype = model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        bytes_per_block = kv_bytes_per_token(config, kv_dtype) * block_size
         if num_blocks is None:
             num_blocks = self._size_pool(dev, bytes_per_block, gpu_memory_utilization, kv_cache_memory_bytes)
         if num_blocks * block_size < max_model_len:
@@ -121,6 +121,7 @@ class LLM:
                 enforce_eager=enforce_eager,
             ),
             seed=seed,
+            kv_torch_dtype=kv_dtype,
         )
         self._ids = itertools.count()
 

@@ -62,6 +62,7 @@ class ModelRunner:
         block_manager: BlockManager,
         attention_backend: str = "torch",
         kv_cache_dtype: torch.dtype | None = None,
+        calibration_tokens: list[list[int]] | None = None,
     ) -> None:
         check_model_supported(model)
         self.model = model
@@ -86,8 +87,37 @@ class ModelRunner:
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
         register_attention()
         model.set_attn_implementation(ATTN_NAME)
+        if self.kv_cache_dtype == torch.float8_e4m3fn:
+            self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    @torch.inference_mode()
+    def calibrate_fp8_scales(self, calibration_tokens: list[list[int]] | None = None, seed: int = 0):
+        """Per-layer, per-KV-head FP8 scales from the data: amax / 448 over a calibration pass.
+
+        The model runs once, unpaged, over a few calibration sequences (by
+        default 4 x 256 random token ids from a fixed seed, since nothing is
+        downloaded), while the attention function records the largest |key| and
+        |value| of every KV head in every layer. Values beyond the calibrated
+        range are clamped to +-448 when stored (saturation), never turned to NaN.
+        """
+        from .attention import CALIBRATION_KWARG
+        from .kernels.fp8 import FP8_MAX, MIN_SCALE
+
+        if calibration_tokens is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            g = torch.Generator().manual_seed(seed)
+            calibration_tokens = torch.randint(0, vocab, (4, 256), generator=g).tolist()
+        amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for tokens in calibration_tokens:
+            ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+            self.model(input_ids=ids, use_cache=False, logits_to_keep=1, **{CALIBRATION_KWARG: amax})
+        missing = [i for i in range(self.num_layers) if i not in amax]
+        if missing:
+            raise ValueError(f"FP8 calibration saw no keys/values for layers {missing}")
+        return [((k / FP8_MAX).clamp(min=MIN_SCALE), (v / FP8_MAX).clamp(min=MIN_SCALE)) for k, v in
+                (amax[i] for i in range(self.num_layers))]
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -116,10 +146,13 @@ class ModelRunner:
         return inputs.input_ids, inputs.positions, meta, inputs.logits_indices
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order."""
+    def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
+        """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
+        (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
         self.copy_blocks(out.blocks_to_copy)
         ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        if all_positions:
+            logits_indices = 0  # transformers' "keep every position"
         result = self.model(
             input_ids=ids,
             position_ids=positions,

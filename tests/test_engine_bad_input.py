@@ -235,8 +235,3 @@ def test_llm_refuses_bad_settings(kwargs, match, factory):
     with pytest.raises(ValueError, match=match):
         LLM(model, **settings)
     assert model.config._attn_implementation == "sdpa"  # the refused LLM left the model alone
-
-
-def test_fp8_kv_cache_is_refused_as_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="fp8"):
-        LLM(make_model(ARCH), num_blocks=64, max_model_len=64, kv_cache_dtype="fp8")

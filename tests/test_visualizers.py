@@ -250,9 +250,9 @@ def _run_and_snapshot(llm, prompts, params):
     return outs, engine.trace, truth
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
-def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size):
-    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=20, block_size=block_size, max_model_len=80,
+@pytest.mark.parametrize(("block_size", "num_blocks"), [(4, 20), (8, 11)])
+def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size, num_blocks):
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=num_blocks, block_size=block_size, max_model_len=80,
               max_num_batched_tokens=24)
     prefix = list(range(10, 30))
     prompts = [prefix + [40, 41], prefix + [50, 51, 52], list(range(60, 73)), prefix + [40, 41, 42, 43]]
@@ -286,21 +286,21 @@ def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size):
 # -- contiguous baseline ------------------------------------------------------------------------------------
 def test_contiguous_frame_of_a_scripted_scenario():
     events = [
-        [("reserve", "a", 30), ("reserve", "b", 20), ("reserve", "c", 30)],
-        [("use", "a", 10), ("release", "b")],
-        [("reserve", "d", 10), ("release", "c")],  # d takes half of b's hole; holes: 10 + 40 after c goes
-        [("reserve", "e", 45)],  # 50 slots free, largest hole 40: refused by fragmentation
+        [("reserve", "a", 30), ("reserve", "b", 20), ("reserve", "c", 30), ("reserve", "f", 20)],  # full
+        [("use", "a", 10), ("release", "b")],  # hole [30, 50)
+        [("reserve", "d", 10), ("release", "f")],  # d takes [30, 40); holes [40, 50) and [80, 100)
+        [("reserve", "e", 25)],  # 30 slots free, largest hole 20: refused by fragmentation
     ]
     steps = simulate_contiguous(100, events)
     assert first_refusal(steps) == 3
     f = contiguous_frame(steps, 3)
-    assert f.run_starts.tolist() == [0, 30] and f.run_lengths.tolist() == [30, 10]
-    assert f.run_used.tolist() == [10, 0]
-    assert list(zip(f.hole_starts.tolist(), f.hole_lengths.tolist())) == [(40, 10), (60, 40)]
-    assert f.total_free.tolist() == [20, 40, 50, 50]
-    assert f.largest_hole.tolist() == [20, 20, 40, 40]
-    assert f.refusal_positions.tolist() == [3] and f.refusal_sizes.tolist() == [45]
-    assert "refused e (45 slots) although 50 are free" in f.title
+    assert f.run_starts.tolist() == [0, 30, 50] and f.run_lengths.tolist() == [30, 10, 30]
+    assert f.run_used.tolist() == [10, 0, 0]
+    assert list(zip(f.hole_starts.tolist(), f.hole_lengths.tolist())) == [(40, 10), (80, 20)]
+    assert f.total_free.tolist() == [0, 20, 30, 30]
+    assert f.largest_hole.tolist() == [0, 20, 20, 20]
+    assert f.refusal_positions.tolist() == [3] and f.refusal_sizes.tolist() == [25]
+    assert "refused e (25 slots) although 30 are free" in f.title
     assert f.figures["first_refusal"] == 3
     earlier = contiguous_frame(steps, 2)
     assert earlier.refused_now == [] and earlier.refusal_positions.size == 0
@@ -315,7 +315,7 @@ def test_contiguous_sim_of_a_paged_trace_finds_the_fragmentation_refusal():
     assert results == [[], [], ["OutOfMemory"], ["OutOfMemory"], ["OutOfMemory"]]
     assert first_refusal(sim.steps) == 4  # step 5: 10 slots free in two holes of 6 and 4, c needs 8
     assert sim.steps[4].snapshot.total_free == 16  # b released at the end of step 5
-    assert sim.steps[1].snapshot.used_slots == 7 + 6  # a holds 7 tokens, b 6
+    assert sim.steps[1].snapshot.used_slots == 6 + 6  # a's 7 tokens are capped at its 6 reserved slots
 
 
 # -- throughput and latency ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ __all__ = [
     "PALETTE",
     "discrete_colorscale",
     "sample_positions",
+    "json_safe",
 ]
 
 #: Soft colours for sequences and requests, chosen so black text stays readable and none
@@ -56,6 +57,24 @@ def discrete_colorscale(colors: Iterable[str]) -> list[list]:
         scale.append([k / n, color])
         scale.append([(k + 1) / n, color])
     return scale
+
+
+def json_safe(value):
+    """Replace NaN by None in the arrays of a trace or layout update.
+
+    Pure functions mark "nothing here" with NaN (numpy's way), but a widget
+    update travels as JSON, where NaN is not allowed; plotly draws None as a
+    gap, which is what NaN meant.
+    """
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        missing = np.isnan(value)
+        if missing.any():
+            out = value.astype(object)
+            out[missing] = None
+            return out.tolist()
+    return value
 
 
 def sample_positions(num_positions: int, max_frames: int) -> list[int]:
@@ -130,7 +149,8 @@ class View:
     #: figure height in pixels
     height = 420
 
-    def __init__(self, *, controls: bool = True, interval_ms: int = 250) -> None:
+    def __init__(self, *, controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+        self.width = width  # pixels; None lets plotly choose (700 in a notebook)
         self.position = 0
         self._at_end = True  # on the newest step: live updates move the view along
         self._figure = None
@@ -168,7 +188,7 @@ class View:
             import plotly.graph_objects as go
 
             with self._lock:
-                fig = go.FigureWidget(self.base_figure())
+                fig = go.FigureWidget(self._sized(self.base_figure()))
                 self._figure = fig
                 self._apply(self.position)
         return self._figure
@@ -232,9 +252,14 @@ class View:
         fig = self._figure
         with fig.batch_update():
             for trace, update in zip(fig.data, traces):
-                trace.update(update)
+                trace.update(json_safe(update))
             if layout:
-                fig.layout.update(layout)
+                fig.layout.update(json_safe(layout))
+
+    def _sized(self, fig):
+        if self.width is not None:
+            fig.update_layout(width=self.width, autosize=False)
+        return fig
 
     def _update_label(self) -> None:
         if self._controls is not None:
@@ -248,19 +273,19 @@ class View:
         import plotly.graph_objects as go
 
         self.sync()
-        fig = go.Figure(self.base_figure())
+        fig = self._sized(go.Figure(self.base_figure()))
         positions = sample_positions(self.num_positions(), max_frames)
         if not positions:
             return fig
         frames = []
         for p in positions:
             traces, layout = self.frame(p)
-            data = [dict(update, type=trace.type) for trace, update in zip(fig.data, traces)]
+            data = [dict(json_safe(update), type=trace.type) for trace, update in zip(fig.data, traces)]
             frames.append(go.Frame(data=data, traces=list(range(len(data))), layout=layout, name=str(p)))
         first_traces, first_layout = self.frame(positions[0])
         for trace, update in zip(fig.data, first_traces):
-            trace.update(update)
-        fig.update_layout(first_layout)
+            trace.update(json_safe(update))
+        fig.update_layout(json_safe(first_layout))
         fig.frames = frames
         play_args = {"frame": {"duration": self._interval_ms, "redraw": True}, "fromcurrent": True,
                      "transition": {"duration": 0}}
@@ -323,10 +348,10 @@ class TraceView(View):
     """
 
     def __init__(self, trace=None, *, block_size: int | None = None, controls: bool = True,
-                 interval_ms: int = 250) -> None:
+                 interval_ms: int = 250, width: int | None = None) -> None:
         from .replay import TraceReplay
 
-        super().__init__(controls=controls, interval_ms=interval_ms)
+        super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         if isinstance(trace, TraceReplay):
             self.replay = trace
         else:

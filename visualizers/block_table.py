@@ -122,7 +122,7 @@ def block_table_frame(replay: TraceReplay, position: int, *, page: int = 0, rows
     if num_pages > 1:
         title += f" (page {page + 1} of {num_pages})"
     if events:
-        title += "<br><sup>" + "; ".join(events[:4]) + (" …" if len(events) > 4 else "") + "</sup>"
+        title += SMALL + "; ".join(events[:4]) + (" …" if len(events) > 4 else "") + "</span>"
     customdata = np.stack([ids, ref, fill, src], axis=-1)
     return BlockTableFrame(z, text, customdata, labels, shown, page, num_pages, events, title)
 
@@ -144,14 +144,15 @@ class BlockTableView(TraceView):
     height = 420
 
     def __init__(self, trace=None, *, block_size: int | None = None, rows_per_page: int = 24,
-                 controls: bool = True, interval_ms: int = 250) -> None:
-        super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms)
+                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+        super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         import ipywidgets as widgets
 
         self.rows_per_page = rows_per_page
         self.page_selector = widgets.BoundedIntText(value=1, min=1, max=1, description="page",
                                                     layout=widgets.Layout(width="140px"))
         self.page_selector.observe(lambda change: self.redraw(), names="value")
+        self.page_selector.layout.display = "none"  # shown once there is more than one page
         self._extra_widgets.append(self.page_selector)
 
     @property
@@ -171,7 +172,7 @@ class BlockTableView(TraceView):
 
         fig = go.Figure()
         fig.add_trace(go.Heatmap(
-            z=[[np.nan]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
+            z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
             showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont={"size": 10},
             hovertemplate=HOVER, name="block tables",
         ))
@@ -190,6 +191,7 @@ class BlockTableView(TraceView):
     def frame(self, position: int) -> tuple[list[dict], dict]:
         f = self.compute(position)
         self.page_selector.max = f.num_pages
+        self.page_selector.layout.display = None if f.num_pages > 1 else "none"
         y = f.row_labels or [""]
         heat = {"z": f.z if f.z.size else np.full((1, 1), np.nan), "text": f.text, "customdata": f.customdata,
                 "y": y, "x": list(range(f.z.shape[1]))}

@@ -99,8 +99,8 @@ class BubbleTimeline(View):
 
     def __init__(self, trace=None, *, block_size: int | None = None, num_slots: int | None = None,
                  panels: list | None = None, controls: bool = True, interval_ms: int = 250,
-                 max_columns: int = 1200) -> None:
-        super().__init__(controls=controls, interval_ms=interval_ms)
+                 max_columns: int = 1200, width: int | None = None) -> None:
+        super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         self.max_columns = max_columns
         if panels is None:
             replay = trace if isinstance(trace, TraceReplay) else TraceReplay(trace or (), block_size=block_size)
@@ -120,13 +120,14 @@ class BubbleTimeline(View):
         return cls(panels=panels, **kwargs)
 
     @classmethod
-    def from_traces(cls, *, num_slots: int | None = None, block_size: int | None = None, **traces) -> BubbleTimeline:
-        """One panel per named trace: ``from_traces(static=trace_a, continuous=trace_b)``."""
+    def from_traces(cls, traces: dict, *, num_slots: int | None = None, block_size: int | None = None,
+                    **kwargs) -> BubbleTimeline:
+        """One panel per named trace: ``from_traces({"static": trace_a, "continuous": trace_b})``."""
         panels = []
         for name, trace in traces.items():
             replay = trace if isinstance(trace, TraceReplay) else TraceReplay(trace, block_size=block_size)
             panels.append((name, _EnginePanel(replay, num_slots)))
-        return cls(panels=panels)
+        return cls(panels=panels, **kwargs)
 
     @property
     def timelines(self) -> list[SlotTimeline]:
@@ -163,7 +164,7 @@ class BubbleTimeline(View):
         fig = make_subplots(rows=n, cols=1, vertical_spacing=0.25 / max(n, 1),
                             subplot_titles=[name for name, _ in self.panels])
         for i in range(n):
-            fig.add_trace(go.Heatmap(z=[[np.nan]], colorscale=discrete_colorscale(COLORS), zmin=-0.5,
+            fig.add_trace(go.Heatmap(z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5,
                                      zmax=len(COLORS) - 0.5, showscale=False, ygap=2, hovertemplate=HOVER,
                                      name=self.panels[i][0]), row=i + 1, col=1)
             fig.update_yaxes(title_text="slot", autorange="reversed", showgrid=False, row=i + 1, col=1)
@@ -177,6 +178,9 @@ class BubbleTimeline(View):
     def frame(self, position: int) -> tuple[list[dict], dict]:
         frames = self.compute(position)
         traces = [{"z": f.z, "customdata": f.customdata, "x": f.x} for f in frames]
+        layout = {}
+        for i, t in enumerate(self._timelines):  # whole slots only, while there are few enough to label
+            layout[f"yaxis{i + 1 if i else ''}"] = {"dtick": 1 if t.num_slots <= 32 else None}
         if self._title_y is None:
             self._title_y = [a.y for a in self.base_figure().layout.annotations]
         fig_annotations = []
@@ -184,7 +188,8 @@ class BubbleTimeline(View):
             fig_annotations.append({"text": f.title, "xref": "paper", "yref": "paper", "x": 0.5, "y": y,
                                     "xanchor": "center", "yanchor": "bottom", "showarrow": False,
                                     "font": {"size": 12}})
-        return traces, {"annotations": fig_annotations}
+        layout["annotations"] = fig_annotations
+        return traces, layout
 
     def summary(self, position: int | None = None) -> str:
         if not self.num_positions():

@@ -90,16 +90,16 @@ def contiguous_frame(steps: Sequence[ContiguousStep], position: int, *, colors: 
     }
     label = label if label is not None else f"t={position}"
     title = (
-        f"Contiguous allocator at {label}: {snap.reserved_slots}/{snap.num_slots} slots reserved, "
-        f"{snap.used_slots} hold tokens (waste {snap.internal_waste:.0%}) · free {snap.total_free} in "
-        f"{len(holes)} holes, largest {snap.largest_hole}"
+        f"Contiguous allocator at {label}: {snap.total_free} slots free in {len(holes)} holes, "
+        f"largest {snap.largest_hole}<br><span style='font-size:11px'>{snap.reserved_slots}/{snap.num_slots} slots reserved, "
+        f"{snap.used_slots} hold tokens (internal waste {snap.internal_waste:.0%})</span>"
     )
     if refused_now:
         r = refused_now[0]
-        title += (f"<br><sup><b>refused {r.request_id!s} ({r.requested} slots) although "
-                  f"{r.total_free} are free in total: largest hole {r.largest_hole}</b></sup>")
+        title += (SMALL + f"<b style='color:#d62728'>refused {r.request_id!s} ({r.requested} slots) although "
+                  f"{r.total_free} are free in total: largest hole {r.largest_hole}</b></span>")
     elif shown:
-        title += f"<br><sup>first refusal by fragmentation at position {shown[0][0]}</sup>"
+        title += SMALL + f"first refusal by fragmentation at position {shown[0][0]}</span>"
     return ContiguousFrame(
         run_starts=np.array([r.start for r in runs], dtype=np.int64),
         run_lengths=np.array([r.num_slots for r in runs], dtype=np.int64),
@@ -215,8 +215,8 @@ class ContiguousMemoryView(View):
     height = 440
 
     def __init__(self, steps: Sequence[ContiguousStep] | None = None, *, controls: bool = True,
-                 interval_ms: int = 250, _sim: ContiguousTraceSim | None = None) -> None:
-        super().__init__(controls=controls, interval_ms=interval_ms)
+                 interval_ms: int = 250, width: int | None = None, _sim: ContiguousTraceSim | None = None) -> None:
+        super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         self._sim = _sim
         self._steps = list(steps) if steps is not None else []
         self._colors: dict = {}
@@ -226,10 +226,10 @@ class ContiguousMemoryView(View):
 
     @classmethod
     def from_trace(cls, trace, *, block_size: int | None = None, num_slots: int | None = None,
-                   reserve_tokens=None, controls: bool = True) -> ContiguousMemoryView:
+                   reserve_tokens=None, **kwargs) -> ContiguousMemoryView:
         """What a contiguous allocator of ``num_slots`` (default: the paged pool's size) makes of a trace."""
         replay = trace if isinstance(trace, TraceReplay) else TraceReplay(trace, block_size=block_size)
-        return cls(controls=controls, _sim=ContiguousTraceSim(replay, num_slots, reserve_tokens))
+        return cls(_sim=ContiguousTraceSim(replay, num_slots, reserve_tokens), **kwargs)
 
     @property
     def steps(self) -> list[ContiguousStep]:
@@ -277,15 +277,16 @@ class ContiguousMemoryView(View):
         fig.add_trace(go.Bar(name="hole (free)", marker={"color": "#ffffff", "line": {"width": 1, "color": "#bbb"},
                                                          "pattern": {"shape": "/", "fgcolor": "#ccc"}},
                              hovertemplate="hole at %{base}: %{x} slots<extra></extra>", **bar), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="total free", line={"color": "#1f77b4"}), row=2, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="largest hole", line={"color": "#ff7f0e"}),
-                      row=2, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="total free", line={"color": "#1f77b4"},
+                                 marker={"size": 4}), row=2, col=1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="largest hole", line={"color": "#ff7f0e"},
+                                 marker={"size": 4}), row=2, col=1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="refused although it fits in total",
                                  marker={"symbol": "x", "size": 12, "color": "#d62728"},
                                  hovertemplate="refused %{y} slots at %{x}<extra></extra>"), row=2, col=1)
         num_slots = self.steps[0].snapshot.num_slots if self.steps else 1
         fig.update_layout(
-            barmode="overlay", height=self.height, margin={"l": 60, "r": 10, "t": 80, "b": 40},
+            barmode="overlay", height=self.height, margin={"l": 60, "r": 10, "t": 95, "b": 40},
             title={"text": "Contiguous allocator", "font": {"size": 13}}, legend={"orientation": "h", "y": -0.12},
             plot_bgcolor="#fafafa",
         )
@@ -309,7 +310,8 @@ class ContiguousMemoryView(View):
             {"x": xs, "y": f.largest_hole},
             {"x": f.refusal_positions, "y": f.refusal_sizes},
         ]
-        return traces, {"title": {"text": f.title}}
+        layout = {"title": {"text": f.title}, "xaxis": {"range": [0, f.figures["num_slots"]]}}
+        return traces, layout
 
     def summary(self, position: int | None = None) -> str:
         if not self.num_positions():

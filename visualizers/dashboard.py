@@ -43,7 +43,7 @@ class Dashboard:
 
     def __init__(self, llm=None, *, trace=None, block_size: int | None = None, fps: float = 4.0,
                  interval_ms: int = 250, rows_per_page: int = 16, max_cells: int = 4096,
-                 num_slots: int | None = None, reserve_tokens=None) -> None:
+                 num_slots: int | None = None, reserve_tokens=None, panel_width: int = 560) -> None:
         self.engine = getattr(llm, "engine", llm)
         num_blocks = None
         if self.engine is not None:
@@ -57,11 +57,15 @@ class Dashboard:
         self._reserve = reserve_tokens
         self._sim = ContiguousTraceSim(self.replay, None, self._reserve_for if isinstance(reserve_tokens, dict)
                                        else reserve_tokens)
-        self.block_table = BlockTableView(self.replay, rows_per_page=rows_per_page, controls=False)
-        self.memory_map = MemoryMapView(self.replay, max_cells=max_cells, controls=False)
-        self.bubbles = BubbleTimeline(self.replay, num_slots=num_slots, controls=False)
-        self.contiguous = ContiguousMemoryView(controls=False, _sim=self._sim)
-        self.throughput = ThroughputPanel(self.replay, controls=False)
+        # Fixed widths: a plot inside a widget box cannot always learn the box's width when it is
+        # first drawn, and then keeps plotly's default of 700 px, cropped. Two panels side by side
+        # need 2 x panel_width; on a narrower screen the rows wrap.
+        half = {"controls": False, "width": panel_width}
+        self.block_table = BlockTableView(self.replay, rows_per_page=rows_per_page, **half)
+        self.memory_map = MemoryMapView(self.replay, max_cells=max_cells, **half)
+        self.bubbles = BubbleTimeline(self.replay, num_slots=num_slots, **half)
+        self.contiguous = ContiguousMemoryView(_sim=self._sim, **half)
+        self.throughput = ThroughputPanel(self.replay, controls=False, width=2 * panel_width)
         self.views: list[View] = [self.block_table, self.memory_map, self.bubbles, self.contiguous, self.throughput]
         self.position = max(len(self.replay) - 1, 0)
         self._at_end = True
@@ -199,21 +203,17 @@ class Dashboard:
         if self._widget is None:
             import ipywidgets as widgets
 
-            def half(view):
-                box = view.widget
-                box.layout.width = "50%"
-                box.layout.min_width = "420px"
-                return box
+            def row(*views):
+                return widgets.HBox([v.widget for v in views], layout=widgets.Layout(flex_flow="row wrap"))
 
             header = widgets.HTML("<b>kvpaging dashboard</b> — block tables, physical pool, batch slots, "
                                   "the contiguous baseline and throughput, step by step")
             rows = [
                 header,
                 self.controls.widget,
-                widgets.HBox([half(self.block_table), half(self.memory_map)],
-                             layout=widgets.Layout(flex_flow="row wrap")),
-                widgets.HBox([half(self.bubbles), half(self.contiguous)], layout=widgets.Layout(flex_flow="row wrap")),
-                self.throughput.widget,
+                row(self.block_table, self.memory_map),
+                row(self.bubbles, self.contiguous),
+                row(self.throughput),
             ]
             self._widget = widgets.VBox(rows)
             self._widget.add_class("kvpaging-dashboard")

@@ -150,12 +150,11 @@ def memory_map_frame(replay: TraceReplay, position: int, *, max_cells: int = 409
     record = replay.records[position]
     title = (
         f"KV pool after step {record.step}: {figures['used_blocks']}/{num_blocks} blocks used "
-        f"({figures['usage']:.0%}) · {figures['tokens_stored']} tokens in {figures['allocated_slots']} slots · "
+        f"({figures['usage']:.0%})" + (f", {k} blocks per cell" if k > 1 else "")
+        + SMALL + f"{figures['tokens_stored']} tokens in {figures['allocated_slots']} allocated slots · "
         f"internal fragmentation {figures['internal_fragmentation']:.1%} · "
-        f"shared saves {figures['shared_savings_blocks']} blocks"
+        f"sharing saves {figures['shared_savings_blocks']} blocks</span>"
     )
-    if k > 1:
-        title += f" · {k} blocks per cell"
     return MemoryMapFrame(z, customdata, text, partial_x, partial_y, k, figures, title)
 
 
@@ -179,8 +178,8 @@ class MemoryMapView(TraceView):
     height = 460
 
     def __init__(self, trace=None, *, block_size: int | None = None, max_cells: int = 4096,
-                 controls: bool = True, interval_ms: int = 250) -> None:
-        super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms)
+                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+        super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         self.max_cells = max_cells
 
     def compute(self, position: int) -> MemoryMapFrame:
@@ -191,7 +190,7 @@ class MemoryMapView(TraceView):
 
         fig = go.Figure()
         fig.add_trace(go.Heatmap(
-            z=[[np.nan]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
+            z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
             showscale=False, xgap=1, ygap=1, hovertemplate=HOVER_ONE, texttemplate="%{text}",
             textfont={"size": 9}, name="blocks",
         ))
@@ -207,10 +206,10 @@ class MemoryMapView(TraceView):
                                      marker={"symbol": "square", "size": 12, "color": color,
                                              "line": {"width": 1, "color": "#999"}}))
         fig.update_layout(
-            height=self.height, margin={"l": 40, "r": 10, "t": 60, "b": 40},
+            height=self.height, margin={"l": 60, "r": 10, "t": 70, "b": 40},
             title={"text": "KV pool", "font": {"size": 13}},
-            xaxis={"showgrid": False, "zeroline": False, "title": "block id mod columns"},
-            yaxis={"showgrid": False, "zeroline": False, "autorange": "reversed", "title": "row"},
+            xaxis={"showgrid": False, "zeroline": False, "title": "column (block id = row label + column)"},
+            yaxis={"showgrid": False, "zeroline": False, "autorange": "reversed", "title": "first block of row"},
             legend={"orientation": "h", "y": -0.12}, plot_bgcolor="#fafafa",
         )
         return fig
@@ -220,7 +219,15 @@ class MemoryMapView(TraceView):
         heat = {"z": f.z, "customdata": f.customdata, "text": f.text,
                 "hovertemplate": HOVER_ONE if f.blocks_per_cell == 1 else HOVER_MANY}
         partial = {"x": f.partial_x, "y": f.partial_y}
-        return [heat, partial], {"title": {"text": f.title}}
+        rows, cols = f.z.shape
+        per_row = cols * f.blocks_per_cell
+        step = max(1, rows // 16)  # at most ~16 labels down the side
+        layout = {
+            "title": {"text": f.title},
+            "yaxis": {"tickvals": list(range(0, rows, step)), "ticktext": [str(r * per_row) for r in range(0, rows, step)]},
+            "xaxis": {"dtick": 1 if cols <= 16 else None},
+        }
+        return [heat, partial], layout
 
     def summary(self, position: int | None = None) -> str:
         if not len(self.replay):

@@ -70,6 +70,7 @@ class LatencyTracker:
 
     def __init__(self) -> None:
         self.first_scheduled: dict[str, float] = {}
+        self.first_position: dict[str, int] = {}
         self.token_times: dict[str, list[tuple[int, float]]] = {}  # request -> [(position, time)] of completion 0
         self._pending: dict[int, tuple[int, float]] = {}  # seq id -> (position, time) of a prefill that may sample
         self.num_records = 0
@@ -81,6 +82,7 @@ class LatencyTracker:
         finished = set(record.finished)
         for e in record.scheduled:
             self.first_scheduled.setdefault(e.request_id, record.start_time)
+            self.first_position.setdefault(e.request_id, position)
             times = self.token_times.setdefault(e.request_id, [])
             pending = self._pending.pop(e.seq_id, None)
             if e.index != 0:
@@ -98,9 +100,9 @@ class LatencyTracker:
     def latencies(self, upto: int | None = None) -> list[RequestLatency]:
         result = []
         for rid, times in self.token_times.items():
+            if upto is not None and self.first_position[rid] > upto:
+                continue  # not scheduled yet at that step
             t = [time for pos, time in times if upto is None or pos <= upto]
-            if upto is not None and not t and rid not in self.first_scheduled:
-                continue
             ttft = t[0] - self.first_scheduled[rid] if t else None
             gaps = np.diff(t) if len(t) > 1 else np.zeros(0)
             result.append(RequestLatency(
@@ -142,8 +144,8 @@ class ThroughputPanel(TraceView):
     height = 520
 
     def __init__(self, trace=None, *, block_size: int | None = None, metrics: dict | None = None,
-                 controls: bool = True, interval_ms: int = 250) -> None:
-        super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms)
+                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+        super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         self.metrics = dict(metrics) if metrics else {}
         self.tracker = LatencyTracker()
         self.sync()
@@ -170,7 +172,7 @@ class ThroughputPanel(TraceView):
             "tokens per step", "KV cache usage", "time to first token per request", "inter-token latency per request"))
         fig.add_trace(go.Bar(x=[], y=[], name="decode tokens", marker_color="#1f77b4"), row=1, col=1)
         fig.add_trace(go.Bar(x=[], y=[], name="prefill tokens", marker_color="#ff7f0e"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="KV usage", line={"color": "#2ca02c"},
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage", marker={"size": 4}, line={"color": "#2ca02c"},
                                  hovertemplate="step %{x}: %{y:.0%}<extra></extra>"), row=1, col=2)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="preemption",
                                  marker={"symbol": "x", "size": 10, "color": "#d62728"},
@@ -180,7 +182,7 @@ class ThroughputPanel(TraceView):
         fig.add_trace(go.Bar(x=[], y=[], name="inter-token (median, bar to p90)", marker_color="#17becf",
                              error_y={"type": "data", "symmetric": False, "array": [], "arrayminus": []},
                              hovertemplate="%{x}: %{y:.2f} ms<extra>median gap</extra>"), row=2, col=2)
-        fig.update_layout(barmode="stack", height=self.height, margin={"l": 50, "r": 10, "t": 60, "b": 40},
+        fig.update_layout(barmode="stack", height=self.height, margin={"l": 50, "r": 10, "t": 80, "b": 40},
                           title={"text": "Throughput and latency", "font": {"size": 13}},
                           legend={"orientation": "h", "y": -0.15}, plot_bgcolor="#fafafa")
         fig.update_yaxes(title_text="tokens", row=1, col=1)
@@ -211,9 +213,9 @@ class ThroughputPanel(TraceView):
         source = "from arrival" if lat and lat[0].from_arrival else "from first scheduled step"
         tokens = int(s["prefill_tokens"].sum() + s["decode_tokens"].sum())
         seconds = float(s["wall_time"].sum())
-        title = (f"Throughput and latency up to step {int(s['step'][-1])}: {tokens} tokens computed in "
+        title = (f"Throughput and latency up to step {int(s['step'][-1])}<br><span style='font-size:11px'>{tokens} tokens computed in "
                  f"{seconds * 1e3:.0f} ms of steps · {len(s['preempt_steps'])} steps preempted · "
-                 f"latencies {source}")
+                 f"latencies {source}</span>")
         return traces, {"title": {"text": title}}
 
     def summary(self, position: int | None = None) -> str:

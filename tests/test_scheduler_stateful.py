@@ -1,0 +1,363 @@
+"""A hypothesis state machine drives the Scheduler and its BlockManager the way the engine does, with no model.
+
+Rules add requests (prompts from a three-token vocabulary, so prefixes repeat
+and the prefix cache gets hits; ``n`` from 1 to 3), run scheduler steps
+(``schedule`` -> "forward" -> ``finish_compute`` -> ``append_tokens`` with random
+next tokens, EOS among them), fail steps the way the engine fails them (the
+forward raises, or the sampler raises after the forks), and abort random live
+requests. Pools are small, so preemption is routine; token budgets are small,
+so prompts are cut into chunks.
+
+Beside the scheduler runs a model of the KV data: every cache slot holds "the
+keys and values of token p after this whole prefix", written down as the
+tuple of tokens ``token_ids[:p + 1]``. The step's writes go through the block
+tables as the model runner's slot mapping would, copy-on-write pairs copy
+slots, and a failed forward leaves garbage in what it wrote. After every
+transition, each running sequence must read its own prefix in every computed
+slot, so any scheduling or sharing bug that would feed a sequence someone
+else's (or no one's) keys and values fails here, without a model.
+
+After every transition the pool's and the scheduler's invariants are checked,
+and each ``SchedulerOutput`` is checked against the limits: the token budget,
+the sequence cap, chunks within their sequence, writes only into blocks the
+sequence owns alone. ``test_scheduler_state_machine`` also counts the
+transitions it ran, so the "at least 100,000 per run" promise is checked too.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from kvpaging.block_manager import BlockManager
+from kvpaging.sampling_params import SamplingParams
+from kvpaging.scheduler import Scheduler
+from kvpaging.sequence import Request, SequenceStatus
+
+EOS = 2
+PROMPT_TOKENS = st.integers(3, 5)  # a tiny vocabulary, so prefixes repeat and the cache gets hits
+SAMPLED_TOKENS = (2, 3, 4, 5, 6)  # EOS among them
+GARBAGE = "garbage"  # what a slot holds after a failed forward wrote it
+
+COUNTS = {"transitions": 0, "rules": 0, "scheduler_steps": 0, "failed_steps": 0, "preemptions": 0, "finished": 0,
+          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "examples": 0}
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(3, 16),
+        max_num_seqs=st.integers(1, 6),
+        budget=st.integers(1, 12),
+        caching=st.booleans(),
+        colliding_hash=st.booleans(),
+        scheduling=st.sampled_from(["continuous", "continuous", "static"]),
+        max_len=st.integers(2, 24),
+    )
+    def setup(self, block_size, num_blocks, max_num_seqs, budget, caching, colliding_hash, scheduling, max_len):
+        kwargs = {"hash_fn": lambda parent, toks: sum(toks) % 3} if colliding_hash else {}
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, **kwargs)
+        self.max_model_len = min(max_len, num_blocks * block_size)  # like LLM(): the pool holds one whole sequence
+        self.sched = Scheduler(
+            self.bm,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            scheduling=scheduling,
+            eos_token_ids=frozenset({EOS}),
+        )
+        self.bs = block_size
+        self.content: dict[int, list] = {b: [None] * block_size for b in range(self.bm.num_blocks)}
+        self.expected_tokens: dict[int, list[int]] = {}  # seq id -> its tokens, kept by this model
+        self.next_request = 0
+        self.last_step = 0
+        COUNTS["examples"] += 1
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _live(self) -> list[str]:
+        return sorted(self.sched.requests)
+
+    @staticmethod
+    def _seats(seq) -> int:
+        """Seats of a running sequence: an n > 1 request whose completions do not exist yet holds n."""
+        req = seq.request
+        return req.params.n if len(req.seqs) < req.params.n else 1
+
+    def _written_slots(self, out):
+        """(block id, slot, position, seq) of every token the step's forward writes."""
+        for s in out.scheduled:
+            table = self.bm.get_block_table(s.seq.seq_id)
+            for p in range(s.start, s.start + s.num_new_tokens):
+                yield table[p // self.bs], p % self.bs, p, s.seq
+
+    def _check_output(self, out) -> None:
+        """A SchedulerOutput, right after schedule(): limits, chunks, preemptions, where its writes go."""
+        sched, bm = self.sched, self.bm
+        assert out.step > self.last_step
+        self.last_step = out.step
+        if sched.has_unfinished():
+            assert out.scheduled, "requests are waiting or running, yet nothing was scheduled"
+        ids = [id(s.seq) for s in out.scheduled]
+        assert len(ids) == len(set(ids)), "a sequence is scheduled twice in one step"
+        total = sum(s.num_new_tokens for s in out.scheduled)
+        assert total == out.num_batched_tokens <= sched.max_num_batched_tokens, (total, out.num_batched_tokens)
+        assert sum(self._seats(s.seq) for s in out.scheduled) <= sched.max_num_seqs
+        assert sum(self._seats(s) for s in sched.running) <= sched.max_num_seqs
+        running = {id(s) for s in sched.running}
+        for s in out.scheduled:
+            seq = s.seq
+            assert seq.status is SequenceStatus.RUNNING and id(seq) in running
+            assert s.num_new_tokens >= 1 and s.start >= 0
+            assert s.start == seq.num_computed_tokens, "a chunk must start where the computed tokens end"
+            assert s.start + s.num_new_tokens <= len(seq.token_ids), "a chunk runs past its sequence"
+            assert s.sample == (s.start + s.num_new_tokens == len(seq.token_ids))
+            assert bm.get_num_tokens(seq.seq_id) == s.start + s.num_new_tokens, "slots for exactly the step's tokens"
+            if s.start and s.start < seq.prompt_len and s.num_new_tokens > 1:
+                COUNTS["chunked"] += 1
+        for seq in out.preempted:
+            assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
+            assert not bm.has_sequence(seq.seq_id) and id(seq) not in running
+            assert id(seq) not in ids
+        COUNTS["preemptions"] += len(out.preempted)
+        for src, dst in out.blocks_to_copy:
+            assert bm.pool.blocks[dst].ref_cnt == 1 and src != dst
+        slots = set()
+        for block_id, slot, p, seq in self._written_slots(out):
+            block = bm.pool.blocks[block_id]
+            assert block.ref_cnt == 1, f"seq {seq.seq_id} writes position {p} into shared block {block_id}"
+            assert block.block_hash is None, f"seq {seq.seq_id} writes position {p} into cached block {block_id}"
+            assert (block_id, slot) not in slots, f"two tokens of one step write slot {slot} of block {block_id}"
+            slots.add((block_id, slot))
+
+    def _forward(self, out, ok: bool) -> None:
+        """What the model runner does to the KV data: copies first, then every token's K/V into its slot."""
+        for src, dst in out.blocks_to_copy:
+            self.content[dst] = list(self.content[src])
+        for block_id, slot, p, seq in self._written_slots(out):
+            self.content[block_id][slot] = tuple(seq.token_ids[: p + 1]) if ok else GARBAGE
+
+    def _expect_finished(self, seq, token) -> bool:
+        """Whether appending ``token`` ends the sequence (``expected_tokens`` already holds it)."""
+        params = seq.request.params
+        length = len(self.expected_tokens[seq.seq_id])
+        return (
+            (token == EOS and not params.ignore_eos)
+            or token in params.stop_token_ids
+            or length - seq.prompt_len >= params.max_tokens
+            or length >= self.max_model_len
+        )
+
+    # -- rules -------------------------------------------------------------------------------
+    @rule(
+        prompt=st.lists(PROMPT_TOKENS, min_size=1, max_size=20),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, 8),
+        ignore_eos=st.booleans(),
+        stop=st.sampled_from([None, None, [5]]),
+    )
+    def add_request(self, prompt, n, max_tokens, ignore_eos, stop):
+        prompt = prompt[: self.max_model_len - 1]  # the engine refuses longer prompts before they get here
+        n = min(n, self.sched.max_num_seqs)
+        params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                stop_token_ids=stop)
+        rid = f"r{self.next_request}"
+        self.next_request += 1
+        request = Request(rid, list(prompt), params, arrival_time=float(self.next_request))
+        self.sched.add_request(request)
+        seq = request.seqs[0]
+        assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
+        self.expected_tokens[seq.seq_id] = list(prompt)
+        COUNTS["transitions"] += 1
+        COUNTS["rules"] += 1
+
+    @rule(
+        steps=st.integers(1, 4),
+        seed=st.integers(0, 2**16),
+        fault=st.sampled_from([None] * 10 + ["forward", "sampler"]),
+    )
+    def step(self, steps, seed, fault):
+        """Run a few scheduler steps, each checked on its own; the last may fail like a broken forward or sampler."""
+        rng = random.Random(seed)
+        COUNTS["rules"] += 1
+        for k in range(steps):
+            sched = self.sched
+            hits_before = self.bm.stats().prefix_hit_tokens
+            out = sched.schedule()
+            COUNTS["prefix_hit_tokens"] += self.bm.stats().prefix_hit_tokens - hits_before
+            self._check_output(out)
+            COUNTS["transitions"] += 1
+            COUNTS["scheduler_steps"] += 1
+            if out.is_empty:
+                self._check_books()
+                continue
+            failing = fault if k == steps - 1 else None
+            self._forward(out, ok=failing != "forward")
+            if failing == "forward":
+                self._fail(out)
+                continue
+            before = {s.seq.request.request_id: len(s.seq.request.seqs) for s in out.scheduled}
+            seqs, row_of = sched.finish_compute(out)
+            self._check_finish_compute(out, seqs, row_of, before)
+            if failing == "sampler":
+                self._fail(out)
+                continue
+            tokens = [rng.choice(SAMPLED_TOKENS) for _ in seqs]
+            expected = set()
+            for seq, token in zip(seqs, tokens):
+                self.expected_tokens[seq.seq_id].append(token)
+                if self._expect_finished(seq, token):
+                    expected.add(seq.seq_id)
+            finished = sched.append_tokens(seqs, tokens, None)
+            assert {s.seq_id for s in finished} == expected
+            for seq in seqs:
+                assert seq.token_ids == self.expected_tokens[seq.seq_id]
+            for seq in finished:
+                assert seq.status.is_finished and seq not in sched.running
+                assert not self.bm.has_sequence(seq.seq_id), f"finished sequence {seq.seq_id} still holds blocks"
+                if seq.request.is_finished:
+                    assert seq.request.request_id not in sched.requests
+            COUNTS["finished"] += len(finished)
+            self._check_books()
+
+    def _check_finish_compute(self, out, seqs, row_of, before) -> None:
+        sampling = [s.seq for s in out.scheduled if s.sample]
+        for s in out.scheduled:
+            assert s.seq.num_computed_tokens == s.start + s.num_new_tokens
+        if row_of is None:
+            assert seqs == sampling, "without forks, one sampling sequence per row, in scheduled order"
+            return
+        assert len(row_of) == len(seqs)
+        assert sorted(set(row_of)) == list(range(len(sampling))), "every logits row is read"
+        assert row_of == sorted(row_of)
+        for row, parent in enumerate(sampling):
+            readers = [seq for seq, r in zip(seqs, row_of) if r == row]
+            assert readers[0] is parent
+            req = parent.request
+            if before[req.request_id] < req.params.n:  # forked in this very step
+                COUNTS["forks"] += 1
+                assert len(req.seqs) == req.params.n == len(readers)
+                assert [c.index for c in req.seqs] == list(range(req.params.n))
+                for child in readers[1:]:
+                    assert child.request is req and child.token_ids == parent.token_ids
+                    assert child.token_ids is not parent.token_ids
+                    assert self.bm.get_block_table(child.seq_id) == self.bm.get_block_table(parent.seq_id)
+                    self.expected_tokens[child.seq_id] = list(self.expected_tokens[parent.seq_id])
+            else:
+                assert readers == [parent]
+
+    def _fail(self, out) -> None:
+        requests = {s.seq.request for s in out.scheduled}
+        unfinished = {id(seq) for req in requests for seq in req.seqs if not seq.status.is_finished}
+        failed = self.sched.fail_step(out, RuntimeError("injected"))
+        assert {id(s) for s in failed} == unfinished, "the step's requests fail, each of their live completions"
+        for req in requests:
+            assert req.is_finished and req.request_id not in self.sched.requests
+            assert req.error is not None
+            assert all(s.status is SequenceStatus.FINISHED_ERROR for s in req.seqs if id(s) in unfinished)
+            assert not any(self.bm.has_sequence(s.seq_id) for s in req.seqs)
+        COUNTS["failed_steps"] += 1
+        self._check_books()
+
+    @precondition(lambda self: hasattr(self, "sched") and self.sched.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(self._live()))
+        unfinished = {id(seq) for seq in self.sched.requests[rid].seqs if not seq.status.is_finished}
+        request = self.sched.abort_request(rid)
+        assert rid not in self.sched.requests
+        for seq in request.seqs:
+            assert seq.status.is_finished
+            assert (seq.status is SequenceStatus.FINISHED_ABORTED) == (id(seq) in unfinished)
+            assert not self.bm.has_sequence(seq.seq_id)
+            assert seq not in self.sched.running and seq not in self.sched.waiting
+        COUNTS["aborted"] += 1
+        COUNTS["transitions"] += 1
+        COUNTS["rules"] += 1
+
+    # -- invariants ----------------------------------------------------------------------------
+    def _check_books(self) -> None:
+        sched, bm = self.sched, self.bm
+        bm.check_invariants()
+        sched.check_invariants()
+        waiting = {id(s) for s in sched.waiting}
+        running = {id(s) for s in sched.running}
+        assert not waiting & running, "a sequence is both waiting and running"
+        assert len(waiting) == len(sched.waiting) and len(running) == len(sched.running)
+        assert sum(self._seats(s) for s in sched.running) <= sched.max_num_seqs
+        live = set()
+        for req in sched.requests.values():
+            assert not req.is_finished
+            for seq in req.seqs:
+                if not seq.status.is_finished:
+                    live.add(id(seq))
+                    assert seq.token_ids == self.expected_tokens[seq.seq_id]
+        assert live == waiting | running, "every unfinished sequence is waiting or running, and nothing else is"
+        for seq in sched.waiting:
+            assert not bm.has_sequence(seq.seq_id) and seq.num_computed_tokens == 0
+        for seq in sched.running:
+            n = seq.num_computed_tokens
+            assert bm.get_num_tokens(seq.seq_id) == n < len(seq.token_ids), (
+                f"seq {seq.seq_id}: {bm.get_num_tokens(seq.seq_id)} slots, {n} computed, {len(seq.token_ids)} tokens"
+            )
+            table = bm.get_block_table(seq.seq_id)
+            for p in range(n):  # every computed slot holds this very sequence's prefix
+                held = self.content[table[p // self.bs]][p % self.bs]
+                assert held == tuple(seq.token_ids[: p + 1]), (
+                    f"seq {seq.seq_id} position {p} (block {table[p // self.bs]}) holds {held}, "
+                    f"expected {tuple(seq.token_ids[: p + 1])}"
+                )
+        for block in bm.pool.cached_blocks.values():  # anything findable holds the data it claims
+            slots = self.content[block.block_id]
+            assert all(isinstance(x, tuple) for x in slots), f"cached block {block.block_id} holds {slots}"
+            assert slots[-1][-self.bs:] == block.token_ids
+            assert all(slots[i] == slots[-1][: len(slots[-1]) - self.bs + i + 1] for i in range(self.bs))
+
+    @invariant()
+    def books_balance(self):
+        if hasattr(self, "sched"):
+            self._check_books()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for rid in self._live():
+            self.sched.abort_request(rid)
+        assert not self.sched.has_unfinished() and not self.sched.requests
+        assert not self.sched.waiting and not self.sched.running
+        s = self.bm.stats()
+        assert s.num_used_blocks == 0 and s.num_free_blocks == self.bm.num_blocks, s
+        assert s.num_sequences == 0 and s.num_tokens_stored == 0 and s.num_table_blocks == 0, s
+        self.bm.check_invariants()
+        self.sched.check_invariants()
+
+
+# A transition is one state change (a request added, a scheduler step, an abort), each followed by every check.
+# 700 x 130 rules give some 130,000 transitions in about 30 s on a 2-core CPU.
+MAX_EXAMPLES = 700
+STEPS_PER_EXAMPLE = 130
+MIN_TRANSITIONS = 100_000
+
+
+def test_scheduler_state_machine():
+    for key in COUNTS:
+        COUNTS[key] = 0
+    start = time.perf_counter()
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(
+            max_examples=MAX_EXAMPLES,
+            stateful_step_count=STEPS_PER_EXAMPLE,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        ),
+    )
+    elapsed = time.perf_counter() - start
+    figures = ", ".join(f"{k} {v}" for k, v in COUNTS.items())
+    print(f"\nscheduler state machine: {figures}; {elapsed:.1f} s")
+    assert COUNTS["transitions"] >= MIN_TRANSITIONS, figures
+    for key in ("preemptions", "failed_steps", "aborted", "forks", "prefix_hit_tokens", "chunked", "finished"):
+        assert COUNTS[key] > 0, f"no {key}: {figures}"

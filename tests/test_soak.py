@@ -1,0 +1,90 @@
+"""Soak: thousands of random requests through one engine, every one of them checked afterwards.
+
+The driver and its checks live in ``benchmarks/soak.py`` (run it by hand for
+tens of thousands of requests); here it runs at a size that takes well under a
+minute on a 2-core CPU, in three shapes:
+
+* a small pool with the prefix cache on: preemption at almost every step,
+  chunked prefill, prefix hits, copy-on-write, evictions;
+* a sequence cap that binds, block size 8, no prefix cache;
+* static batching.
+
+The expected tokens come from the same requests run *alone* on a fresh engine
+(and, for lengths and stops, from the request's own SamplingParams), never from
+the soak run itself. ``pytest -s`` prints the figures of each run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from engine_helpers import one_thread  # noqa: F401 - a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+
+def _load_soak():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("kvpaging_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _load_soak()
+
+RUNS = {
+    "preempting-pool": soak.SoakConfig(requests=8000, seed=0, solo_checks=40),
+    "seq-cap": soak.SoakConfig(requests=3000, seed=1, block_size=8, num_blocks=70, max_num_seqs=32,
+                               max_num_batched_tokens=256, enable_prefix_caching=False),
+    "static": soak.SoakConfig(requests=1000, seed=2, scheduling="static", solo_checks=20),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_soak(name):
+    config = RUNS[name]
+    result = soak.soak(config)
+    figures = result.figures()
+    print(f"\n[{name}] {figures}")
+    problems = "\n".join(result.problems[:20])
+    assert not result.problems, f"{len(result.problems)} problems in {figures}:\n{problems}"
+
+    # the run did what it is for: every request accounted for, and the hard paths were taken
+    assert len(result.finals) + len(result.aborted) == config.requests, figures
+    assert len(result.aborted) > 0 and result.aborted_while["decode"] > 0, figures
+    assert result.solo_checked == config.solo_checks, figures
+    assert result.finish_reasons["stop"] > 0 and result.finish_reasons["max_model_len"] > 0, figures
+    assert result.max_batched_tokens <= config.max_num_batched_tokens, figures
+    assert result.max_running <= config.max_num_seqs, figures
+    if config.scheduling == "continuous":
+        assert result.preemptions > 0, figures
+    if config.enable_prefix_caching:
+        assert result.prefix_hit_rate > 0, figures
+    if name == "preempting-pool":
+        assert result.peak_used_blocks == config.num_blocks, figures
+        assert result.aborted_while["prefill"] + result.aborted_while["preempted"] > 0, figures
+        assert result.cow_copies > 0 and result.evictions > 0, figures
+        assert result.max_batched_tokens == config.max_num_batched_tokens, figures  # prompts were chunked
+
+
+def test_soak_checks_catch_a_wrong_token():
+    """The soak's own checks fail on a request whose tokens differ from its solo run or its spec."""
+    config = soak.SoakConfig(requests=60, seed=5, solo_checks=10)
+    result = soak.run_soak(config)
+    assert not result.problems
+    victim = soak.pick_solo(result, soak.make_workload(config), 1, config.seed)[0]
+    completion = result.finals[victim.request_id].outputs[0]
+    completion.token_ids[-1] = (completion.token_ids[-1] + 1) % soak.MODEL["vocab_size"]
+    soak.check_solo(result, config)
+    assert any(victim.request_id in p and "alone" in p for p in result.problems), result.problems
+
+    spec = soak.make_workload(config)[0]
+    out = result.finals.get(spec.request_id)
+    if out is not None:
+        out.outputs[0].token_ids.append(3)
+        assert soak.check_output(spec, out, config.max_model_len, frozenset({2}))

@@ -1,0 +1,314 @@
+"""The views as widgets, without a browser: drive their controls through traitlets, read the figures back.
+
+ipywidgets and plotly's FigureWidget keep their whole state in Python, so a
+test can press "Step", move the slider or the page selector, and check that
+the figure's data changed the way the pure functions say it should. Live
+views are checked for what makes them cheap: the engine's observer only
+queues records, and one frame shows the newest step, however many arrived.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvpaging import LLM, SamplingParams, simulate_contiguous
+from kvpaging.models import tiny
+from kvpaging.visualizers import (
+    BlockTableView,
+    BubbleTimeline,
+    ContiguousMemoryView,
+    Dashboard,
+    LiveFeed,
+    MemoryMapView,
+    ThroughputPanel,
+    TraceReplay,
+    block_table_frame,
+    load_trace,
+    memory_map_frame,
+)
+from kvpaging.visualizers.bench import synthetic_trace
+from kvpaging.visualizers.examples import BLOCK_SIZE, hand_trace
+
+pytest.importorskip("anywidget", reason="plotly's FigureWidget needs anywidget (pip install -e '.[notebook]')")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_llm(**kwargs):
+    options = dict(num_blocks=24, block_size=4, max_model_len=64)
+    options.update(kwargs)
+    return LLM(tiny("qwen3", num_hidden_layers=2), **options)
+
+
+PREFIX = list(range(10, 22))
+PROMPTS = [PREFIX + [30, 31], PREFIX + [40, 41, 42], list(range(50, 59))]
+PARAMS = [
+    SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+    SamplingParams(max_tokens=6, n=2, ignore_eos=True, temperature=0.0),
+    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+]
+
+
+def z_of(view, trace=0):
+    return np.array(view.figure.data[trace].z, dtype=float)
+
+
+# -- single views, replayed --------------------------------------------------------------------------------
+def test_block_table_view_step_and_slider_change_the_figure():
+    view = BlockTableView(hand_trace(), block_size=BLOCK_SIZE)
+    controls = view.controls
+    assert controls.slider.max == 4 and view.position == 4  # opens on the newest step
+    controls.slider.value = 0
+    before = z_of(view)
+    assert before.shape == (1, 2)  # step 1: one sequence, two blocks
+    controls.step_button.click()
+    assert view.position == 1 and controls.slider.value == 1
+    after = z_of(view)
+    expected = block_table_frame(view.replay, 1)
+    np.testing.assert_array_equal(after, expected.z)
+    assert list(view.figure.data[0].y) == expected.row_labels
+    assert view.figure.layout.title.text == expected.title
+    controls.back_button.click()
+    assert view.position == 0
+    controls.slider.value = 3
+    assert "copy-on-write: block 4 -&gt; 6" in controls.label.value or "step 4" in controls.label.value
+    assert "copy-on-write" in view.figure.layout.title.text
+
+
+def test_play_is_linked_to_the_slider_and_grows_with_it():
+    view = MemoryMapView(hand_trace()[:2], block_size=BLOCK_SIZE)
+    controls = view.controls
+    assert controls.play.max == controls.slider.max == 1
+    view.replay.extend(hand_trace()[2:])
+    view.refresh()
+    assert controls.play.max == controls.slider.max == 4
+    assert view.position == 4  # it was on the newest step, so it follows
+
+
+def test_memory_map_view_redraws_on_slider():
+    view = MemoryMapView(hand_trace(), block_size=BLOCK_SIZE)
+    view.controls.slider.value = 0
+    z0 = z_of(view)
+    view.controls.slider.value = 3
+    z3 = z_of(view)
+    assert not np.array_equal(z0, z3, equal_nan=True)
+    np.testing.assert_array_equal(z3, memory_map_frame(view.replay, 3).z)
+    partial = view.figure.data[1]
+    assert len(partial.x) == 2  # blocks 4 and 6 are partly filled after step 4
+    assert "internal fragmentation 20.0%" in view.figure.layout.title.text
+
+
+def test_block_table_page_selector():
+    records = synthetic_trace(num_blocks=2048, num_seqs=60, num_steps=3)
+    view = BlockTableView(records, block_size=16, rows_per_page=25)
+    view.figure  # noqa: B018 - build it
+    assert view.page_selector.max == 3
+    first = list(view.figure.data[0].y)
+    view.page_selector.value = 3
+    last = list(view.figure.data[0].y)
+    assert first[0].startswith("seq 0 ") and last[0].startswith("seq 50 ") and len(last) == 10
+    view.page = 0
+    assert list(view.figure.data[0].y) == first
+
+
+def test_contiguous_view_marks_the_refusal():
+    events = [
+        [("reserve", "a", 30), ("reserve", "b", 20), ("reserve", "c", 30), ("reserve", "f", 20)],
+        [("release", "b")],
+        [("reserve", "d", 10), ("release", "f")],
+        [("reserve", "e", 25)],
+    ]
+    view = ContiguousMemoryView(simulate_contiguous(100, events))
+    assert view.position == 3
+    assert "refused e (25 slots) although 30 are free" in view.figure.layout.title.text
+    assert list(view.figure.data[5].x) == [3]
+    view.controls.slider.value = 1
+    assert len(view.figure.data[5].x) == 0 and len(view.figure.data[0].x) == 3
+    assert "first refusal by fragmentation at t=3" in view.summary(3)
+
+
+def test_bubble_timeline_simulation_reveals_iterations():
+    view = BubbleTimeline.simulate([50, 120, 240, 1024], num_slots=4)
+    assert view.num_positions() == 1024
+    view.controls.slider.value = 99
+    z = z_of(view)
+    assert not np.isnan(z[:, :100]).any() and np.isnan(z[:, 100:]).all()
+    titles = [a.text for a in view.figure.layout.annotations]
+    assert titles[0].startswith("static batching: ") and "(350 / 400 slot-iterations)" in titles[0]  # 50 + 3 x 100
+    view.controls.slider.value = 1023
+    titles = [a.text for a in view.figure.layout.annotations]
+    assert "35.0% utilised (1,434 / 4,096 slot-iterations)" in titles[0]
+
+
+def test_throughput_panel_grows_with_the_slider():
+    view = ThroughputPanel(hand_trace(), block_size=BLOCK_SIZE)
+    view.controls.slider.value = 1
+    assert list(view.figure.data[0].x) == [1, 2]
+    view.controls.step_button.click()
+    assert list(view.figure.data[1].y) == [6, 2, 5]  # prefill tokens of steps 1..3
+    ttft = dict(zip(view.figure.data[4].x, view.figure.data[4].y))
+    assert ttft == pytest.approx({"a": 500.0, "b": 500.0, "c": 500.0})  # ms: first token as the first step ended
+    view.controls.slider.value = 0
+    assert list(view.figure.data[4].x) == ["a"]  # b and c are not scheduled yet
+
+
+def test_static_html_has_frames_a_play_button_and_a_slider(tmp_path):
+    view = BlockTableView(hand_trace(), block_size=BLOCK_SIZE)
+    fig = view.static_figure()
+    assert len(fig.frames) == 5
+    assert [s.label for s in fig.layout.sliders[0].steps] == [f"step {i}" for i in range(1, 6)]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["▶ Play", "❚❚ Pause"]
+    small = view.to_html(tmp_path / "cdn.html", self_contained=False)
+    script_sources = re.compile(r"<script[^>]*\bsrc=")
+    assert script_sources.search(small) and len(small) < 500_000  # plotly.js from the CDN
+    full = view.to_html(tmp_path / "full.html")
+    assert not script_sources.search(full) and len(full) > 3_000_000  # plotly.js inside: works offline
+    assert (tmp_path / "full.html").read_text(encoding="utf-8") == full
+    sampled = BubbleTimeline.simulate([50, 120, 240, 1024], 4).static_figure(max_frames=30)
+    assert len(sampled.frames) == 30 and sampled.frames[-1].name == "1023"
+
+
+def test_summaries_are_plain_text():
+    view = MemoryMapView(hand_trace(), block_size=BLOCK_SIZE)
+    text = view.summary(3)
+    assert "used 5 (62%)" in text and "internal fragmentation 20.0%" in text
+    assert "#c#S+.+." in text  # blocks 0..7 after step 4
+    assert repr(view) == view.summary()
+    table = BlockTableView(hand_trace(), block_size=BLOCK_SIZE).summary(1)
+    assert "seq 1 · b · 6 tok" in table and "[0^×2 2]" in table
+
+
+# -- live ------------------------------------------------------------------------------------------------------
+def test_observer_only_queues_and_one_frame_shows_the_newest_step(one_thread):
+    llm = make_llm()
+    view = MemoryMapView()
+    feed = view.attach(llm, fps=1000, background=False)
+    fig = view.figure
+    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    steps = llm.engine.num_steps
+    assert len(feed.queue) == steps and len(view.replay) == 0  # the observer did nothing else
+    assert feed.num_frames == 0
+    assert feed.tick(force=True)
+    assert feed.num_frames == 1 and len(feed.queue) == 0  # one frame for all of them
+    assert len(view.replay) == steps and view.position == steps - 1
+    assert view.controls.slider.max == steps - 1 and view.controls.slider.value == steps - 1
+    assert f"step {steps}" in fig.layout.title.text
+    assert not feed.tick(force=True)  # nothing new: nothing drawn
+    view.detach()
+    assert feed.observe not in llm.engine._observers
+
+
+def test_live_feed_throttles_to_fps():
+    replay = TraceReplay(block_size=BLOCK_SIZE)
+    view = MemoryMapView(replay)
+    feed = LiveFeed(replay, [view], fps=2)
+    records = hand_trace()
+    feed.observe(records[0])
+    assert feed.tick()
+    feed.observe(records[1])
+    assert not feed.tick()  # too soon after the last frame
+    time.sleep(0.55)
+    assert feed.tick() and len(replay) == 2
+    with pytest.raises(ValueError, match="fps"):
+        LiveFeed(replay, [view], fps=0)
+
+
+def test_live_view_off_the_newest_step_stays_put():
+    replay = TraceReplay(hand_trace()[:3], block_size=BLOCK_SIZE)
+    view = BlockTableView(replay)
+    view.controls.slider.value = 0
+    feed = LiveFeed(replay, [view], fps=1000)
+    for r in hand_trace()[3:]:
+        feed.observe(r)
+    feed.tick(force=True)
+    assert view.position == 0 and view.controls.slider.max == 4  # the learner is looking back: leave them there
+
+
+def test_background_painter_follows_an_engine(one_thread):
+    llm = make_llm()
+    dash = Dashboard(llm, fps=50)
+    dash.widget  # noqa: B018 - build the figures, as display() would
+    dash.attach()
+    try:
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        deadline = time.time() + 10
+        while len(dash.replay) < llm.engine.num_steps and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        dash.detach()
+    steps = llm.engine.num_steps
+    assert len(dash.replay) == steps and dash.position == steps - 1
+    assert dash.controls.slider.value == steps - 1
+    assert f"step {steps}" in dash.memory_map.figure.layout.title.text
+
+
+def test_dashboard_run_matches_generate_and_drives_every_view(one_thread):
+    expected = make_llm().generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = make_llm()
+    dash = Dashboard(llm)
+    outs = dash.run(PROMPTS, PARAMS, display=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in expected]
+    n = len(dash.replay)
+    assert n == llm.engine.num_steps and dash.position == n - 1
+    dash.widget  # noqa: B018
+    before = {name: z_of(getattr(dash, name)) for name in ("block_table", "memory_map")}
+    dash.controls.slider.value = 2
+    assert all(v.position == 2 for v in dash.views)
+    for name, z in before.items():
+        assert not np.array_equal(z, z_of(getattr(dash, name)), equal_nan=True), name
+    dash.controls.step_button.click()
+    assert all(v.position == 3 for v in dash.views)
+    assert "Contiguous allocator at step 4" in dash.contiguous.figure.layout.title.text
+    # the contiguous baseline reserved prompt + max_tokens for each request
+    reserved = {r.request_id: r.num_slots for r in dash.contiguous.steps[0].snapshot.runs}
+    assert reserved == {"r0": 14 + 8, "r1": 15 + 6, "r2": 9 + 12}
+    # latencies switch to the exact RequestMetrics at the end
+    dash.show(n - 1)
+    assert "latencies from arrival" in dash.throughput.figure.layout.title.text
+    text = dash.summary()
+    for name in ("BlockTableView", "MemoryMapView", "BubbleTimeline", "ContiguousMemoryView", "ThroughputPanel"):
+        assert name in text
+
+
+def test_dashboard_from_saved_trace_replays_the_same_pictures(tmp_path, one_thread):
+    llm = make_llm()
+    live = Dashboard(llm)
+    live.run(PROMPTS, PARAMS, display=False)
+    path = tmp_path / "run.json"
+    live.save_trace(path)
+    replayed = Dashboard.from_trace(load_trace(path))
+    assert len(replayed.replay) == len(live.replay)
+    for position in (0, 3, len(live.replay) - 1):
+        live.show(position)
+        replayed.show(position)
+        assert replayed.memory_map.summary() == live.memory_map.summary()
+        assert replayed.block_table.summary() == live.block_table.summary()
+    html = replayed.to_html(tmp_path / "dash.html", self_contained=False, max_frames=10)
+    assert html.count("plotly-graph-div") >= 5 and '<script charset="utf-8" src="https://cdn.plot.ly' in html
+    live.save_chrome_trace(tmp_path / "run.trace.json")
+    assert re.search(r'"traceEvents"', (tmp_path / "run.trace.json").read_text())
+
+
+def test_dashboard_run_needs_an_engine():
+    with pytest.raises(ValueError, match="needs an engine"):
+        Dashboard.from_trace(hand_trace(), block_size=BLOCK_SIZE).run([[1, 2, 3]])
+
+
+def test_one_view_redraw_of_a_big_pool_is_quick():
+    records = synthetic_trace(num_blocks=4096, num_seqs=256, num_steps=4)
+    view = MemoryMapView(records, block_size=16)
+    view.figure  # noqa: B018
+    start = time.perf_counter()
+    view.controls.slider.value = 1
+    assert time.perf_counter() - start < 0.5
