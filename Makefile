@@ -10,7 +10,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # GPU users who need a particular CUDA build: make lab TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
 
-.PHONY: lab test install clean
+.PHONY: lab test install clean browser-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,16 @@ install: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=lessons
 
-test: $(STAMP)
+test: $(STAMP) browser-deps
 	$(BIN)/python -m pytest
+
+# The browser test (tests/test_browser.py) drives Debian's Chromium through Playwright.
+browser-deps:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	    echo "installing Debian's chromium for tests/test_browser.py"; \
+	    SUDO=; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+	    $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	fi
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -5,7 +5,7 @@
 #
 # 1. the kernel tests, compiled for the GPU (TRITON_INTERPRET unset);
 # 2. the kernel benchmark (benchmarks/kernels.py), about 2 minutes on an H200;
-# 3. (later) the end-to-end throughput benchmark: see the marked place below.
+# 3. end-to-end: throughput vs transformers, CUDA graphs eager vs captured, FP8 accuracy.
 #
 # Results and logs go to $OUT (set by the device runner; default ./benchmarks/out).
 # Nothing is downloaded: the machine must already have torch, triton,
@@ -53,15 +53,21 @@ fi
 # A failure is reported at the end; the benchmark still runs, so that one (costly)
 # GPU session brings back everything.
 tests_rc=0
-"$PYTHON" -m pytest tests/test_kernels_reference.py tests/test_kernels_triton.py -q -rs \
-    --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log" || tests_rc=$?
+"$PYTHON" -m pytest tests/test_kernels_reference.py tests/test_kernels_triton.py tests/test_cuda_graphs.py \
+    tests/test_engine_triton.py -q -rs --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log" || tests_rc=$?
 
 # --- 2. kernel benchmark -------------------------------------------------------------------
 "$PYTHON" benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"
 
-# --- 3. end-to-end throughput benchmark --------------------------------------------------
-# >>> TO BE ADDED: the end-to-end throughput run (benchmarks/throughput.py on a
-# >>> real-shaped model) goes here, writing its results under "$OUT".
+# --- 3. end-to-end: throughput, CUDA graphs, FP8 accuracy on a real-shaped model --------
+# Each stage has its own time limit so one slow stage cannot eat the whole session.
+timeout 180 "$PYTHON" benchmarks/throughput.py --device cuda --dtype bfloat16 --model Qwen3-0.6B \
+    --requests 256 --min-prompt 64 --max-prompt 512 --min-output 32 --max-output 256 --hf-batch-size 32 \
+    --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.md" || echo "throughput benchmark failed or timed out"
+timeout 120 "$PYTHON" benchmarks/cuda_graphs.py --model Qwen3-0.6B --batches 1 8 64 2>&1 \
+    | tee "$OUT/cuda_graphs.md" || echo "cuda graphs benchmark failed or timed out"
+timeout 120 "$PYTHON" benchmarks/fp8_accuracy.py --model Qwen3-8B --layers 8 --device cuda --dtype bfloat16 2>&1 \
+    | tee "$OUT/fp8_accuracy.md" || echo "fp8 accuracy benchmark failed or timed out"
 
 set +x
 echo "gpu_check.sh: done in ${SECONDS}s; results in $OUT"

@@ -97,7 +97,10 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             make_generator=self._make_generator,
         )
-        self.runner = ModelRunner(model, self.block_manager, config.attention_backend, kv_torch_dtype)
+        self.runner = ModelRunner(
+            model, self.block_manager, config.attention_backend, kv_torch_dtype,
+            enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+        )
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)

@@ -63,6 +63,9 @@ class ModelRunner:
         attention_backend: str = "torch",
         kv_cache_dtype: torch.dtype | None = None,
         calibration_tokens: list[list[int]] | None = None,
+        enforce_eager: bool = True,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
     ) -> None:
         check_model_supported(model)
         self.model = model
@@ -91,6 +94,12 @@ class ModelRunner:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.graphs = None
+        if not enforce_eager and self.device.type == "cuda":
+            from .cuda_graphs import DecodeGraphs
+
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // self.block_size))
 
     @torch.inference_mode()
     def calibrate_fp8_scales(self, calibration_tokens: list[list[int]] | None = None, seed: int = 0):
@@ -130,10 +139,9 @@ class ModelRunner:
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
         self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
-    def prepare_inputs(self, out: SchedulerOutput):
-        """Pack the step's tokens and wrap the step inputs as attention metadata."""
-        inputs = prepare_step_inputs(out, self.bm, self.device)
-        meta = AttentionMetadata(
+    def attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """Wrap a step's inputs with this runner's caches and kernels, for the attention function."""
+        return AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
             block_tables=inputs.block_tables,
             seq_lens=inputs.seq_lens,
@@ -143,23 +151,26 @@ class ModelRunner:
             kv_scales=self.kv_scales,
             backend=self.backend,
         )
-        return inputs.input_ids, inputs.positions, meta, inputs.logits_indices
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
         (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
         self.copy_blocks(out.blocks_to_copy)
-        ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        if all_positions:
-            logits_indices = 0  # transformers' "keep every position"
+        inputs = prepare_step_inputs(out, self.bm, self.device)
+        num_tokens = inputs.input_ids.shape[1]
+        if self.graphs is not None and not all_positions and inputs.num_decodes == num_tokens:
+            size = self.graphs.padded_size(num_tokens)
+            if size is not None:
+                return self.graphs.run(inputs, size)
+        logits_indices = 0 if all_positions else inputs.logits_indices  # 0: transformers' "keep every position"
         result = self.model(
-            input_ids=ids,
-            position_ids=positions,
+            input_ids=inputs.input_ids,
+            position_ids=inputs.positions,
             attention_mask=self._placeholder_mask,
             use_cache=False,
             logits_to_keep=logits_indices,
-            **{ATTN_NAME: meta},
+            **{ATTN_NAME: self.attention_metadata(inputs)},
         )
         return result.logits[0].float()
 

@@ -38,6 +38,7 @@ __all__ = [
     "discrete_colorscale",
     "sample_positions",
     "json_safe",
+    "SMALL",
 ]
 
 #: Soft colours for sequences and requests, chosen so black text stays readable and none
@@ -46,6 +47,10 @@ PALETTE = (
     "#8dd3c7", "#bebada", "#80b1d3", "#fdb462", "#b3de69", "#fccde5", "#bc80bd", "#ccebc5",
     "#ffed6f", "#a6cee3", "#b2df8a", "#cab2d6", "#ffd92f", "#66c2a5", "#8da0cb", "#e5c494",
 )
+
+
+#: Starts a second, smaller line in a plot title (close it with "</span>").
+SMALL = "<br><span style='font-size:11px'>"
 
 
 def discrete_colorscale(colors: Iterable[str]) -> list[list]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import TraceView, discrete_colorscale
+from .base import SMALL, TraceView, discrete_colorscale
 from .replay import TraceReplay
 
 __all__ = ["BlockTableView", "BlockTableFrame", "block_table_frame", "PRIVATE", "SHARED", "PREFIX_HIT", "COPIED"]

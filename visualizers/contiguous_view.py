@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
-from .base import PALETTE, View
+from .base import PALETTE, SMALL, View
 from .replay import TraceReplay
 
 __all__ = ["ContiguousMemoryView", "ContiguousFrame", "contiguous_frame", "ContiguousTraceSim", "fragmentation_refusals"]
@@ -90,8 +90,8 @@ def contiguous_frame(steps: Sequence[ContiguousStep], position: int, *, colors: 
     }
     label = label if label is not None else f"t={position}"
     title = (
-        f"Contiguous allocator at {label}: {snap.total_free} slots free in {len(holes)} holes, "
-        f"largest {snap.largest_hole}<br><span style='font-size:11px'>{snap.reserved_slots}/{snap.num_slots} slots reserved, "
+        f"Contiguous allocator at {label}: {snap.total_free} slots free in {len(holes)} hole{'s' * (len(holes) != 1)}, "
+        f"largest {snap.largest_hole}" + SMALL + f"{snap.reserved_slots}/{snap.num_slots} slots reserved, "
         f"{snap.used_slots} hold tokens (internal waste {snap.internal_waste:.0%})</span>"
     )
     if refused_now:
@@ -287,10 +287,10 @@ class ContiguousMemoryView(View):
         num_slots = self.steps[0].snapshot.num_slots if self.steps else 1
         fig.update_layout(
             barmode="overlay", height=self.height, margin={"l": 60, "r": 10, "t": 95, "b": 40},
-            title={"text": "Contiguous allocator", "font": {"size": 13}}, legend={"orientation": "h", "y": -0.12},
+            title={"text": "Contiguous allocator", "font": {"size": 13}}, legend={"orientation": "h", "y": -0.2},
             plot_bgcolor="#fafafa",
         )
-        fig.update_xaxes(range=[0, num_slots], title_text="slot", row=1, col=1)
+        fig.update_xaxes(range=[0, num_slots], row=1, col=1)
         fig.update_yaxes(showticklabels=False, row=1, col=1)
         fig.update_xaxes(title_text="position", row=2, col=1)
         fig.update_yaxes(title_text="slots", rangemode="tozero", row=2, col=1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import PALETTE, TraceView, discrete_colorscale
+from .base import PALETTE, SMALL, TraceView, discrete_colorscale
 from .replay import TraceReplay, pool_arrays
 
 __all__ = ["MemoryMapView", "MemoryMapFrame", "memory_map_frame", "pool_figures", "FREE", "CACHED_FREE", "SHARED"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import TraceView
+from .base import SMALL, TraceView
 from .replay import TraceReplay
 
 __all__ = ["ThroughputPanel", "throughput_series", "RequestLatency", "LatencyTracker", "request_latencies"]
@@ -213,7 +213,7 @@ class ThroughputPanel(TraceView):
         source = "from arrival" if lat and lat[0].from_arrival else "from first scheduled step"
         tokens = int(s["prefill_tokens"].sum() + s["decode_tokens"].sum())
         seconds = float(s["wall_time"].sum())
-        title = (f"Throughput and latency up to step {int(s['step'][-1])}<br><span style='font-size:11px'>{tokens} tokens computed in "
+        title = (f"Throughput and latency up to step {int(s['step'][-1])}" + SMALL + f"{tokens} tokens computed in "
                  f"{seconds * 1e3:.0f} ms of steps · {len(s['preempt_steps'])} steps preempted · "
                  f"latencies {source}</span>")
         return traces, {"title": {"text": title}}
