@@ -40,6 +40,7 @@ lab: $(STAMP)
 
 test: $(STAMP) browser-deps
 	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --nbval-lax lessons
 
 # The browser test (tests/test_browser.py) drives Debian's Chromium through Playwright.
 browser-deps:

@@ -76,6 +76,7 @@ class SoakConfig:
     check_every: int = 1  # steps between full invariant checks
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -96,6 +97,9 @@ class SoakResult:
     aborted_while: Counter = field(default_factory=Counter)  # what the aborted requests were doing
     finish_reasons: Counter = field(default_factory=Counter)  # over completions of finished requests
     problems: list[str] = field(default_factory=list)
+    # steps whose copy-on-write pairs read and write one block (kept apart from ``problems``: a known bug, see
+    # tests/test_scheduler_stateful.py::test_a_copy_source_freed_in_a_step_is_not_a_copy_destination_in_it)
+    copy_overlaps: list[tuple[int, tuple]] = field(default_factory=list)
     steps: int = 0
     preemptions: int = 0
     peak_used_blocks: int = 0
@@ -112,13 +116,14 @@ class SoakResult:
     def figures(self) -> str:
         c = self.config
         return (
-            f"soak seed={c.seed}: {c.requests} requests ({len(self.finals)} finished, {len(self.aborted)} aborted), "
+            f"soak seed={c.seed} kv={c.kv_cache_dtype}: {c.requests} requests ({len(self.finals)} finished, {len(self.aborted)} aborted), "
             f"{self.generated_tokens} tokens generated in {self.steps} steps, "
             f"{self.preemptions} preemptions, aborted while {dict(self.aborted_while)}, "
             f"completions ended by {dict(self.finish_reasons)}, peak {self.peak_used_blocks}/{c.num_blocks} blocks used, "
             f"max {self.max_running} running, max {self.max_batched_tokens}/{c.max_num_batched_tokens} tokens in a step, "
             f"prefix hit rate {self.prefix_hit_rate:.1%}, {self.cow_copies} copy-on-write copies, "
-            f"{self.evictions} evictions, {self.solo_checked} requests re-run alone; "
+            f"{self.evictions} evictions, {len(self.copy_overlaps)} steps with overlapping copy pairs, "
+            f"{self.solo_checked} requests re-run alone; "
             f"wall {self.wall_time:.1f} s (soak) + {self.solo_time:.1f} s (solo runs)"
         )
 
@@ -171,7 +176,8 @@ def make_workload(config: SoakConfig) -> list[Spec]:
             sampling["ignore_eos"] = rng.random() < 0.5
         if rng.random() < 0.1:
             sampling["logprobs"] = rng.choice([0, 2])
-        params = SamplingParams(n=rng.choices([1, 2, 3], weights=[6, 3, 2])[0], max_tokens=max_tokens, **sampling)
+        n = min(rng.choices([1, 2, 3], weights=[6, 3, 2])[0], config.max_num_seqs)
+        params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
         specs.append(Spec(f"r{i}", prompt, params, kind))
     return specs
 
@@ -189,6 +195,7 @@ def make_llm(model, config: SoakConfig, **overrides) -> LLM:
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling=config.scheduling,
+        kv_cache_dtype=config.kv_cache_dtype,
         seed=config.seed,
     )
     settings.update(overrides)
@@ -224,13 +231,21 @@ def run_soak(config: SoakConfig, model=None, progress: bool = False) -> SoakResu
     live: set[str] = set()
     max_steps = 200 * config.requests + 1000
 
+    watched = [0]
+
     def watch(record):  # an observer: every step's batch stays within the token budget and the sequence cap
+        watched[0] += 1
         result.max_batched_tokens = max(result.max_batched_tokens, record.num_batched_tokens)
         if record.num_batched_tokens > config.max_num_batched_tokens or len(record.scheduled) > config.max_num_seqs:
             result.problems.append(f"step {record.step}: {len(record.scheduled)} sequences, "
                                    f"{record.num_batched_tokens} tokens")
         if sum(e.num_tokens for e in record.scheduled) != record.num_batched_tokens:
             result.problems.append(f"step {record.step}: num_batched_tokens disagrees with the scheduled chunks")
+        sources = {src for src, _ in record.blocks_copied}
+        destinations = [dst for _, dst in record.blocks_copied]
+        if len(set(destinations)) != len(destinations) or sources & set(destinations):
+            # copy_blocks runs every pair at once (on a GPU): a block both read and written in one call is a race
+            result.copy_overlaps.append((record.step, record.blocks_copied))
 
     engine.add_observer(watch)
     idle = 0
@@ -277,8 +292,8 @@ def run_soak(config: SoakConfig, model=None, progress: bool = False) -> SoakResu
             print(f"  step {step}: {len(result.finals)} finished, {len(live)} live, {len(pending)} to come",
                   file=sys.stderr)
     result.wall_time = time.perf_counter() - start
-    if watch not in engine._observers:
-        result.problems.append("the step observer was detached: it raised")
+    if watched[0] != engine.num_steps:
+        result.problems.append(f"the step observer saw {watched[0]} of {engine.num_steps} steps (detached after raising?)")
     result.steps = step
     result.preemptions = engine.scheduler.num_preemptions
     stats = bm.stats()
@@ -431,6 +446,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--scheduling", choices=["continuous", "static"], default=defaults.scheduling)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=defaults.kv_cache_dtype)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -445,15 +461,18 @@ def main(argv=None) -> int:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling=args.scheduling,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     result = soak(config, progress=True)
     print(result.figures())
-    for problem in result.problems[:50]:
+    problems = result.problems + [f"step {step}: copy-on-write pairs read and write one block: {pairs}"
+                                  for step, pairs in result.copy_overlaps]
+    for problem in problems[:50]:
         print("PROBLEM:", problem)
-    if len(result.problems) > 50:
-        print(f"... and {len(result.problems) - 50} more problems")
-    print("OK" if not result.problems else f"FAILED: {len(result.problems)} problems")
-    return 0 if not result.problems else 1
+    if len(problems) > 50:
+        print(f"... and {len(problems) - 50} more problems")
+    print("OK" if not problems else f"FAILED: {len(problems)} problems")
+    return 0 if not problems else 1
 
 
 if __name__ == "__main__":

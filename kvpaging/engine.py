@@ -56,6 +56,7 @@ class ScheduledEntry:
     index: int  # completion index within the request
     num_tokens: int
     is_prefill: bool  # a prompt (or recompute) chunk, not a decode token
+    start: int = 0  # position of the first token computed; > 0 at admission means prefix-cache hit tokens
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class StepRecord:
     num_waiting: int
     num_running: int
     block_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq id -> table, for running seqs
+    seq_num_tokens: dict[int, int] = field(default_factory=dict)  # seq id -> token slots filled, running seqs
+    forked: tuple[tuple[int, int], ...] = ()  # (parent seq id, child seq id) pairs made this step
+    sampled: tuple[int, ...] = ()  # seq ids that got a new token this step
+    arrivals: dict[str, float] = field(default_factory=dict)  # request id -> arrival time, first scheduled now
 
 
 class LLMEngine:
@@ -233,7 +238,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = start
-        self._emit(out, start, [s.seq_id for s in finished])
+        self._emit(out, start, [s.seq_id for s in finished], [s.seq_id for s in seqs])
         if self.final_outputs_only:
             touched = {r for r in touched if r.is_finished}
         return self._outputs(touched, now)
@@ -291,7 +296,7 @@ class LLMEngine:
         )
 
     # -- observers -------------------------------------------------------------------------------
-    def _emit(self, out: SchedulerOutput, start: float, finished_ids: list[int]) -> None:
+    def _emit(self, out: SchedulerOutput, start: float, finished_ids: list[int], sampled_ids=()) -> None:
         if not self._observers and not self.keep_trace:
             return
         bm = self.block_manager
@@ -301,7 +306,8 @@ class LLMEngine:
             start_time=start,
             wall_time=time.perf_counter() - start,
             scheduled=tuple(
-                ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens, _is_prefill(s))
+                ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens,
+                               _is_prefill(s), s.start)
                 for s in out.scheduled
             ),
             num_batched_tokens=out.num_batched_tokens,
@@ -315,6 +321,11 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             block_tables={s.seq_id: tuple(bm.get_block_table(s.seq_id)) for s in self.scheduler.running},
+            seq_num_tokens={s.seq_id: bm.get_num_tokens(s.seq_id) for s in self.scheduler.running},
+            forked=tuple(out.forked),
+            sampled=tuple(sampled_ids),
+            arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
+                      if s.seq.request.first_scheduled_time == start},
         )
         if self.keep_trace:
             self.trace.append(record)

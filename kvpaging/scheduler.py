@@ -51,6 +51,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]]
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, filled by finish_compute
 
     @property
     def is_empty(self) -> bool:
@@ -211,6 +212,7 @@ class Scheduler:
                 for index in range(1, request.params.n):
                     child = self.new_sequence(request, index, list(seq.token_ids))
                     bm.fork(seq.seq_id, child.seq_id)
+                    out.forked.append((seq.seq_id, child.seq_id))
                     child.num_computed_tokens = computed
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)

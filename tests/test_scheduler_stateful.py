@@ -29,6 +29,8 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
@@ -44,15 +46,20 @@ SAMPLED_TOKENS = (2, 3, 4, 5, 6)  # EOS among them
 GARBAGE = "garbage"  # what a slot holds after a failed forward wrote it
 
 COUNTS = {"transitions": 0, "rules": 0, "scheduler_steps": 0, "failed_steps": 0, "preemptions": 0, "finished": 0,
-          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "examples": 0}
+          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "overlapping_copies": 0, "examples": 0}
+
+# BUG (see test_a_copy_source_freed_in_a_step_is_not_a_copy_destination_in_it below): a step's copy-on-write
+# pairs can read and write one block. Until it is fixed the machine counts such steps instead of failing;
+# once that test passes (strict xfail turns into a failure), set this to False so the machine enforces it.
+KNOWN_BUG_COPY_OVERLAP = True
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
-        num_blocks=st.integers(3, 16),
-        max_num_seqs=st.integers(1, 6),
-        budget=st.integers(1, 12),
+        num_blocks=st.integers(3, 20),
+        max_num_seqs=st.integers(1, 8),
+        budget=st.integers(1, 32),
         caching=st.booleans(),
         colliding_hash=st.booleans(),
         scheduling=st.sampled_from(["continuous", "continuous", "static"]),
@@ -125,6 +132,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         COUNTS["preemptions"] += len(out.preempted)
         for src, dst in out.blocks_to_copy:
             assert bm.pool.blocks[dst].ref_cnt == 1 and src != dst
+        # copy_blocks runs every pair at once (on a GPU): no block may be both read and written by one call
+        sources, destinations = [p[0] for p in out.blocks_to_copy], [p[1] for p in out.blocks_to_copy]
+        assert len(set(destinations)) == len(destinations), f"two copies into one block: {out.blocks_to_copy}"
+        if set(sources) & set(destinations):
+            COUNTS["overlapping_copies"] += 1
+            assert KNOWN_BUG_COPY_OVERLAP, f"a block is copied from and into in one step: {out.blocks_to_copy}"
         slots = set()
         for block_id, slot, p, seq in self._written_slots(out):
             block = bm.pool.blocks[block_id]
@@ -153,25 +166,33 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------------
     @rule(
-        prompt=st.lists(PROMPT_TOKENS, min_size=1, max_size=20),
-        n=st.integers(1, 3),
-        max_tokens=st.integers(1, 8),
-        ignore_eos=st.booleans(),
-        stop=st.sampled_from([None, None, [5]]),
+        requests=st.lists(
+            st.tuples(
+                st.lists(PROMPT_TOKENS, min_size=1, max_size=20),  # prompt
+                st.sampled_from([1, 2, 3, 3]),  # n: forks of three are where copy-on-write gets interesting
+                st.integers(1, 8),  # max_tokens
+                st.booleans(),  # ignore_eos
+                st.sampled_from([None, None, [5]]),  # stop_token_ids
+            ),
+            min_size=1,
+            max_size=3,
+        )
     )
-    def add_request(self, prompt, n, max_tokens, ignore_eos, stop):
-        prompt = prompt[: self.max_model_len - 1]  # the engine refuses longer prompts before they get here
-        n = min(n, self.sched.max_num_seqs)
-        params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                stop_token_ids=stop)
-        rid = f"r{self.next_request}"
-        self.next_request += 1
-        request = Request(rid, list(prompt), params, arrival_time=float(self.next_request))
-        self.sched.add_request(request)
-        seq = request.seqs[0]
-        assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
-        self.expected_tokens[seq.seq_id] = list(prompt)
-        COUNTS["transitions"] += 1
+    def add_requests(self, requests):
+        """One to three requests arrive together (so that several can be admitted, and fork, in one step)."""
+        for prompt, n, max_tokens, ignore_eos, stop in requests:
+            prompt = prompt[: self.max_model_len - 1]  # the engine refuses longer prompts before they get here
+            n = min(n, self.sched.max_num_seqs)
+            params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                    stop_token_ids=stop)
+            rid = f"r{self.next_request}"
+            self.next_request += 1
+            request = Request(rid, list(prompt), params, arrival_time=float(self.next_request))
+            self.sched.add_request(request)
+            seq = request.seqs[0]
+            assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
+            self.expected_tokens[seq.seq_id] = list(prompt)
+            COUNTS["transitions"] += 1
         COUNTS["rules"] += 1
 
     @rule(
@@ -318,6 +339,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def books_balance(self):
+        """After every rule (the step rule also checks after each of its scheduler steps)."""
         if hasattr(self, "sched"):
             self._check_books()
 
@@ -361,3 +383,31 @@ def test_scheduler_state_machine():
     assert COUNTS["transitions"] >= MIN_TRANSITIONS, figures
     for key in ("preemptions", "failed_steps", "aborted", "forks", "prefix_hit_tokens", "chunked", "finished"):
         assert COUNTS[key] > 0, f"no {key}: {figures}"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a copy-on-write source freed by a preemption later in the same "
+                   "schedule() is handed out as another copy's destination: copy_blocks reads and writes one block "
+                   "in one call (a race in the parallel Triton kernel)")
+def test_a_copy_source_freed_in_a_step_is_not_a_copy_destination_in_it():
+    """Two n=3 requests fork in one step; in the next, the pool runs short in the middle of their copy-on-writes.
+
+    Running order after the forks: a0 b0 a1 a2 b1 b2 (parents first, then each one's children). The decode
+    step: a0 copies a's shared partial block A -> x; b0 copies B -> y, leaving B to b1 and b2; a1 still shares
+    A with a2 and needs a copy too, but no block is free, so the newest sequences are preempted: b2, then b1.
+    That frees B -- whose copy to y has not happened yet -- and a1's copy takes it: pairs (A, x), (B, y), (A, B).
+    """
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=24)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
+    sched.add_request(Request("a", [3, 4, 5, 6, 7], params, arrival_time=0.0))
+    sched.add_request(Request("b", [8, 9, 10, 11, 12], params, arrival_time=1.0))
+    out = sched.schedule()  # both prompts: 2 blocks each, 2 blocks left
+    seqs, _ = sched.finish_compute(out)
+    sched.append_tokens(seqs, [20] * len(seqs), None)
+    assert [(s.request.request_id, s.index) for s in sched.running] == [("a", 0), ("b", 0), ("a", 1), ("a", 2),
+                                                                       ("b", 1), ("b", 2)]
+    out = sched.schedule()
+    assert [(s.request.request_id, s.index) for s in out.preempted] == [("b", 2), ("b", 1)]
+    sources = {src for src, _ in out.blocks_to_copy}
+    destinations = {dst for _, dst in out.blocks_to_copy}
+    assert not sources & destinations, f"copy pairs {out.blocks_to_copy} read and write block(s) {sources & destinations}"

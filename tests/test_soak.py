@@ -7,7 +7,8 @@ minute on a 2-core CPU, in three shapes:
 * a small pool with the prefix cache on: preemption at almost every step,
   chunked prefill, prefix hits, copy-on-write, evictions;
 * a sequence cap that binds, block size 8, no prefix cache;
-* static batching.
+* static batching;
+* the FP8 KV cache (its solo runs use an FP8 cache too: same calibration, same quantised keys and values).
 
 The expected tokens come from the same requests run *alone* on a fresh engine
 (and, for lengths and stops, from the request's own SamplingParams), never from
@@ -38,10 +39,11 @@ def _load_soak():
 soak = _load_soak()
 
 RUNS = {
-    "preempting-pool": soak.SoakConfig(requests=8000, seed=0, solo_checks=40),
+    "preempting-pool": soak.SoakConfig(requests=16000, seed=0, solo_checks=40),
     "seq-cap": soak.SoakConfig(requests=3000, seed=1, block_size=8, num_blocks=70, max_num_seqs=32,
                                max_num_batched_tokens=256, enable_prefix_caching=False),
     "static": soak.SoakConfig(requests=1000, seed=2, scheduling="static", solo_checks=20),
+    "fp8-kv-cache": soak.SoakConfig(requests=2000, seed=3, kv_cache_dtype="fp8"),
 }
 
 
@@ -83,8 +85,8 @@ def test_soak_checks_catch_a_wrong_token():
     soak.check_solo(result, config)
     assert any(victim.request_id in p and "alone" in p for p in result.problems), result.problems
 
-    spec = soak.make_workload(config)[0]
-    out = result.finals.get(spec.request_id)
-    if out is not None:
-        out.outputs[0].token_ids.append(3)
-        assert soak.check_output(spec, out, config.max_model_len, frozenset({2}))
+    spec = next(s for s in soak.make_workload(config) if s.request_id in result.finals)
+    out = result.finals[spec.request_id]
+    assert not soak.check_output(spec, out, config.max_model_len, frozenset({2}))
+    out.outputs[0].token_ids.append(3)  # one token too many
+    assert soak.check_output(spec, out, config.max_model_len, frozenset({2}))

@@ -9,16 +9,13 @@ step records, must rebuild exactly that.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import numpy as np
 import pytest
 import torch
-
-from kvpaging import LLM, SamplingParams, simulate_contiguous
-from kvpaging.contiguous import first_refusal
-from kvpaging.models import tiny
 from kvpaging.visualizers import (
     ARTICLE_OUTPUT_LENGTHS,
     ContiguousTraceSim,
@@ -47,6 +44,20 @@ from kvpaging.visualizers import memory_map as mm
 from kvpaging.visualizers.bench import synthetic_trace
 from kvpaging.visualizers.examples import BLOCK_SIZE, NUM_BLOCKS, chunked_prefill_trace, hand_trace
 from kvpaging.visualizers.trace_io import Trace
+
+from kvpaging import LLM, SamplingParams, simulate_contiguous
+from kvpaging.contiguous import first_refusal
+from kvpaging.engine import StepRecord
+from kvpaging.models import tiny
+
+# Fields that newer engines add to StepRecord so that nothing has to be worked out. Removing
+# them gives the records an older engine wrote, which the replay must still read exactly.
+RECORDED_EXTRAS = {"seq_num_tokens": {}, "forked": (), "sampled": (), "arrivals": {}}
+
+
+def as_older_engine(records):
+    present = {k: v for k, v in RECORDED_EXTRAS.items() if k in {f.name for f in dataclasses.fields(StepRecord)}}
+    return [dataclasses.replace(r, **present) for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +261,9 @@ def _run_and_snapshot(llm, prompts, params):
     return outs, engine.trace, truth
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["as-recorded", "as-older-engine"])
 @pytest.mark.parametrize(("block_size", "num_blocks"), [(4, 20), (8, 11)])
-def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size, num_blocks):
+def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size, num_blocks, recorded):
     llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=num_blocks, block_size=block_size, max_model_len=80,
               max_num_batched_tokens=24)
     prefix = list(range(10, 30))
@@ -263,6 +275,7 @@ def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size, num_blo
         SamplingParams(max_tokens=6, ignore_eos=True),
     ]
     _, trace, truth = _run_and_snapshot(llm, prompts, params)
+    trace = trace if recorded else as_older_engine(trace)
     assert any(r.blocks_copied for r in trace), "the scenario should copy on write"
     assert any(r.preempted for r in trace), "the scenario should preempt"
     assert any(len(r.scheduled) and r.scheduled[-1].num_tokens < 13 and r.scheduled[-1].is_prefill for r in trace)
@@ -426,3 +439,61 @@ def test_one_frame_of_a_big_pool_is_fast():
     block_table_frame(rp, 4)
     throughput_series(rp, 4)
     assert time.perf_counter() - start < 0.5
+
+
+def test_replay_of_a_bounded_trace_catches_up(one_thread):
+    """engine.trace keeps only the newest steps: lengths start as guesses, marked, and become exact."""
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=32, block_size=4, max_model_len=64)
+    engine = llm.engine
+    engine.keep_trace = True  # the default bounded deque
+    llm.generate([list(range(5, 14)), list(range(20, 26))], SamplingParams(max_tokens=20, ignore_eos=True),
+                 use_tqdm=False)
+    recorded_late = TraceReplay(list(engine.trace)[5:], block_size=4)
+    assert recorded_late.steps[0].exact.all()  # lengths in the records (newer engines): exact at once
+    trace = as_older_engine(engine.trace)
+    full = TraceReplay(trace, block_size=4)
+    late = TraceReplay(trace[5:], block_size=4)
+    assert late.steps[0].seq_ids.size == 2 and not late.steps[0].exact.any()  # joined mid-run: only guesses
+    assert all("~" in label for label in block_table_frame(late, 0).row_labels)  # and the view says so
+    # both sequences decode on, each soon opens a new block, and from then on the lengths are exact
+    running = [i for i, d in enumerate(late.steps) if d.seq_ids.size == 2]
+    last = running[-1]
+    assert last > 5 and late.steps[last].exact.all()
+    np.testing.assert_array_equal(late.steps[last].num_tokens, full.steps[last + 5].num_tokens)
+    assert int(pool_arrays(late, last).fill.sum()) == late.records[last].num_tokens_stored
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["as-recorded", "as-older-engine"])
+def test_trace_latencies_agree_with_request_metrics(one_thread, recorded):
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=32, block_size=4, max_model_len=64,
+              max_num_batched_tokens=8)  # the 11-token prompt is chunked
+    llm.engine.keep_trace = True
+    llm.engine.trace = []
+    outs = llm.generate([list(range(5, 16)), [8, 9]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    trace = llm.engine.trace if recorded else as_older_engine(llm.engine.trace)
+    by_request = {r.request_id: r for r in request_latencies(trace)}
+    has_arrivals = recorded and "arrivals" in {f.name for f in dataclasses.fields(StepRecord)}
+    for out in outs:
+        lat, m = by_request[out.request_id], out.metrics
+        assert lat.num_tokens == len(m.token_times) == 5
+        assert lat.from_arrival == has_arrivals
+        start = m.arrival_time if has_arrivals else m.first_scheduled_time
+        # the record's end of step is taken a moment after the engine stamps the token
+        assert 0 <= lat.ttft - (m.first_token_time - start) < 0.05
+
+
+def test_chrome_trace_of_an_engine_run_shows_queueing(one_thread):
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=1)
+    llm.engine.keep_trace = True
+    llm.engine.trace = []
+    llm.generate([[5, 6, 7], [8, 9, 10]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    events = to_chrome_trace(llm.engine.trace)["traceEvents"]
+    assert all(e["ts"] >= 0 for e in events if "ts" in e)
+    waiting = [e for e in events if e.get("cat") == "queue"]
+    if "arrivals" in {f.name for f in dataclasses.fields(StepRecord)}:
+        assert len(waiting) == 2  # one per request; the second waited for the first (max_num_seqs=1)
+        assert max(e["dur"] for e in waiting) > min(e["dur"] for e in waiting)
+    else:
+        assert waiting == []
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(names.values()) == ["engine steps", "request gen-0", "request gen-1"]

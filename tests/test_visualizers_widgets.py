@@ -15,9 +15,6 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from kvpaging import LLM, SamplingParams, simulate_contiguous
-from kvpaging.models import tiny
 from kvpaging.visualizers import (
     BlockTableView,
     BubbleTimeline,
@@ -33,6 +30,9 @@ from kvpaging.visualizers import (
 )
 from kvpaging.visualizers.bench import synthetic_trace
 from kvpaging.visualizers.examples import BLOCK_SIZE, hand_trace
+
+from kvpaging import LLM, SamplingParams, simulate_contiguous
+from kvpaging.models import tiny
 
 pytest.importorskip("anywidget", reason="plotly's FigureWidget needs anywidget (pip install -e '.[notebook]')")
 
@@ -312,3 +312,38 @@ def test_one_view_redraw_of_a_big_pool_is_quick():
     start = time.perf_counter()
     view.controls.slider.value = 1
     assert time.perf_counter() - start < 0.5
+
+
+def test_each_move_redraws_each_view_once(monkeypatch):
+    dash = Dashboard.from_trace(hand_trace(), block_size=BLOCK_SIZE)
+    dash.widget  # noqa: B018
+    calls = []
+    for view in dash.views:
+        original = view._apply
+        monkeypatch.setattr(view, "_apply", lambda p, v=view, f=original: (calls.append((type(v).__name__, p)), f(p)))
+    dash.controls.slider.value = 1  # as the browser does
+    dash.controls.step_button.click()
+    dash.show(0)  # as a notebook cell does
+    names = [type(v).__name__ for v in dash.views]
+    assert calls == [(n, p) for p in (1, 2, 0) for n in names]
+
+
+def test_bubbles_of_real_static_and_continuous_runs(one_thread):
+    """The engine's own schedulers: static batching leaves bubbles that continuous batching fills."""
+    prompts = [[5 + i, 6 + i, 7 + i] for i in range(6)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in (3, 12, 4, 12, 2, 12)]
+    traces = {}
+    for scheduling in ("static", "continuous"):
+        llm = make_llm(num_blocks=64, max_num_seqs=2, scheduling=scheduling)
+        llm.engine.keep_trace = True
+        llm.engine.trace = []
+        llm.generate(prompts, params, use_tqdm=False)
+        traces[scheduling] = llm.engine.trace
+    view = BubbleTimeline.from_traces(traces, block_size=4)
+    static, continuous = view.timelines
+    assert static.num_slots == continuous.num_slots == 2
+    assert static.busy == continuous.busy  # the same tokens were computed ...
+    assert continuous.num_iterations < static.num_iterations  # ... in fewer steps
+    assert continuous.utilisation > static.utilisation
+    titles = [a.text for a in view.figure.layout.annotations]
+    assert titles[0].startswith("static: ") and titles[1].startswith("continuous: ")

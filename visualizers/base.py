@@ -114,6 +114,7 @@ class PlaybackControls:
         self.label = widgets.HTML()
         widgets.jslink((self.play, "value"), (self.slider, "value"))
         self._on_change = on_change
+        self._quiet = False  # True while the program itself moves the slider: no redraw callback
         self.slider.observe(self._changed, names="value")
         self.step_button.on_click(lambda _button: self.step(+1))
         self.back_button.on_click(lambda _button: self.step(-1))
@@ -130,16 +131,32 @@ class PlaybackControls:
     def step(self, delta: int) -> None:
         self.slider.value = min(max(self.slider.value + delta, self.slider.min), self.slider.max)
 
+    def set_value_quietly(self, value: int) -> None:
+        """Move the slider without calling back: for a caller that draws the position itself."""
+        self._quiet = True
+        try:
+            self.slider.value = value
+        finally:
+            self._quiet = False
+
     def set_num_positions(self, num_positions: int, follow: bool = True) -> None:
-        """Grow the range (live runs); stay on the newest position if the slider was at the end."""
+        """Grow the range (live runs); keep to the newest position if the slider was at the end.
+
+        Only the slider moves: the caller redraws.
+        """
         top = max(num_positions - 1, 0)
         at_end = self.slider.value >= self.slider.max
-        self.slider.max = self.play.max = top
-        if follow and at_end:
-            self.slider.value = top
+        self._quiet = True
+        try:
+            self.slider.max = self.play.max = top
+            if follow and at_end:
+                self.slider.value = top
+        finally:
+            self._quiet = False
 
     def _changed(self, change) -> None:
-        self._on_change(change["new"])
+        if not self._quiet:
+            self._on_change(change["new"])
 
 
 class View:
@@ -202,7 +219,7 @@ class View:
     def controls(self) -> PlaybackControls | None:
         if self._controls is None and self._want_controls:
             self._controls = PlaybackControls(self.num_positions(), self.show, self._interval_ms)
-            self._controls.slider.value = self.position
+            self._controls.set_value_quietly(self.position)
             self._update_label()
         return self._controls
 
@@ -231,7 +248,7 @@ class View:
             if self._figure is not None:
                 self._apply(position)
             if self._controls is not None and self._controls.slider.value != position:
-                self._controls.slider.value = position  # calls show() again, which changes nothing
+                self._controls.set_value_quietly(position)
             self._update_label()
 
     def redraw(self) -> None:
@@ -244,7 +261,7 @@ class View:
             self.sync()
             n = self.num_positions()
             if self._controls is not None:
-                self._controls.set_num_positions(n, follow=follow)
+                self._controls.set_num_positions(n, follow=False)  # show() below moves the slider
             if follow and was_at_end:
                 self.show(n - 1)
             else:
@@ -295,27 +312,34 @@ class View:
         play_args = {"frame": {"duration": self._interval_ms, "redraw": True}, "fromcurrent": True,
                      "transition": {"duration": 0}}
         pause_args = {"frame": {"duration": 0, "redraw": False}, "mode": "immediate", "transition": {"duration": 0}}
+        # The controls go below the plot area (paper y = 0), pushed past the x-axis title by a
+        # padding in pixels; the legend moves to the right so that nothing overlaps.
+        below = {"y": 0, "yanchor": "top", "pad": {"t": 70}}
         fig.update_layout(
             updatemenus=[{
-                "type": "buttons", "direction": "left", "x": 0.0, "y": -0.08, "xanchor": "left", "yanchor": "top",
-                "pad": {"t": 10, "r": 10}, "showactive": False,
+                "type": "buttons", "direction": "left", "x": 0.0, "xanchor": "left", "showactive": False,
                 "buttons": [
                     {"label": "▶ Play", "method": "animate", "args": [None, play_args]},
                     {"label": "❚❚ Pause", "method": "animate", "args": [[None], pause_args]},
                 ],
+                **below,
             }],
             sliders=[{
-                "x": 0.18, "y": -0.08, "len": 0.82, "xanchor": "left", "yanchor": "top", "pad": {"t": 10},
-                "currentvalue": {"prefix": "step "},
+                "x": 0.25, "len": 0.75, "xanchor": "left", "currentvalue": {"prefix": ""},
                 "steps": [
                     {"label": self.position_label(p), "method": "animate",
                      "args": [[str(p)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
                                          "transition": {"duration": 0}}]}
                     for p in positions
                 ],
+                **below,
             }],
+            legend={"orientation": "v", "x": 1.02, "y": 1, "xanchor": "left", "yanchor": "top"},
+            margin={"b": 170, "r": 170},
+            height=(fig.layout.height or 450) + 120,
         )
-        fig.update_layout(margin={"b": 110})
+        if self.width is not None:
+            fig.update_layout(width=self.width + 170)  # room for the legend, now on the right
         return fig
 
     def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 120) -> str:

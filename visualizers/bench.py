@@ -5,17 +5,18 @@ second without holding the engine back. The trace is synthetic (no model
 runs): ``num_seqs`` sequences, half of them sharing a prefix, all decoding
 together in a pool of ``num_blocks`` blocks, so the numbers measure drawing
 only. Measured on the 2-core CPU development machine (4,096 blocks of 16
-slots, 256 sequences, median of 20 frames):
+slots, 256 sequences, 40 steps; medians of 20 frames):
 
-    memory_map_frame        ~ 5 ms
-    block_table_frame       ~ 3 ms   (one page of 24 sequences)
-    bubble_frame            ~ 2 ms
-    throughput_series       < 1 ms
-    contiguous_frame        < 1 ms
+    pure function (arrays only)         whole widget redraw (arrays + FigureWidget update)
+    memory_map_frame       0.2 ms       MemoryMapView      6 ms
+    block_table_frame      0.4 ms       BlockTableView     2 ms   (one page of 24 sequences)
+    bubble_frame           0.1 ms       BubbleTimeline     8 ms
+    throughput_series     <0.1 ms       ThroughputPanel   12 ms
+    contiguous_frame       0.3 ms       ContiguousMemoryView 7 ms
 
-(rerun the module for this machine's figures). The pure functions are what a
-frame costs in the kernel; sending the arrays to the browser and drawing them
-there comes on top and depends on the browser.
+Replaying the trace (done once per record, also live) costs about 0.2 ms a
+step. Rerun the module for this machine's figures. Sending the update to the
+browser and drawing it there comes on top and depends on the browser.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 
 from ..engine import ScheduledEntry, StepRecord
 
-__all__ = ["synthetic_trace", "time_frames", "main"]
+__all__ = ["synthetic_trace", "time_frames", "time_widget_redraws", "main"]
 
 
 def synthetic_trace(num_blocks: int = 4096, block_size: int = 16, num_seqs: int = 256, prompt_len: int = 100,
@@ -108,6 +109,33 @@ def time_frames(records: list[StepRecord] | None = None, block_size: int = 16, r
     return result
 
 
+def time_widget_redraws(records: list[StepRecord], block_size: int = 16, repeats: int = 20) -> dict[str, float]:
+    """Median seconds for ``view.show(position)`` with the FigureWidget built (needs the notebook extras)."""
+    from .block_table import BlockTableView
+    from .bubbles import BubbleTimeline
+    from .contiguous_view import ContiguousMemoryView
+    from .memory_map import MemoryMapView
+    from .throughput import ThroughputPanel
+
+    views = {
+        "MemoryMapView": MemoryMapView(records, block_size=block_size),
+        "BlockTableView": BlockTableView(records, block_size=block_size),
+        "BubbleTimeline": BubbleTimeline(records, block_size=block_size),
+        "ThroughputPanel": ThroughputPanel(records, block_size=block_size),
+        "ContiguousMemoryView": ContiguousMemoryView.from_trace(records, block_size=block_size, reserve_tokens=256),
+    }
+    result = {}
+    for name, view in views.items():
+        view.figure  # noqa: B018 - build the widget first; only redraws are timed
+        times = []
+        for i in range(repeats):
+            start = time.perf_counter()
+            view.show(i % len(records))
+            times.append(time.perf_counter() - start)
+        result[name] = statistics.median(times)
+    return result
+
+
 def main() -> None:
     records = synthetic_trace()
     start = time.perf_counter()
@@ -118,7 +146,14 @@ def main() -> None:
     print(f"synthetic trace: 4096 blocks x 16 slots, 256 sequences, {len(records)} steps")
     print(f"  replaying the whole trace: {replay_time * 1e3:.1f} ms ({replay_time / len(records) * 1e3:.2f} ms a step)")
     for name, seconds in time_frames(records).items():
-        print(f"  {name:<20} {seconds * 1e3:7.2f} ms a frame")
+        print(f"  {name:<22} {seconds * 1e3:7.2f} ms a frame (pure function)")
+    try:
+        redraws = time_widget_redraws(records)
+    except ImportError as error:
+        print(f"  (widget redraws not timed: {error})")
+        return
+    for name, seconds in redraws.items():
+        print(f"  {name:<22} {seconds * 1e3:7.2f} ms a redraw (widget)")
 
 
 if __name__ == "__main__":

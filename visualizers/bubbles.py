@@ -11,7 +11,7 @@ Three ways to fill it:
   continuous batching simulated from output lengths alone (no model), see
   :mod:`.batching`;
 - ``BubbleTimeline(engine.trace)``: the slots of a real run;
-- ``BubbleTimeline.from_traces(static=trace_a, continuous=trace_b)``: two real
+- ``BubbleTimeline.from_traces({"static": trace_a, "continuous": trace_b})``: two real
   runs of the same prompts, one per scheduling policy, side by side.
 
 Very long timelines are drawn with every ``k``-th iteration (the title says

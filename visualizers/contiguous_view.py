@@ -29,7 +29,13 @@ from ..contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reser
 from .base import PALETTE, SMALL, View
 from .replay import TraceReplay
 
-__all__ = ["ContiguousMemoryView", "ContiguousFrame", "contiguous_frame", "ContiguousTraceSim", "fragmentation_refusals"]
+__all__ = [
+    "ContiguousMemoryView",
+    "ContiguousFrame",
+    "contiguous_frame",
+    "ContiguousTraceSim",
+    "fragmentation_refusals",
+]
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ class ContiguousTraceSim:
         self.steps: list[ContiguousStep] = []
         self.pending: list[str] = []
         self.live: dict[str, set[int]] = {}
+        self._default_need: int | None = None
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -144,7 +151,9 @@ class ContiguousTraceSim:
     def need(self, request_id: str) -> int:
         r = self.reserve_tokens
         if r is None:
-            return max(1, self.default_need)
+            if self._default_need is None:
+                self._default_need = self.default_need
+            return self._default_need
         if isinstance(r, dict):
             return int(r[request_id])
         if callable(r):
@@ -153,12 +162,16 @@ class ContiguousTraceSim:
 
     @property
     def default_need(self) -> int:
-        """Without a reserve size: the longest sequence in the trace so far (its worst case)."""
+        """Without a reserve size: one more than the longest sequence in the trace so far (its worst case).
+
+        Worked out once per :meth:`sync`: for a replayed trace that is the whole run.
+        """
         longest = max((int(d.num_tokens.max()) for d in self.replay.steps if d.num_tokens.size), default=1)
         return longest + 1
 
     def sync(self) -> None:
         replay = self.replay
+        self._default_need = None
         if self.allocator is None and len(replay):
             self.allocator = ContiguousAllocator(self.num_slots or replay.num_blocks * replay.block_size)
         for position in range(len(self.steps), len(replay)):

@@ -24,6 +24,7 @@ then lets you go back over every step.
 from __future__ import annotations
 
 import itertools
+import threading
 from html import escape
 
 from .base import LiveFeed, PlaybackControls, View
@@ -75,6 +76,7 @@ class Dashboard:
         self._feed: LiveFeed | None = None
         self._displayed = False
         self._ids = itertools.count()
+        self._lock = threading.RLock()  # the live painter and the kernel both draw
         for view in self.views:
             view.position = self.position
 
@@ -96,35 +98,42 @@ class Dashboard:
     def controls(self) -> PlaybackControls:
         if self._controls is None:
             self._controls = PlaybackControls(len(self.replay), self.show, self._interval_ms)
-            self._controls.slider.value = self.position
+            self._controls.set_value_quietly(self.position)
+            self._update_label()
         return self._controls
+
+    def _update_label(self) -> None:
+        n = len(self.replay)
+        label = self.block_table.position_label(self.position) if n else "-"
+        self._controls.label.value = f"<code>{label}</code> ({self.position + 1 if n else 0} / {n})"
 
     def show(self, position: int) -> None:
         """Show every view after step ``position`` (an index into the trace)."""
-        n = len(self.replay)
-        position = int(min(max(position, 0), max(n - 1, 0)))
-        self.position = position
-        self._at_end = position >= n - 1
-        for view in self.views:
-            view.show(position)
-        if self._controls is not None:
-            if self._controls.slider.value != position:
-                self._controls.slider.value = position
-            label = self.block_table.position_label(position) if n else "-"
-            self._controls.label.value = f"<code>{label}</code> ({position + 1 if n else 0} / {n})"
+        with self._lock:
+            n = len(self.replay)
+            position = int(min(max(position, 0), max(n - 1, 0)))
+            self.position = position
+            self._at_end = position >= n - 1
+            for view in self.views:
+                view.show(position)
+            if self._controls is not None:
+                if self._controls.slider.value != position:
+                    self._controls.set_value_quietly(position)
+                self._update_label()
 
     def step(self, delta: int = 1) -> None:
         self.show(self.position + delta)
 
     def refresh(self, follow: bool = True) -> None:
         """Take the records that arrived since the last frame; called by the live feed."""
-        was_at_end = self._at_end
-        for view in self.views:
-            view.sync()
-        n = len(self.replay)
-        if self._controls is not None:
-            self._controls.set_num_positions(n, follow=False)
-        self.show(n - 1 if (follow and was_at_end) else self.position)
+        with self._lock:
+            was_at_end = self._at_end
+            for view in self.views:
+                view.sync()
+            n = len(self.replay)
+            if self._controls is not None:
+                self._controls.set_num_positions(n, follow=False)
+            self.show(n - 1 if (follow and was_at_end) else self.position)
 
     # -- live -----------------------------------------------------------------------------------------
     def attach(self, engine=None, *, background: bool = True) -> LiveFeed:
@@ -174,6 +183,8 @@ class Dashboard:
             ids.append(rid)
         results = {}
         pending = set(ids)
+        was_attached = self._feed is not None
+        self.detach()  # one feed at a time, or every record would arrive twice
         feed = LiveFeed(self.replay, [self], fps=self.fps)
         feed.attach(engine, background=False)
         try:
@@ -192,6 +203,8 @@ class Dashboard:
             raise
         finally:
             feed.detach()
+            if was_attached:
+                self.attach()
         metrics = {rid: out.metrics for rid, out in results.items() if out.metrics is not None}
         self.throughput.metrics.update(metrics)
         self.throughput.redraw()

@@ -224,7 +224,8 @@ class MemoryMapView(TraceView):
         step = max(1, rows // 16)  # at most ~16 labels down the side
         layout = {
             "title": {"text": f.title},
-            "yaxis": {"tickvals": list(range(0, rows, step)), "ticktext": [str(r * per_row) for r in range(0, rows, step)]},
+            "yaxis": {"tickvals": list(range(0, rows, step)),
+                      "ticktext": [str(r * per_row) for r in range(0, rows, step)]},
             "xaxis": {"dtick": 1 if cols <= 16 else None},
         }
         return [heat, partial], layout
@@ -240,7 +241,8 @@ class MemoryMapView(TraceView):
             f"  pool {g['num_blocks']} blocks x {g['block_size']} slots: used {g['used_blocks']} ({g['usage']:.0%}), "
             f"free {g['free_blocks']} (of which cached {g['cached_free_blocks']}), sequences {g['num_sequences']}",
             f"  tokens stored {g['tokens_stored']} in {g['allocated_slots']} allocated slots: "
-            f"internal fragmentation {g['internal_fragmentation']:.1%}; sharing saves {g['shared_savings_blocks']} blocks",
+            f"internal fragmentation {g['internal_fragmentation']:.1%}; "
+            f"sharing saves {g['shared_savings_blocks']} blocks",
         ]
         lines.append("  map (# full, + partly filled, S shared, c cached-free, . free):")
         lines.extend("    " + row for row in text_map(self.replay, position))

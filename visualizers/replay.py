@@ -6,7 +6,9 @@ token slots each block holds, how many tables share a block, or which free
 blocks still hold reusable KV for the prefix cache. The visualizers need all
 three, and they may not reach into the engine (the design guide's rule:
 visualizers read step records, nothing else). So this module *replays* the
-records, the way a debugger replays a log:
+records, the way a debugger replays a log. (Where a record carries
+``seq_num_tokens`` and ``forked``, as newer engines write them, the replay takes
+lengths and fork parents from there instead of working them out.)
 
 - **Sequence lengths.** A sequence admitted in this step brought ``n`` prompt
   tokens and got ``len(table)`` blocks. The blocks beyond ``ceil(n /
@@ -158,13 +160,16 @@ class TraceReplay:
         for entry in record.scheduled:
             entries[entry.seq_id] = entry
             self.seq_request.setdefault(entry.seq_id, entry.request_id)
-            self.seq_index.setdefault(entry.seq_id, entry.index)
+            self.seq_index[entry.seq_id] = entry.index
             self.request_order.setdefault(entry.request_id, len(self.request_order))
 
         lengths: dict[int, int] = {}
         exact: dict[int, bool] = {}
         hits: dict[int, int] = {}
         admitted, forked, later = [], [], []
+        # The first record of a bounded trace (engine.trace keeps the last 256 steps) may be the
+        # middle of a run: a prefill entry there can be a prompt's second chunk, not an admission.
+        joined_late = not self.records and record.step > 1
         for sid, table in tables.items():
             entry = entries.get(sid)
             if sid in self._lengths:  # running before this step, still running
@@ -177,22 +182,29 @@ class TraceReplay:
                     else:
                         length = min(max(length, (len(table) - 1) * bs + 1), len(table) * bs)
                 lengths[sid], exact[sid], hits[sid] = length, is_exact, self._hits[sid]
-            elif entry is not None and entry.is_prefill:  # admitted (or re-admitted) in this step
+            elif entry is not None and entry.is_prefill and not joined_late:  # admitted (or re-admitted) now
                 num_hit = max(0, len(table) - math.ceil(entry.num_tokens / bs))
                 lengths[sid], exact[sid], hits[sid] = num_hit * bs + entry.num_tokens, True, num_hit
                 admitted.append(sid)
             else:
                 later.append(sid)
-        for sid in later:  # fork children: same table as a parent that ran this step
+        parents = {child: parent for parent, child in getattr(record, "forked", ())}
+        for sid in later:  # fork children: recorded as such, or found by their parent's identical table
             table = tables[sid]
-            parent = next((p for p in entries if p in lengths and tables.get(p) == table), None)
+            parent = parents.get(sid)
+            if parent not in lengths:
+                parent = next((p for p in entries if p in lengths and tables.get(p) == table), None)
             if parent is not None:
                 lengths[sid], exact[sid], hits[sid] = lengths[parent], exact[parent], hits[parent]
                 self.seq_request.setdefault(sid, self.seq_request[parent])
-                self.seq_index.setdefault(sid, -1)  # its completion index is not recorded
+                self.seq_index.setdefault(sid, -1)  # unknown until it is scheduled
                 forked.append(sid)
             else:  # joined a bounded trace late: assume full blocks until a decode step tells
                 lengths[sid], exact[sid], hits[sid] = len(table) * bs, False, 0
+        # Newer engines record every running sequence's length: then nothing is guessed.
+        for sid, num_tokens in (getattr(record, "seq_num_tokens", None) or {}).items():
+            if sid in lengths:
+                lengths[sid], exact[sid] = num_tokens, True
 
         preempted = set(record.preempted)
         ended = tuple(sid for sid in self._tables if sid not in tables and sid not in preempted)

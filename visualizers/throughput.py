@@ -10,10 +10,10 @@ Four small plots that answer "is the engine busy, and who pays for it?":
 - **inter-token latency** per request: median gap between its tokens, the bar
   reaching up to the 90th percentile.
 
-Latencies come from ``RequestOutput.metrics`` when given (measured from
-arrival, as vLLM reports them). From a trace alone they are measured from the
-step that first scheduled the request, because arrival times are not in the
-step records; the axis title says which.
+Latencies come from ``RequestOutput.metrics`` when given, or from the step
+records. Both measure TTFT from the request's arrival, as vLLM reports it,
+except for traces from engines that did not record arrivals: there it runs
+from the step that first scheduled the request; the title says which.
 """
 
 from __future__ import annotations
@@ -62,15 +62,20 @@ class RequestLatency:
 class LatencyTracker:
     """When each request got its tokens, read from step records one at a time.
 
-    A decode entry always yields a token. A prefill entry yields one only if it
-    was the prompt's last chunk, which shows one step later: the sequence's next
-    entry is a decode (or it finished in that very step). So a prefill's token
-    stays pending until the next entry of its sequence decides it.
+    Records from newer engines list the sequences that got a token
+    (``sampled``) and when each request arrived (``arrivals``); then both are
+    exact. Otherwise they are worked out: a decode entry always yields a token;
+    a prefill entry yields one only if it was the prompt's last chunk, which
+    shows one step later (the sequence's next entry is a decode, or it finished
+    in that very step), so a prefill's token stays pending until then. Without
+    arrival times, TTFT is measured from the step that first scheduled the request.
     """
 
     def __init__(self) -> None:
+        self.arrivals: dict[str, float] = {}
         self.first_scheduled: dict[str, float] = {}
         self.first_position: dict[str, int] = {}
+        self._sampled_recorded = False  # seen a record that lists its sampled sequences
         self.token_times: dict[str, list[tuple[int, float]]] = {}  # request -> [(position, time)] of completion 0
         self._pending: dict[int, tuple[int, float]] = {}  # seq id -> (position, time) of a prefill that may sample
         self.num_records = 0
@@ -80,6 +85,10 @@ class LatencyTracker:
         self.num_records += 1
         end = record.start_time + record.wall_time
         finished = set(record.finished)
+        self.arrivals.update(getattr(record, "arrivals", None) or {})
+        sampled = getattr(record, "sampled", ())
+        self._sampled_recorded = self._sampled_recorded or bool(sampled)
+        sampled = set(sampled)
         for e in record.scheduled:
             self.first_scheduled.setdefault(e.request_id, record.start_time)
             self.first_position.setdefault(e.request_id, position)
@@ -87,7 +96,10 @@ class LatencyTracker:
             pending = self._pending.pop(e.seq_id, None)
             if e.index != 0:
                 continue
-            if e.is_prefill:
+            if self._sampled_recorded:
+                if e.seq_id in sampled:
+                    times.append((position, end))
+            elif e.is_prefill:
                 if e.seq_id in finished:
                     times.append((position, end))
                 else:
@@ -103,13 +115,15 @@ class LatencyTracker:
             if upto is not None and self.first_position[rid] > upto:
                 continue  # not scheduled yet at that step
             t = [time for pos, time in times if upto is None or pos <= upto]
-            ttft = t[0] - self.first_scheduled[rid] if t else None
+            from_arrival = rid in self.arrivals
+            start = self.arrivals[rid] if from_arrival else self.first_scheduled[rid]
+            ttft = t[0] - start if t else None
             gaps = np.diff(t) if len(t) > 1 else np.zeros(0)
             result.append(RequestLatency(
                 rid, ttft,
                 float(np.median(gaps)) if gaps.size else None,
                 float(np.percentile(gaps, 90)) if gaps.size else None,
-                len(t), False,
+                len(t), from_arrival,
             ))
         return result
 
@@ -172,7 +186,8 @@ class ThroughputPanel(TraceView):
             "tokens per step", "KV cache usage", "time to first token per request", "inter-token latency per request"))
         fig.add_trace(go.Bar(x=[], y=[], name="decode tokens", marker_color="#1f77b4"), row=1, col=1)
         fig.add_trace(go.Bar(x=[], y=[], name="prefill tokens", marker_color="#ff7f0e"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage", marker={"size": 4}, line={"color": "#2ca02c"},
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name="KV usage", marker={"size": 4},
+                                 line={"color": "#2ca02c"},
                                  hovertemplate="step %{x}: %{y:.0%}<extra></extra>"), row=1, col=2)
         fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name="preemption",
                                  marker={"symbol": "x", "size": 10, "color": "#d62728"},

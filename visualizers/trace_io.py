@@ -8,20 +8,31 @@ anywhere: ``Dashboard.from_trace(load_trace("run.json"))``.
 ``save_chrome_trace(records, "run.trace.json")`` writes the format that
 https://ui.perfetto.dev and chrome://tracing open: one track with a slice per
 engine step, one track per request with a slice for every step that computed
-tokens for it (prefill or decode), counter tracks for KV blocks and queue
-lengths, and instant markers for preemptions. Times are microseconds since the
-first step, as the format requires.
+tokens for it (prefill or decode) and, when the records carry arrival times, a
+"waiting" slice from arrival to first scheduling; counter tracks for KV blocks
+and queue lengths, and instant markers for preemptions. Times are microseconds
+since the earliest event, as the format requires.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from collections.abc import Iterable
 from dataclasses import asdict
 
 from ..engine import ScheduledEntry, StepRecord
 
-__all__ = ["save_trace", "load_trace", "Trace", "to_chrome_trace", "save_chrome_trace", "records_to_json", "records_from_json"]
+__all__ = [
+    "save_trace",
+    "load_trace",
+    "Trace",
+    "to_chrome_trace",
+    "save_chrome_trace",
+    "records_to_json",
+    "records_from_json",
+]
 
 FORMAT = "kvpaging-trace"
 VERSION = 1
@@ -36,30 +47,36 @@ class Trace(list):
 
 
 def _record_to_dict(r: StepRecord) -> dict:
-    d = asdict(r)
-    # JSON object keys are strings: keep the tables as [seq_id, [block ids]] pairs instead
-    d["block_tables"] = [[sid, list(table)] for sid, table in r.block_tables.items()]
-    return d
+    # JSON object keys are strings: a dict keyed by seq id comes back through _from_json
+    return asdict(r)
+
+
+def _from_json(value, tp):
+    """Rebuild a value of type ``tp`` (from the dataclass annotations) out of its JSON form."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(v, args[0]) for v in value)
+        return tuple(_from_json(v, a) for v, a in zip(value, args))
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        items = value.items() if isinstance(value, dict) else value  # version 1 wrote [key, value] pairs
+        return {_from_json(k, key_type): _from_json(v, value_type) for k, v in items}
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: _from_json(value[f.name], hints[f.name])
+                     for f in dataclasses.fields(tp) if f.name in value})
+    if tp is int:
+        return int(value)
+    if tp is float:
+        return float(value)
+    return value
 
 
 def _record_from_dict(d: dict) -> StepRecord:
-    return StepRecord(
-        step=int(d["step"]),
-        start_time=float(d["start_time"]),
-        wall_time=float(d["wall_time"]),
-        scheduled=tuple(ScheduledEntry(**e) for e in d["scheduled"]),
-        num_batched_tokens=int(d["num_batched_tokens"]),
-        preempted=tuple(d["preempted"]),
-        finished=tuple(d["finished"]),
-        blocks_copied=tuple(tuple(pair) for pair in d["blocks_copied"]),
-        num_free_blocks=int(d["num_free_blocks"]),
-        num_used_blocks=int(d["num_used_blocks"]),
-        num_cached_blocks=int(d["num_cached_blocks"]),
-        num_tokens_stored=int(d["num_tokens_stored"]),
-        num_waiting=int(d["num_waiting"]),
-        num_running=int(d["num_running"]),
-        block_tables={int(sid): tuple(table) for sid, table in d["block_tables"]},
-    )
+    """A StepRecord from its JSON form; fields missing in an older file keep their defaults."""
+    return _from_json(d, StepRecord)
 
 
 def records_to_json(records: Iterable[StepRecord], **meta) -> dict:
@@ -101,8 +118,12 @@ def to_chrome_trace(records: Iterable[StepRecord], *, process_name: str = "kvpag
     ]
     if not records:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
-    t0 = records[0].start_time
+    arrivals: dict[str, float] = {}
+    for r in records:
+        arrivals.update(getattr(r, "arrivals", None) or {})  # recorded by newer engines
+    t0 = min([records[0].start_time, *arrivals.values()])
     tids: dict[str, int] = {}
+    waited: set[str] = set()
 
     def us(seconds: float) -> float:
         return round(seconds * 1e6, 3)
@@ -128,6 +149,11 @@ def to_chrome_trace(records: Iterable[StepRecord], *, process_name: str = "kvpag
                                "args": {"name": f"request {rid}"}})
                 events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tids[rid],
                                "args": {"sort_index": tids[rid]}})
+            if rid in arrivals and rid not in waited:  # from arrival to first scheduling: queued
+                waited.add(rid)
+                events.append({"name": "waiting", "cat": "queue", "ph": "X", "ts": us(arrivals[rid] - t0),
+                               "dur": max(us(r.start_time - arrivals[rid]), 0.001), "pid": pid, "tid": tids[rid],
+                               "args": {"arrival_time": arrivals[rid]}})
             prefill = any(e.is_prefill for e in entries)
             tokens = sum(e.num_tokens for e in entries)
             events.append({

@@ -1,0 +1,54 @@
+"""Helpers the lessons call, kept in the package so that they are tested and notebooks stay short.
+
+Each lesson topic has its own module here (``kvpaging.teach.<topic>``); this
+file holds what every lesson shares: picking the model for the current machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..models import real_shaped, tiny
+
+__all__ = ["LessonModel", "pick_model", "on_gpu"]
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+@dataclass
+class LessonModel:
+    model: torch.nn.Module
+    name: str  # e.g. "tiny qwen3 (random weights)" or "Qwen3-0.6B shape (random weights)"
+    device: str
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.device} in {str(self.dtype).replace('torch.', '')}"
+
+
+def pick_model(gpu_config: str = "Qwen3-0.6B", cpu_arch: str = "qwen3", seed: int = 0, verbose: bool = True,
+               **tiny_overrides) -> LessonModel:
+    """The lesson's model: a tiny random-weight model on a CPU, a real-shaped one on a CUDA GPU.
+
+    Set ``KVPAGING_LESSON_MODEL=tiny`` to force the tiny model anywhere, or to a
+    shipped config name (``kvpaging.models.available_configs()``) to force that shape.
+    Random weights: the text is nonsense, but shapes, memory and speed are real.
+    """
+    choice = os.environ.get("KVPAGING_LESSON_MODEL")
+    if choice == "tiny" or (choice is None and not on_gpu()):
+        model = tiny(cpu_arch, seed=seed, **tiny_overrides)
+        picked = LessonModel(model, f"tiny {cpu_arch} (random weights)", "cpu", torch.float32)
+    else:
+        name = choice or gpu_config
+        device = "cuda" if on_gpu() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = real_shaped(name, dtype=dtype, device=device, seed=seed)
+        picked = LessonModel(model, f"{name} shape (random weights)", device, dtype)
+    if verbose:
+        print(f"Using {picked}")
+    return picked
