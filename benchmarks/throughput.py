@@ -139,9 +139,12 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each engine; the median is reported")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every engine alike")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engines = {"kvpaging": run_kvpaging}
     if "static" not in skip:
@@ -164,7 +167,8 @@ def main() -> None:
     total_prompt = sum(len(p) for p, _ in reqs)
     total_out = sum(n for _, n in reqs)
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | transformers "
-          f"{transformers.__version__} | kvpaging {kvpaging.__version__} | device {args.device} {args.dtype}")
+          f"{transformers.__version__} | kvpaging {kvpaging.__version__} | device {args.device} {args.dtype} | "
+          f"{torch.get_num_threads()} torch threads")
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"({total_prompt} tokens), outputs {args.min_output}-{args.max_output} ({total_out} useful tokens), "
           f"model {args.model}")

@@ -49,9 +49,9 @@ class AttentionMetadata:
 def get_backend(name: str) -> ModuleType:
     """The module whose kernels serve attention: the torch reference or the Triton kernels."""
     if name == "torch":
-        from .kernels import reference
+        from .kernels import torch_backend
 
-        return reference
+        return torch_backend
     if name == "triton":
         from . import kernels
 

@@ -358,6 +358,7 @@ class BlockManager:
         copy.num_filled = shared.num_filled
         pool.num_filled_slots += copy.num_filled
         pool.free_block(shared)  # one owner fewer; it stays with the others
+        pool.hold_on_free.add(shared.block_id)  # until copied, it must not become another copy's destination
         st.blocks[-1] = copy
         st.block_ids[-1] = copy.block_id
         self._tables.set(st.row, len(st.block_ids) - 1, copy.block_id)
@@ -418,6 +419,7 @@ class BlockManager:
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs decided since the last call; the runner copies them."""
         pairs, self._blocks_to_copy = self._blocks_to_copy, []
+        self.pool.release_held()
         return pairs
 
     def reset_prefix_cache(self) -> int:

@@ -141,6 +141,11 @@ class BlockPool:
         self.num_cached_free_blocks = 0  # cached blocks sitting in the free queue
         self.num_filled_slots = 0  # slots holding a token, over blocks in use
         self.num_evictions = 0
+        # Copy sources the runner has not copied yet: if their last owner lets go in the
+        # same step (a preemption), they must not be handed out as another copy's
+        # destination before they are read. They wait in _held until release_held().
+        self.hold_on_free: set[int] = set()
+        self._held: list[KVBlock] = []
 
     # -- figures -----------------------------------------------------------
     @property
@@ -170,9 +175,12 @@ class BlockPool:
     def touch(self, block: KVBlock) -> None:
         """Add one owner to ``block``; a free (cached) block leaves the free queue."""
         if block.ref_cnt == 0:
-            self.free_queue.remove(block)
-            if block.block_hash is not None:
-                self.num_cached_free_blocks -= 1
+            if block.prev_free is None:  # held back for a pending copy (see hold_on_free)
+                self._held.remove(block)
+            else:
+                self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             self.num_filled_slots += block.num_filled
         block.ref_cnt += 1
 
@@ -183,9 +191,22 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self.num_filled_slots -= block.num_filled
-            if block.block_hash is not None:
-                self.num_cached_free_blocks += 1
-            self.free_queue.append(block)
+            if block.block_id in self.hold_on_free:
+                self._held.append(block)
+            else:
+                self._enqueue_free(block)
+
+    def _enqueue_free(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self.num_cached_free_blocks += 1
+        self.free_queue.append(block)
+
+    def release_held(self) -> None:
+        """Copies have been handed to the runner: blocks held back for them become free for real."""
+        held, self._held = self._held, []
+        self.hold_on_free.clear()
+        for block in held:
+            self._enqueue_free(block)
 
     # -- prefix cache --------------------------------------------------------
     def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
@@ -250,7 +271,7 @@ class BlockPool:
         """Scan everything and raise AssertionError on any inconsistency (tests only: O(num_blocks))."""
         free_ids = [b.block_id for b in self.free_queue]
         assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt"
-        free = set(free_ids)
+        free = set(free_ids) | {b.block_id for b in self._held}
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert (block.ref_cnt == 0) == (block.block_id in free), (
@@ -264,5 +285,6 @@ class BlockPool:
         for h, block in self.cached_blocks.items():
             assert block.block_hash == h
         assert self.num_used_blocks + self.num_free_blocks == self.num_blocks
+        assert all(b.ref_cnt == 0 and b.block_id in self.hold_on_free for b in self._held)
         assert self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None)
         assert self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0)

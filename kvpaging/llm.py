@@ -81,7 +81,7 @@ class LLM:
             model = model.to(dtype)
         model.eval()
         if tokenizer is None:
-            tokenizer = load_tokenizer(model)
+            tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         dev = next(model.parameters()).device
         config = model.config
         limit = getattr(config, "max_position_embeddings", None)

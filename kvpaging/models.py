@@ -247,7 +247,7 @@ def load_model(
     return model.eval()
 
 
-def load_tokenizer(model_or_path: PreTrainedModel | str | os.PathLike):
+def load_tokenizer(model_or_path: PreTrainedModel | str | os.PathLike, trust_remote_code: bool = False):
     """The tokenizer that goes with a model, or None when there is none to find.
 
     A random model built here has no tokenizer (the engine then works on token
@@ -268,7 +268,7 @@ def load_tokenizer(model_or_path: PreTrainedModel | str | os.PathLike):
 
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
 
 
 def _looks_like_local_path(source: str) -> bool:

@@ -145,8 +145,9 @@ def run_with_faults(seed: int, kind: str, num_faults: int, solo) -> dict:
                 assert all(c.finish_reason in ("error", "length") for c in o.outputs)  # some finished before
                 failed[o.request_id] = o
                 assert o.request_id not in engine.scheduler.requests
-            for s in schedules[-1].scheduled:
-                assert not engine.block_manager.has_sequence(s.seq.seq_id), "a failed sequence still holds blocks"
+            for request in {s.seq.request for s in schedules[-1].scheduled}:
+                for seq in request.seqs:  # forks made in the failed step included
+                    assert not engine.block_manager.has_sequence(seq.seq_id), f"failed {seq.seq_id} still holds blocks"
             if not added_later:
                 # more requests after the first failure, some repeating the failed requests' prompts
                 added_later = True

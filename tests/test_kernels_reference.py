@@ -353,3 +353,36 @@ def test_copy_blocks_rejects_mismatched_layers():
 def test_slot_formula_example_from_the_docstring():
     """block_size 4, block table [7, 2]: token 5 has slot 2 * 4 + 1 = 9."""
     assert slots_of(torch.tensor([7, 2]), 4, 6) == [28, 29, 30, 31, 8, 9]
+
+
+# -- the engine's "torch" backend: same answers as the references ------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_torch_backend_matches_the_references(fp8):
+    from kvpaging.kernels import fp8 as fp8_mod
+    from kvpaging.kernels import torch_backend
+
+    g = torch.Generator().manual_seed(11)
+    num_blocks, bs, kv_heads, heads, dim = 40, 16, 2, 8, 32
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = fp8_mod.compute_kv_scales(k_cache), fp8_mod.compute_kv_scales(v_cache)
+        k_cache, v_cache = fp8_mod.quantize_kv_cache(k_cache, k_scale), fp8_mod.quantize_kv_cache(v_cache, v_scale)
+    seq_lens = torch.tensor([0, 1, 15, 16, 17, 200], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:13] for _ in range(6)]).to(torch.int32)
+    query = torch.randn(6, heads, dim, generator=g)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, dim**-0.5, k_scale, v_scale)
+    got = torch_backend.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, dim**-0.5, k_scale, v_scale)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.all(got[0] == 0)
+
+    key, value = torch.randn(5, kv_heads, dim, generator=g), torch.randn(5, kv_heads, dim, generator=g)
+    for slots in (torch.tensor([3, 17, 40, 41, 600]), torch.tensor([3, -1, 40, -1, 600])):
+        a_k, a_v, b_k, b_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+        reference.store_kv(key, value, a_k, a_v, slots, k_scale, v_scale)
+        torch_backend.store_kv(key, value, b_k, b_v, slots, k_scale, v_scale)
+        assert torch.equal(a_k.view(torch.uint8) if fp8 else a_k, b_k.view(torch.uint8) if fp8 else b_k)
+        assert torch.equal(a_v.view(torch.uint8) if fp8 else a_v, b_v.view(torch.uint8) if fp8 else b_v)

@@ -192,9 +192,6 @@ def test_the_tokenizer_is_loaded_without_remote_code_by_default(tmp_path, monkey
     assert tokenizer_kwargs(tmp_path, monkeypatch).get("trust_remote_code", False) is False
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: LLM(trust_remote_code=True) does not reach the tokenizer: "
-                   "kvpaging/llm.py calls load_tokenizer(model) and kvpaging/models.py load_tokenizer calls "
-                   "AutoTokenizer.from_pretrained(source) without trust_remote_code")
 def test_trust_remote_code_reaches_the_tokenizer_too(tmp_path, monkeypatch):
     assert tokenizer_kwargs(tmp_path, monkeypatch, trust_remote_code=True).get("trust_remote_code") is True
 

@@ -2,7 +2,7 @@
 
 The driver and its checks live in ``benchmarks/soak.py`` (run it by hand for
 tens of thousands of requests); here it runs at a size that takes well under a
-minute on a 2-core CPU, in three shapes:
+minute on a 2-core CPU, in four shapes:
 
 * a small pool with the prefix cache on: preemption at almost every step,
   chunked prefill, prefix hits, copy-on-write, evictions;
@@ -38,8 +38,13 @@ def _load_soak():
 
 soak = _load_soak()
 
+# BUG (see test_copy_on_write_does_not_depend_on_the_order_of_the_copies below): a step's copy-on-write pairs
+# can read and write one block. The soaks count such steps (their figures say how many) instead of failing;
+# once the bug is fixed and that test's strict xfail turns into a failure, set this to False.
+KNOWN_BUG_COPY_OVERLAP = False
+
 RUNS = {
-    "preempting-pool": soak.SoakConfig(requests=16000, seed=0, solo_checks=40),
+    "preempting-pool": soak.SoakConfig(requests=12000, seed=0, solo_checks=40),
     "seq-cap": soak.SoakConfig(requests=3000, seed=1, block_size=8, num_blocks=70, max_num_seqs=32,
                                max_num_batched_tokens=256, enable_prefix_caching=False),
     "static": soak.SoakConfig(requests=1000, seed=2, scheduling="static", solo_checks=20),
@@ -55,6 +60,7 @@ def test_soak(name):
     print(f"\n[{name}] {figures}")
     problems = "\n".join(result.problems[:20])
     assert not result.problems, f"{len(result.problems)} problems in {figures}:\n{problems}"
+    assert KNOWN_BUG_COPY_OVERLAP or not result.copy_overlaps, f"{result.copy_overlaps[:3]} in {figures}"
 
     # the run did what it is for: every request accounted for, and the hard paths were taken
     assert len(result.finals) + len(result.aborted) == config.requests, figures
@@ -90,3 +96,40 @@ def test_soak_checks_catch_a_wrong_token():
     assert not soak.check_output(spec, out, config.max_model_len, frozenset({2}))
     out.outputs[0].token_ids.append(3)  # one token too many
     assert soak.check_output(spec, out, config.max_model_len, frozenset({2}))
+
+
+@pytest.mark.parametrize("order", [
+    "as-given",
+    "reversed",
+])
+def test_copy_on_write_does_not_depend_on_the_order_of_the_copies(order):
+    """copy_blocks' contract says no block is both a source and a destination, so any order must do.
+
+    Two n=3 greedy requests fork in one step of a 6-block pool; in the next step the pool runs short in the
+    middle of their copy-on-writes (see tests/test_scheduler_stateful.py for the block-level story). Copying
+    the pairs in reverse -- as legitimate as any order under the contract, and what a parallel kernel may
+    effectively do -- must give every completion the tokens of its request run alone.
+    """
+    model = soak.make_model()
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]]
+    params = soak.SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = soak.LLM(model, block_size=4, num_blocks=6, max_model_len=24, max_num_seqs=6, max_num_batched_tokens=16,
+                   enable_prefix_caching=False)
+    runner = llm.engine.runner
+    copied = []
+
+    def copy_pairs(pairs):
+        copied.append(list(pairs))
+        for src, dst in (reversed(pairs) if order == "reversed" else pairs):
+            for k_cache, v_cache in runner.kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+
+    runner.copy_blocks = copy_pairs
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if order == "as-given":  # the scenario happens (asserted here only: the xfail case must fail for one reason)
+        assert llm.engine.scheduler.num_preemptions > 0 and any(copied), copied
+    for prompt, out in zip(prompts, outs):
+        alone = soak.LLM(soak.make_model(), block_size=4, num_blocks=64, max_model_len=24)
+        expected = alone.generate([prompt], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected.outputs], f"copies {copied}"

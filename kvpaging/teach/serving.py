@@ -1,0 +1,298 @@
+"""Helpers for lesson 10 (putting it together): one serving workload, three engines, one table of names.
+
+The three runners make the same calls as ``benchmarks/throughput.py`` (kvpaging's
+``LLM.generate``, transformers' static ``model.generate`` in fixed batches, and
+transformers' own continuous batching through ``init_continuous_batching``), so
+the lesson and the benchmark measure the same thing. Each takes a fresh model:
+the engine installs its paged attention in the model it serves, and
+transformers' continuous batching picks its own attention too.
+
+The figure of merit is *useful* output tokens per second: the tokens each
+request asked for. Static batching runs every member of a batch as long as its
+longest member; what it generates past a request's own ``max_tokens`` is waste
+and is not counted.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Workload",
+    "make_workload",
+    "run_kvpaging",
+    "run_static_generate",
+    "run_continuous_batching",
+    "EngineResult",
+    "compare_engines",
+    "VLLM_NAMES",
+    "vllm_names_markdown",
+    "DIFFERENCES",
+    "results_table",
+    "throughput_figure",
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: list[tuple[list[int], int]]  # (prompt token ids, output tokens wanted)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p, _ in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(n for _, n in self.requests)
+
+    @property
+    def max_prompt(self) -> int:
+        return max(len(p) for p, _ in self.requests)
+
+    @property
+    def max_output(self) -> int:
+        return max(n for _, n in self.requests)
+
+
+def make_workload(num_requests: int, vocab_size: int, prompt_range=(16, 128), output_range=(8, 64),
+                  seed: int = 0) -> Workload:
+    """Random prompts and output lengths, the same for a given seed (token ids 0-2 are pad/bos/eos)."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num_requests):
+        p = rng.randint(*prompt_range)
+        reqs.append(([rng.randrange(3, vocab_size) for _ in range(p)], rng.randint(*output_range)))
+    return Workload(reqs)
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
+    """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=work.max_prompt + work.max_output + 1)
+    kw.update(llm_kwargs)
+    llm = LLM(model, **kw)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work.requests]
+    prompts = [p for p, _ in work.requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    _sync(_device(model))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(_device(model))
+    elapsed = time.perf_counter() - t0
+    useful = sum(len(o.outputs[0].token_ids) for o in outs)
+    if useful != work.num_output_tokens:
+        raise RuntimeError(f"kvpaging produced {useful} tokens, {work.num_output_tokens} were asked for")
+    return elapsed, useful
+
+
+@torch.inference_mode()
+def run_static_generate(model, work: Workload, batch_size: int = 16) -> tuple[float, int]:
+    """Seconds and useful tokens for transformers' ``model.generate`` on fixed batches, left-padded.
+
+    Each batch runs until its longest request is done (``min_new_tokens`` keeps every
+    row going, like ``ignore_eos``); only each request's own tokens count as useful.
+    """
+    device = _device(model)
+    pad = 0
+
+    def batch_generate(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+        longest = max(n for _, n in batch)
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                       min_new_tokens=longest, pad_token_id=pad)
+
+    batch_generate(work.requests[:2])  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(work.requests), batch_size):
+        batch_generate(work.requests[i : i + batch_size])
+    _sync(device)
+    return time.perf_counter() - t0, work.num_output_tokens
+
+
+def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tuple[float, int]:
+    """Seconds and useful tokens for transformers' own continuous batching (``init_continuous_batching``)."""
+    from transformers import GenerationConfig
+
+    device = _device(model)
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=work.max_output, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    try:
+        def serve(batch) -> int:
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in batch]
+            done = produced = 0
+            while done < len(ids):
+                result = manager.get_result(timeout=timeout)
+                if result is None:
+                    raise RuntimeError("transformers continuous batching stalled")
+                if result.is_finished():
+                    done += 1
+                    produced += len(result.generated_tokens)
+            return produced
+
+        serve(work.requests[:2])  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        produced = serve(work.requests)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    return elapsed, produced
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    name: str
+    seconds: float  # median over repeats
+    useful_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+
+ENGINES: dict[str, Callable] = {
+    "kvpaging": run_kvpaging,
+    "transformers generate() (static)": run_static_generate,
+    "transformers continuous batching": run_continuous_batching,
+}
+
+
+def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, engines=None, repeats: int = 1,
+                    progress: bool = True, options: dict[str, dict] | None = None) -> list[EngineResult]:
+    """Run ``work`` on each engine, each on a fresh model from ``build_model()``, one after another.
+
+    ``options`` maps an engine name to keyword arguments for its runner, e.g.
+    ``{"transformers generate() (static)": {"batch_size": 8}}``.
+    """
+    names = list(ENGINES) if engines is None else list(engines)
+    options = options or {}
+    results = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(names) * repeats, desc="engines", unit="run")
+    try:
+        for name in names:
+            fn = ENGINES[name]
+            times = []
+            useful = 0
+            for _ in range(repeats):
+                model = build_model()
+                if bar is not None:
+                    bar.set_postfix_str(name)
+                seconds, useful = fn(model, work, **options.get(name, {}))
+                times.append(seconds)
+                del model
+                if bar is not None:
+                    bar.update(1)
+            results.append(EngineResult(name, statistics.median(times), useful))
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+# ------------------------------------------------------------------ kvpaging <-> vLLM
+
+#: (concept, kvpaging name, vLLM name, where to find it in kvpaging). The last field is
+#: "module:attribute" or "module:Class.attribute"; tests check that each one exists.
+VLLM_NAMES: list[tuple[str, str, str, str]] = [
+    ("tokens per KV block", "LLM(block_size=16)", "block_size (--block-size)", "kvpaging.llm:LLM.__init__"),
+    ("blocks in the KV pool", "LLM(num_blocks=...), llm.engine.config.num_blocks",
+     "num_gpu_blocks (cache_config.num_gpu_blocks, num_gpu_blocks_override)", "kvpaging.engine:EngineConfig"),
+    ("a sequence's logical -> physical block list", "BlockManager.get_block_table(seq_id)",
+     "block table (KVCacheManager / BlockTable)", "kvpaging.block_manager:BlockManager.get_block_table"),
+    ("cache slot of every new token", "StepInputs.slot_mapping (prepare_step_inputs)",
+     "slot_mapping (attention metadata)", "kvpaging.model_runner:prepare_step_inputs"),
+    ("reuse KV of shared prompt prefixes", "LLM(enable_prefix_caching=True)", "enable_prefix_caching",
+     "kvpaging.llm:LLM.__init__"),
+    ("split long prompts over steps", "chunked prefill (always on, within max_num_batched_tokens)",
+     "enable_chunked_prefill (on by default in v1)", "kvpaging.scheduler:Scheduler"),
+    ("token budget of one step", "LLM(max_num_batched_tokens=2048)", "max_num_batched_tokens",
+     "kvpaging.llm:LLM.__init__"),
+    ("sequences in one batch", "LLM(max_num_seqs=256)", "max_num_seqs", "kvpaging.llm:LLM.__init__"),
+    ("pool full: evict a running sequence, recompute later", "preemption by recompute (Scheduler.num_preemptions)",
+     "preemption (recompute mode)", "kvpaging.scheduler:Scheduler"),
+    ("no CUDA graphs", "LLM(enforce_eager=True)", "enforce_eager", "kvpaging.llm:LLM.__init__"),
+    ("8-bit KV cache", 'LLM(kv_cache_dtype="fp8")', 'kv_cache_dtype="fp8"', "kvpaging.llm:LLM.__init__"),
+    ("share of GPU memory the engine may use", "LLM(gpu_memory_utilization=0.9)", "gpu_memory_utilization",
+     "kvpaging.llm:LLM.__init__"),
+    ("fixed KV byte budget", "LLM(kv_cache_memory_bytes=...)", "kv_cache_memory_bytes",
+     "kvpaging.llm:LLM.__init__"),
+    ("how to sample", "SamplingParams(n, temperature, top_p, top_k, min_p, seed, max_tokens, stop_token_ids, "
+     "ignore_eos, logprobs)", "SamplingParams (same field names)", "kvpaging.sampling_params:SamplingParams"),
+    ("a request's result", "RequestOutput / CompletionOutput", "RequestOutput / CompletionOutput",
+     "kvpaging.outputs:RequestOutput"),
+    ("online serving loop", "LLMEngine.add_request / step / abort_request", "LLMEngine.add_request / step / "
+     "abort_request", "kvpaging.engine:LLMEngine.step"),
+    ("offline batch API", "LLM.generate(prompts, params)", "LLM.generate(prompts, sampling_params)",
+     "kvpaging.llm:LLM.generate"),
+]
+
+
+def vllm_names_markdown() -> str:
+    lines = ["| concept | kvpaging | vLLM |", "|---|---|---|"]
+    lines += [f"| {c} | `{k}` | `{v}` |" for c, k, v, _ in VLLM_NAMES]
+    return "\n".join(lines)
+
+
+#: Where kvpaging does something differently from vLLM, and why.
+DIFFERENCES: list[tuple[str, str, str]] = [
+    ("n > 1 sampling", "one request holds n sequences: the prompt is computed once, then forked, and the "
+     "completions share the prompt's blocks with copy-on-write for a partly filled last block (like vLLM v0)",
+     "v1 turns a request with n > 1 into n child requests that share the prompt through the prefix cache"),
+    ("FP8 scales", "one scale per layer and KV head, amax / 448 from a calibration pass over random tokens "
+     "when the engine starts", "scales from the checkpoint, or 1.0, or computed on the fly (calculate_kv_scales)"),
+    ("CUDA graphs", "decode-only steps replay a graph captured per padded batch size; prefill and mixed steps "
+     "run eagerly", "piecewise graphs through torch.compile cover mixed batches too"),
+    ("attention", "transformers' own model code with a paged attention function plugged in; Triton kernels "
+     "on a GPU, plain torch elsewhere", "its own model implementations and FlashAttention / FlashInfer / "
+     "Triton backends"),
+    ("process layout", "one Python process: scheduler, model and sampler in one loop",
+     "v1 splits the engine core and the API server into processes and overlaps scheduling with the GPU"),
+    ("sizing the pool on a CPU", "a fixed 1 GiB unless kv_cache_memory_bytes says otherwise",
+     "a CPU backend with its own KV-space setting"),
+]
+
+
+def results_table(results: list[EngineResult], baseline: str = "transformers generate() (static)") -> str:
+    """Markdown table: seconds, useful tokens, tokens/s and the ratio to ``baseline``."""
+    base = next((r.tokens_per_s for r in results if r.name == baseline), None)
+    lines = ["| engine | seconds | useful tokens | useful tokens/s | vs static generate() |", "|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r.tokens_per_s / base:.2f}x" if base else "-"
+        lines.append(f"| {r.name} | {r.seconds:.2f} | {r.useful_tokens} | {r.tokens_per_s:.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def throughput_figure(results: list[EngineResult]):
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Bar(x=[r.name for r in results], y=[r.tokens_per_s for r in results],
+                           text=[f"{r.tokens_per_s:.0f}" for r in results], textposition="auto"))
+    fig.update_layout(title="Useful output tokens per second (same model, same workload, same run)",
+                      yaxis_title="useful tokens / s", height=360, width=760)
+    return fig

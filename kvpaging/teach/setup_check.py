@@ -1,0 +1,82 @@
+"""Lesson 00: is everything installed, which device will run the lessons, and does the engine agree with transformers?"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy"]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Versions, the device and how Triton kernels would run here, as a plain dict."""
+    cuda = torch.cuda.is_available()
+    triton_version = _version("triton") if importlib.util.find_spec("triton") is not None else None
+    if triton_version is None:
+        triton_mode = "not installed: the engine uses its torch reference kernels"
+    elif cuda:
+        triton_mode = "compiled for the GPU (the engine's default attention backend here)"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        triton_mode = "interpreter (TRITON_INTERPRET=1): runs on the CPU, slowly; the engine defaults to torch"
+    else:
+        triton_mode = "installed, but no GPU: the engine defaults to its torch reference kernels"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": triton_version,
+        "kvpaging": _version("kvpaging"),
+        "device": "cuda" if cuda else "cpu",
+        "device_name": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
+        "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "cpu_threads": torch.get_num_threads(),
+        "triton_mode": triton_mode,
+        "attention_backend": "triton" if cuda and triton_version else "torch",
+    }
+
+
+def format_environment(env: dict) -> str:
+    """The dict of :func:`environment` as aligned ``name: value`` lines."""
+    width = max(len(k) for k in env)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in env.items())
+
+
+@torch.no_grad()
+def transformers_greedy(model, prompt: Sequence[int], num_tokens: int) -> list[int]:
+    """``num_tokens`` greedy tokens from transformers' own ``model.generate()`` (batch 1, no end token).
+
+    The end-of-sequence id is switched off for the call (and restored after), so
+    that generate() produces exactly ``num_tokens`` tokens, like the engine with
+    ``ignore_eos=True``.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    saved = model.config.eos_token_id, model.generation_config.eos_token_id
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
+    finally:
+        model.config.eos_token_id, model.generation_config.eos_token_id = saved
+    return out[0, len(prompt):].tolist()
+
+
+def engine_greedy(llm, prompts: Sequence[Sequence[int]], num_tokens: int, use_tqdm: bool = True) -> list[list[int]]:
+    """Greedy tokens for every prompt from a kvpaging ``LLM``, all prompts in one batch."""
+    from ..sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=use_tqdm)
+    return [o.outputs[0].token_ids for o in outputs]

@@ -1,0 +1,102 @@
+"""Binder: binder/requirements.txt and the package must install together.
+
+No Binder build can run here, so the test asks pip to resolve the same install
+(``pip install --dry-run``) into nowhere. The PyTorch CPU index that Binder uses
+may be unreachable from a test machine, so the resolution drops the
+``--extra-index-url`` line and the ``+cpu`` local version label: ``torch==X.Y.Z``
+then comes from this machine's wheels or PyPI. The version pin and every other
+constraint (pyproject's floors, the notebook extras) are still resolved, so a
+pin that conflicts with the package fails here, as the last test shows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+BINDER = ROOT / "binder"
+TIMEOUT = 120
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    return [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines() if ln.split("#", 1)[0].strip()]
+
+
+def _torch_pin() -> Requirement:
+    reqs = [Requirement(ln) for ln in _requirement_lines(BINDER / "requirements.txt") if not ln.startswith("-")]
+    torch = [r for r in reqs if r.name == "torch"]
+    assert len(torch) == 1, "binder/requirements.txt must pin torch exactly once"
+    return torch[0]
+
+
+def _strip_for_offline(lines: list[str]) -> list[str]:
+    """Drop index options and the ``+cpu`` local label (see the module docstring for why)."""
+    out = []
+    for ln in lines:
+        if ln.startswith(("--extra-index-url", "--index-url", "-i ")):
+            continue
+        out.append(re.sub(r"\+cpu\b", "", ln))
+    return out
+
+
+def _dry_run(requirement_lines: list[str], tmp_path: Path, extras: str = "[notebook]") -> subprocess.CompletedProcess:
+    req = tmp_path / "requirements.txt"
+    req.write_text("\n".join(_strip_for_offline(requirement_lines)) + "\n")
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+           "--no-build-isolation",  # build kvpaging's metadata with this environment's setuptools: no download
+           "--report", str(tmp_path / "report.json"), "-r", str(req), "-e", f"{ROOT}{extras}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+
+
+def test_binder_files_are_complete():
+    lines = _requirement_lines(BINDER / "requirements.txt")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    pin = _torch_pin()
+    (spec,) = pin.specifier
+    assert spec.operator == "==" and spec.version.endswith("+cpu"), "pin an exact CPU build, e.g. torch==2.13.0+cpu"
+    post = (BINDER / "postBuild").read_text()
+    assert post.startswith("#!") and (BINDER / "postBuild").stat().st_mode & 0o111, "postBuild must be executable"
+    assert 'pip install --no-cache-dir -e ".[notebook]"' in post
+    runtime = (BINDER / "runtime.txt").read_text().strip()
+    assert re.fullmatch(r"python-3\.(1[0-3])", runtime), runtime
+
+
+def test_torch_pin_satisfies_pyproject_floor():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floor = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "torch")
+    (spec,) = _torch_pin().specifier
+    assert Version(spec.version) in floor.specifier, f"binder pins torch {spec.version}, pyproject needs {floor.specifier}"
+    runtime = (BINDER / "runtime.txt").read_text().strip().removeprefix("python-")
+    assert Version(runtime + ".0") in __import__("packaging.specifiers").specifiers.SpecifierSet(
+        project["requires-python"])
+
+
+def test_binder_requirements_resolve_with_the_package(tmp_path):
+    result = _dry_run(_requirement_lines(BINDER / "requirements.txt"), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    versions = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
+    (spec,) = _torch_pin().specifier
+    assert Version(versions["torch"]).base_version == Version(spec.version).base_version
+    for name in ("kvpaging", "transformers", "jupyterlab", "ipywidgets", "plotly", "anywidget"):
+        assert name in versions, f"{name} missing from the resolved install"
+
+
+def test_a_conflicting_pin_fails(tmp_path):
+    """The check can fail: a torch below pyproject's floor cannot resolve with the package."""
+    result = _dry_run(["torch==2.10.0"], tmp_path, extras="")  # no extras: the conflict shows sooner
+    assert result.returncode != 0
+    assert "conflict" in (result.stdout + result.stderr).lower() or "resolutionimpossible" in (
+        result.stdout + result.stderr).lower()

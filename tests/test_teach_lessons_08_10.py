@@ -1,0 +1,191 @@
+"""The helpers behind lessons 08-10 (kvpaging.teach.graphs / fp8 / serving), and the saved notebooks' size."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpaging import LLM, kv_bytes_per_token
+from kvpaging.kernels.fp8 import FP8_MAX
+from kvpaging.models import tiny
+from kvpaging.teach import fp8, graphs, serving
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(num_hidden_layers=2, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(tiny("qwen3", **SMALL), max_model_len=128, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 20)
+
+
+# ------------------------------------------------------------------ graphs
+
+
+def test_decode_step_launches_do_not_depend_on_batch(llm):
+    counts = [graphs.count_decode_step_ops(llm, b, prompt_len=8) for b in (1, 4)]
+    assert counts[0].launches == counts[1].launches > 50
+    assert counts[0].total >= counts[0].launches
+    assert sum(counts[0].by_name.values()) == counts[0].launches
+    assert "linear" in counts[0].by_name or "mm" in counts[0].by_name or "addmm" in counts[0].by_name
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.stats().num_used_blocks == 0
+
+
+def test_more_layers_more_launches():
+    a = LLM(tiny("qwen3", num_hidden_layers=1, vocab_size=512), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    b = LLM(tiny("qwen3", num_hidden_layers=3, vocab_size=512), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    la, lb = (graphs.count_decode_step_ops(x, 2, prompt_len=4).launches for x in (a, b))
+    assert lb > la and (lb - la) % 2 == 0  # each layer adds the same number
+
+
+def test_decode_step_ms_and_dispatch(llm):
+    assert graphs.decode_step_ms(llm, 2, prompt_len=8, tokens=4, repeats=1) > 0
+    assert 0 < graphs.dispatch_overhead_us(repeats=50) < 1e4
+    assert not llm.engine.keep_trace
+
+
+def test_read_results_table_markers(tmp_path):
+    p = tmp_path / "RESULTS.md"
+    assert graphs.read_results_table(p) is None  # no file: nothing measured
+    p.write_text("# Results\n\n## Throughput\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    assert graphs.read_results_table(p) is None  # no CUDA graphs table
+    p.write_text(
+        "# Results\n<!-- results:cuda_graphs -->\n- device: NVIDIA H200\n- date: 2025-01-31\n"
+        "- command: `python benchmarks/cuda_graphs.py --batches 1 8`\n\n"
+        "| batch | eager ms/step | graphs ms/step | speedup |\n|---|---|---|---|\n| 1 | 9.0 | 3.0 | 3.00x |\n"
+        "| 8 | 10.0 | 4.0 | 2.50x |\n\n| other | table |\n|---|---|\n| x | y |\n<!-- /results:cuda_graphs -->\n")
+    t = graphs.read_results_table(p)
+    assert t.device == "NVIDIA H200" and t.date == "2025-01-31"
+    assert t.command == "python benchmarks/cuda_graphs.py --batches 1 8"
+    assert t.column("batch") == ["1", "8"] and t.column("speedup") == ["3.00x", "2.50x"]
+    assert t.to_markdown().splitlines()[0] == "| batch | eager ms/step | graphs ms/step | speedup |"
+
+
+def test_read_results_table_heading_fallback(tmp_path):
+    p = tmp_path / "RESULTS.md"
+    p.write_text("## CUDA graphs (enforce_eager)\ndevice: H100\n\n| batch | eager ms | graphs ms |\n|---|---|---|\n"
+                 "| 1 | 5 | 2 |\n\n## FP8\n| x | y |\n|---|---|\n| 1 | 2 |\n")
+    t = graphs.read_results_table(p)
+    assert t.device == "H100" and t.date is None and t.rows == [["1", "5", "2"]]
+
+
+def test_step_time_figure():
+    fig = graphs.step_time_figure({"eager": {1: 2.0, 8: 4.0}})
+    assert len(fig.data) == 2 and list(fig.data[1].y) == [2.0, 0.5]
+
+
+# ------------------------------------------------------------------ fp8
+
+
+@pytest.mark.parametrize("value,bits,stored", [
+    (1.0, "0.0111.000", 1.0), (448.0, "0.1111.110", 448.0), (500.0, "0.1111.110", 448.0),
+    (-2.0, "1.1000.000", -2.0), (0.1, "0.0011.101", 0.1015625),
+])
+def test_e4m3_fields(value, bits, stored):
+    f = fp8.e4m3_fields(value)
+    assert f["bits"] == bits and f["stored"] == stored
+
+
+def test_e4m3_grid():
+    v = fp8.e4m3_positive_values()
+    assert v[0] == 0 and v[-1] == FP8_MAX and len(v) == 127
+    assert bool((v[1:] > v[:-1]).all())
+    gaps = (v[2:] - v[1:-1]) / v[1:-1]
+    normal = v[1:-1] >= 2 ** -6
+    assert float(gaps[normal].max()) == pytest.approx(1 / 8) and float(gaps[normal].min()) == pytest.approx(1 / 15)
+    assert len(fp8.grid_figure().data) == 2
+
+
+def test_round_trip_table():
+    rows = fp8.round_trip_table([1.0, 3.3, 500.0], scale=1.0)
+    assert [r["stored e4m3"] for r in rows] == [1.0, 3.25, 448.0]
+    assert [r["saturated"] for r in rows] == [False, False, True]
+    rows = fp8.round_trip_table([0.5], scale=0.5 / FP8_MAX)
+    assert rows[0]["rel error"] < 1e-6  # amax lands exactly on 448
+
+
+def test_pool_capacity_fp8_quarter_of_float32():
+    model = tiny("qwen3", **SMALL)
+    budget = kv_bytes_per_token(model.config, torch.float32) * 32 * 3
+    a = fp8.measure_pool_capacity(model, budget, 32, "auto")
+    q = fp8.measure_pool_capacity(model, budget, 32, "fp8")
+    assert (a.num_blocks, a.capacity, a.peak_running, a.num_preemptions) == (6, 3, 3, 0)
+    assert (q.num_blocks, q.capacity, q.peak_running, q.num_preemptions) == (24, 12, 12, 0)
+    assert a.bytes_per_element == 4 and q.bytes_per_element == 1 and q.element_dtype == "float8_e4m3fn"
+    assert a.pool_bytes == q.pool_bytes == budget
+
+
+# ------------------------------------------------------------------ serving
+
+
+def test_workload_is_deterministic():
+    a = serving.make_workload(5, 100, (4, 8), (2, 3), seed=3)
+    b = serving.make_workload(5, 100, (4, 8), (2, 3), seed=3)
+    assert a == b and all(4 <= len(p) <= 8 and 2 <= n <= 3 for p, n in a.requests)
+    assert all(3 <= t < 100 for p, _ in a.requests for t in p)
+    assert a.num_output_tokens == sum(n for _, n in a.requests)
+
+
+def test_compare_engines_counts_useful_tokens():
+    work = serving.make_workload(4, 512, (4, 12), (2, 6), seed=0)
+    build = lambda: tiny("qwen3", **SMALL)  # noqa: E731
+    results = serving.compare_engines(build, work, engines=["kvpaging", "transformers generate() (static)"],
+                                      progress=False, options={"transformers generate() (static)": {"batch_size": 2}})
+    assert [r.useful_tokens for r in results] == [work.num_output_tokens] * 2
+    assert all(r.tokens_per_s > 0 for r in results)
+    table = serving.results_table(results)
+    assert "1.00x" in table.splitlines()[-1]
+    assert len(serving.throughput_figure(results).data) == 1
+
+
+def test_vllm_names_point_at_real_code():
+    for concept, ours, theirs, where in serving.VLLM_NAMES:
+        module, _, attr = where.partition(":")
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        if where == "kvpaging.llm:LLM.__init__":
+            import inspect
+
+            params = inspect.signature(obj).parameters
+            name = ours.split("(")[1].split("=")[0]
+            assert name in params, (concept, name)
+    import dataclasses
+
+    from kvpaging import SamplingParams
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop_token_ids",
+                 "ignore_eos", "logprobs"):
+        assert name in fields
+    md = serving.vllm_names_markdown()
+    assert md.count("\n") == len(serving.VLLM_NAMES) + 1
+    for needed in ("block_size", "num_gpu_blocks", "slot_mapping", "enable_prefix_caching", "max_num_batched_tokens",
+                   "max_num_seqs", "enforce_eager", 'kv_cache_dtype="fp8"', "gpu_memory_utilization",
+                   "SamplingParams", "CompletionOutput", "abort_request", "chunked", "preemption"):
+        assert needed in md, needed
+
+
+# ------------------------------------------------------------------ the notebooks
+
+
+NOTEBOOKS = ["08_cuda_graphs", "09_fp8_kv_cache", "10_putting_it_together",
+             "solutions/08_solutions", "solutions/09_solutions", "solutions/10_solutions"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_saved_executed_and_small(name):
+    path = ROOT / "lessons" / f"{name}.ipynb"
+    assert path.stat().st_size < 2_000_000, f"{path.name} is {path.stat().st_size:,} bytes"
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(c.get("execution_count") for c in code), "save the notebook executed"
+    assert not any(o.get("output_type") == "error" for c in code for o in c["outputs"])
+    assert "widgets" not in nb["metadata"], "no stored widget state (plotly widgets embed plotly.js)"
+    text = json.dumps(nb)
+    assert "cdn.plot.ly" in text or "plotly" not in text or name.startswith("solutions")
