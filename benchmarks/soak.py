@@ -77,6 +77,8 @@ class SoakConfig:
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"
     kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"  # "triton" runs the Triton kernels (compiled on a GPU, interpreted on a CPU)
+    device: str | None = None  # e.g. "cuda"; None keeps the model where it is (the CPU)
 
 
 @dataclass
@@ -196,6 +198,8 @@ def make_llm(model, config: SoakConfig, **overrides) -> LLM:
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling=config.scheduling,
         kv_cache_dtype=config.kv_cache_dtype,
+        attention_backend=config.attention_backend,
+        device=config.device,
         seed=config.seed,
     )
     settings.update(overrides)
@@ -447,6 +451,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--scheduling", choices=["continuous", "static"], default=defaults.scheduling)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=defaults.kv_cache_dtype)
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=defaults.attention_backend)
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: the CPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -462,6 +468,8 @@ def main(argv=None) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling=args.scheduling,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        device=args.device,
     )
     result = soak(config, progress=True)
     print(result.figures())

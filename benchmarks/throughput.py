@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import time
 
@@ -24,8 +23,9 @@ import torch
 import transformers
 
 import kvpaging
-from kvpaging import LLM, SamplingParams
 from kvpaging.models import real_shaped, tiny
+from kvpaging.teach import serving
+from kvpaging.teach.serving import Workload
 
 TINY = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
 
@@ -39,86 +39,17 @@ def build(args):
     return model.to(args.device).eval()
 
 
-def workload(args, vocab: int):
-    rng = random.Random(args.seed)
-    reqs = []
-    for _ in range(args.requests):
-        p = rng.randint(args.min_prompt, args.max_prompt)
-        reqs.append(([rng.randrange(3, vocab) for _ in range(p)], rng.randint(args.min_output, args.max_output)))
-    return reqs
+def run_kvpaging(model, work: Workload, args) -> tuple[float, int]:
+    return serving.run_kvpaging(model, work, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
 
 
-def sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+def run_static_generate(model, work: Workload, args) -> tuple[float, int]:
+    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size)
 
 
-def run_kvpaging(model, reqs, args) -> tuple[float, int]:
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_prompt + args.max_output + 1, enforce_eager=args.enforce_eager)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in reqs]
-    llm.generate([p for p, _ in reqs[:4]], params[:4], use_tqdm=False)  # warm-up
-    sync(args.device)
-    t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
-    sync(args.device)
-    elapsed = time.perf_counter() - t0
-    useful = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert useful == sum(n for _, n in reqs)
-    return elapsed, useful
-
-
-@torch.inference_mode()
-def run_static_generate(model, reqs, args) -> tuple[float, int]:
-    pad = 0
-
-    def batch_generate(batch):
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=args.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=args.device)
-        longest = max(n for _, n in batch)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                             min_new_tokens=longest, pad_token_id=pad)
-        return out.shape[1] - width
-
-    batch_generate(reqs[:2])  # warm-up
-    sync(args.device)
-    t0 = time.perf_counter()
-    for i in range(0, len(reqs), args.hf_batch_size):
-        batch_generate(reqs[i : i + args.hf_batch_size])
-    sync(args.device)
-    return time.perf_counter() - t0, sum(n for _, n in reqs)
-
-
-def run_continuous_batching(model, reqs, args) -> tuple[float, int]:
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=args.max_output, eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=cfg)
-    manager.start()
-    try:
-        def serve(batch):
-            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in batch]
-            done = 0
-            produced = 0
-            while done < len(ids):
-                result = manager.get_result(timeout=60)
-                if result is None:
-                    raise RuntimeError("transformers continuous batching stalled")
-                if result.is_finished():
-                    done += 1
-                    produced += len(result.generated_tokens)
-            return produced
-
-        serve(reqs[:2])  # warm-up
-        sync(args.device)
-        t0 = time.perf_counter()
-        produced = serve(reqs)
-        sync(args.device)
-        elapsed = time.perf_counter() - t0
-    finally:
-        manager.stop(block=True)
-    return elapsed, produced
+def run_continuous_batching(model, work: Workload, args) -> tuple[float, int]:
+    return serving.run_continuous_batching(model, work)
 
 
 def main() -> None:
@@ -156,10 +87,12 @@ def main() -> None:
     for name, fn in engines.items():
         model = build(args)  # a fresh copy per engine: identical weights
         if reqs is None:
-            reqs = workload(args, model.config.vocab_size)
+            work = serving.make_workload(args.requests, model.config.vocab_size, (args.min_prompt, args.max_prompt),
+                                         (args.min_output, args.max_output), seed=args.seed)
+            reqs = work.requests
         rates = []
         for _ in range(args.repeats):
-            elapsed, useful = fn(model, reqs, args)
+            elapsed, useful = fn(model, work, args)
             rates.append(useful / elapsed)
         results[name] = statistics.median(rates)
         del model
