@@ -10,7 +10,8 @@ Four operations, each in two versions with the same signature:
 ==========================  ===============================================
 
 * ``kvpaging.kernels.reference``: plain torch, any device. Read these first;
-  they are also the test oracle and the engine's "torch" backend on a CPU.
+  they are also the test oracle. ``torch_backend`` is the engine's "torch" backend:
+  the references, with decode attention done by torch's fused SDPA (same maths).
 * ``kvpaging.kernels.store_kv`` etc. (this package's top level): the Triton
   kernels, in ``triton_*.py``. They run on a CUDA GPU, or on the CPU when
   ``TRITON_INTERPRET=1`` is set (slowly: meant for tests and for reading).
