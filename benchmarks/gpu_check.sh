@@ -61,14 +61,14 @@ tests_rc=0
 
 # --- 3. end-to-end: throughput, CUDA graphs, FP8 accuracy on a real-shaped model --------
 # Each stage has its own time limit so one slow stage cannot eat the whole session.
-timeout 180 "$PYTHON" benchmarks/throughput.py --device cuda --dtype bfloat16 --model Qwen3-0.6B \
+timeout 150 "$PYTHON" benchmarks/throughput.py --device cuda --dtype bfloat16 --model Qwen3-0.6B \
     --requests 256 --min-prompt 64 --max-prompt 512 --min-output 32 --max-output 256 --hf-batch-size 32 \
     --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.md" || echo "throughput benchmark failed or timed out"
-timeout 120 "$PYTHON" benchmarks/cuda_graphs.py --model Qwen3-0.6B --batches 1 8 64 2>&1 \
+timeout 90 "$PYTHON" benchmarks/cuda_graphs.py --model Qwen3-0.6B --batches 1 8 64 2>&1 \
     | tee "$OUT/cuda_graphs.md" || echo "cuda graphs benchmark failed or timed out"
-timeout 120 "$PYTHON" benchmarks/soak.py --device cuda --attention-backend triton --requests 3000 2>&1 \
+timeout 60 "$PYTHON" benchmarks/soak.py --device cuda --attention-backend triton --requests 3000 2>&1 \
     | tail -5 | tee "$OUT/soak_triton.md" || echo "triton soak failed or timed out"
-timeout 120 "$PYTHON" benchmarks/fp8_accuracy.py --model Qwen3-8B --layers 8 --device cuda --dtype bfloat16 2>&1 \
+timeout 90 "$PYTHON" benchmarks/fp8_accuracy.py --model Qwen3-8B --layers 8 --device cuda --dtype bfloat16 2>&1 \
     | tee "$OUT/fp8_accuracy.md" || echo "fp8 accuracy benchmark failed or timed out"
 
 set +x
