@@ -12,6 +12,7 @@ Every step also produces a compact :class:`StepRecord` for observers
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -32,7 +33,7 @@ from .sequence import Request, Sequence
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["LLMEngine", "StepRecord", "EngineConfig"]
+__all__ = ["LLMEngine", "StepRecord", "EngineConfig", "normalize_batch"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class LLMEngine:
         self.keep_trace = False
         self.final_outputs_only = False  # LLM.generate needs no per-step outputs of running requests
         self.num_steps = 0
+        self._batch_ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -125,12 +127,58 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Everything is checked first: a refused request changes nothing."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.scheduler.requests:
             raise DuplicateSequenceError(f"request_id {request_id!r} is already in use by an unfinished request")
+        text, token_ids = self._check_request(prompt, params)
+        self._enqueue(request_id, text, token_ids, params, arrival_time)
+
+    def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-") -> list[str]:
+        """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued."""
+        checked = [self._check_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        for (text, token_ids), sp in zip(checked, params):
+            request_id = f"{prefix}{next(self._batch_ids)}"
+            while request_id in self.scheduler.requests:  # a caller may have used the same name
+                request_id = f"{prefix}{next(self._batch_ids)}"
+            self._enqueue(request_id, text, token_ids, sp, None)
+            ids.append(request_id)
+        return ids
+
+    def run_to_completion(self, request_ids: list[str], on_step=None, on_finish=None) -> list[RequestOutput]:
+        """Step until every one of ``request_ids`` has finished; their final outputs, in that order.
+
+        ``on_step()`` runs after every step and ``on_finish(output)`` once per finished
+        request (a progress bar, a live view). If anything interrupts the loop (Ctrl-C in
+        a notebook), the unfinished ones are aborted so the engine stays usable.
+        """
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        previous, self.final_outputs_only = self.final_outputs_only, True
+        try:
+            while pending and self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if on_finish is not None:
+                            on_finish(out)
+                if on_step is not None:
+                    on_step()
+        except BaseException:
+            for rid in pending:
+                if rid in self.scheduler.requests:
+                    self.abort_request(rid)
+            raise
+        finally:
+            self.final_outputs_only = previous
+        return [results[rid] for rid in request_ids if rid in results]
+
+    def _check_request(self, prompt, params) -> tuple[str | None, list[int]]:
+        """Validate one request without changing anything; returns its text and token ids."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         cfg = self.config
         if len(token_ids) >= cfg.max_model_len:
@@ -139,8 +187,11 @@ class LLMEngine:
             )
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
-        request = Request(request_id, token_ids, params, time.perf_counter() if arrival_time is None else arrival_time, text)
-        self.scheduler.add_request(request)
+        return text, token_ids
+
+    def _enqueue(self, request_id, text, token_ids, params, arrival_time) -> None:
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        self.scheduler.add_request(Request(request_id, token_ids, params, arrival, text))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -215,33 +266,29 @@ class LLMEngine:
             failed = sched.fail_step(out, error)
             if not isinstance(error, Exception):
                 raise
-            self._emit(out, start, [s.seq_id for s in failed])
-            return self._outputs({s.request for s in failed}, time.perf_counter())
-        touched: set[Request] = set()
+            self._emit(out, start, failed, ())
+            return self._outputs({s.request for s in failed})
+        finished: list[Sequence] = []
         if seqs:
-            want_logprobs = any(s.request.params.logprobs is not None for s in seqs)
-            finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs if want_logprobs else None)
+            # the sampler fills logprobs only when some row asked for them
+            finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs)
             now = time.perf_counter()
             for seq in seqs:
-                req = seq.request
                 if seq.index == 0:
+                    req = seq.request
                     if req.first_token_time is None:
                         req.first_token_time = now
                     req.token_times.append(now)
-                touched.add(req)
             for seq in finished:
                 if seq.request.is_finished:
                     seq.request.finished_time = now
-        else:
-            finished = []
-            now = time.perf_counter()
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = start
-        self._emit(out, start, [s.seq_id for s in finished], [s.seq_id for s in seqs])
-        if self.final_outputs_only:
-            touched = {r for r in touched if r.is_finished}
-        return self._outputs(touched, now)
+        self._emit(out, start, finished, seqs)
+        if self.final_outputs_only:  # LLM.generate: only requests that ended now
+            return self._outputs({s.request for s in finished if s.request.is_finished})
+        return self._outputs({s.request for s in seqs})
 
     def _forward_and_sample(self, out: SchedulerOutput):
         """Run the model, record what it computed, and sample: the part of a step that may fail."""
@@ -256,11 +303,8 @@ class LLMEngine:
         sampled = self.sampler(logits, [s.request.params for s in seqs], [s.generator for s in seqs], self.generator)
         return seqs, sampled
 
-    def _outputs(self, requests, now: float) -> list[RequestOutput]:
-        result = []
-        for req in sorted(requests, key=lambda r: r.arrival_time):
-            result.append(self._request_output(req))
-        return result
+    def _outputs(self, requests) -> list[RequestOutput]:
+        return [self._request_output(req) for req in sorted(requests, key=lambda r: r.arrival_time)]
 
     def _request_output(self, req: Request) -> RequestOutput:
         done = req.is_finished
@@ -296,7 +340,8 @@ class LLMEngine:
         )
 
     # -- observers -------------------------------------------------------------------------------
-    def _emit(self, out: SchedulerOutput, start: float, finished_ids: list[int], sampled_ids=()) -> None:
+    def _emit(self, out: SchedulerOutput, start: float, finished, sampled) -> None:
+        """Build the step's record for observers and the trace (nothing at all when nobody listens)."""
         if not self._observers and not self.keep_trace:
             return
         bm = self.block_manager
@@ -312,7 +357,7 @@ class LLMEngine:
             ),
             num_batched_tokens=out.num_batched_tokens,
             preempted=tuple(s.seq_id for s in out.preempted),
-            finished=tuple(finished_ids),
+            finished=tuple(s.seq_id for s in finished),
             blocks_copied=tuple(out.blocks_to_copy),
             num_free_blocks=stats.num_free_blocks,
             num_used_blocks=stats.num_used_blocks,
@@ -323,7 +368,7 @@ class LLMEngine:
             block_tables={s.seq_id: tuple(bm.get_block_table(s.seq_id)) for s in self.scheduler.running},
             seq_num_tokens={s.seq_id: bm.get_num_tokens(s.seq_id) for s in self.scheduler.running},
             forked=tuple(out.forked),
-            sampled=tuple(sampled_ids),
+            sampled=tuple(s.seq_id for s in sampled),
             arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
                       if s.seq.request.first_scheduled_time == start},
         )
@@ -344,6 +389,21 @@ def _is_prefill(s) -> bool:
     prompt's remainder); that is still prefill, not a decode step.
     """
     return s.num_new_tokens > 1 or not s.sample or s.start < s.seq.prompt_len
+
+
+def normalize_batch(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    """One prompt or a list of them, and one SamplingParams for all or one each, as two equal lists."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return prompts, [sampling_params] * len(prompts)
+    params = list(sampling_params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    return prompts, params
 
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:

@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 
 import torch
 
 from .block_pool import validate_block_size
-from .engine import EngineConfig, LLMEngine
+from .engine import EngineConfig, LLMEngine, normalize_batch
 from .kv_math import kv_bytes_per_token
 from .models import load_model, load_tokenizer
 from .outputs import RequestOutput
@@ -123,7 +122,6 @@ class LLM:
             seed=seed,
             kv_torch_dtype=kv_dtype,
         )
-        self._ids = itertools.count()
 
     @staticmethod
     def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None) -> int:
@@ -150,65 +148,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion and return their outputs in the order given."""
-        engine = self.engine
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        # Check everything before queueing anything: a bad prompt leaves the engine untouched.
-        checked = []
-        for p, sp in zip(prompts, params):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-            text, ids = engine._tokenize(p)
-            if len(ids) >= engine.config.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len={engine.config.max_model_len}"
-                )
-            if sp.n > engine.config.max_num_seqs:
-                raise ValueError(f"n={sp.n} exceeds max_num_seqs={engine.config.max_num_seqs}")
-            checked.append({"prompt": text, "prompt_token_ids": ids})
-        request_ids = [f"gen-{next(self._ids)}" for _ in checked]
-        for rid, p, sp in zip(request_ids, checked, params):
-            engine.add_request(rid, p, sp)
-        results: dict[str, RequestOutput] = {}
-        pending = set(request_ids)
+        """Run every prompt to completion and return their outputs in the order given.
+
+        Every prompt is checked before any is queued: a bad one leaves the engine untouched.
+        """
+        prompts, params = normalize_batch(prompts, sampling_params)
+        request_ids = self.engine.add_requests(prompts, params, prefix="gen-")
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        previous = engine.final_outputs_only
-        engine.final_outputs_only = True
         try:
-            while pending and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-        except BaseException:
-            # Ctrl-C in a notebook (or any error): drop this call's requests so the engine stays usable
-            for rid in pending:
-                if rid in engine.scheduler.requests:
-                    engine.abort_request(rid)
-            raise
+            return self.engine.run_to_completion(request_ids, on_finish=None if bar is None else lambda _: bar.update(1))
         finally:
-            engine.final_outputs_only = previous
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in request_ids]
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -23,7 +23,6 @@ then lets you go back over every step.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from html import escape
 
@@ -75,7 +74,6 @@ class Dashboard:
         self._widget = None
         self._feed: LiveFeed | None = None
         self._displayed = False
-        self._ids = itertools.count()
         self._lock = threading.RLock()  # the live painter and the kernel both draw
         for view in self.views:
             view.position = self.position
@@ -157,58 +155,35 @@ class Dashboard:
 
         Returns their ``RequestOutput``s in the order given, like ``LLM.generate``.
         """
-        from ..sampling_params import SamplingParams
+        from ..engine import normalize_batch
 
         if self.engine is None:
             raise ValueError("Dashboard.run needs an engine: Dashboard(llm).run(prompts, params)")
         engine = self.engine
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        prompts, params = normalize_batch(prompts, sampling_params)
         if display and not self._displayed:
             from IPython.display import display as ipy_display
 
             ipy_display(self)
-        ids = []
-        for prompt, sp in zip(prompts, params):
-            rid = f"r{next(self._ids)}"
-            if isinstance(self._reserve, dict):
-                self._reserve[rid] = _prompt_len(engine, prompt) + sp.max_tokens
-            engine.add_request(rid, prompt, sp)
-            ids.append(rid)
-        results = {}
-        pending = set(ids)
+        ids = engine.add_requests(prompts, params, prefix="r")  # all checked before any is queued
+        if isinstance(self._reserve, dict):  # the contiguous baseline's worst case: prompt + max_tokens
+            for rid, sp in zip(ids, params):
+                self._reserve[rid] = engine.scheduler.requests[rid].prompt_len + sp.max_tokens
         was_attached = self._feed is not None
         self.detach()  # one feed at a time, or every record would arrive twice
         feed = LiveFeed(self.replay, [self], fps=self.fps)
         feed.attach(engine, background=False)
         try:
-            while pending and engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                feed.tick()
-        except BaseException:
-            for rid in pending:  # leave the engine usable, as LLM.generate does
-                try:
-                    engine.abort_request(rid)
-                except ValueError:
-                    pass
-            raise
+            outputs = engine.run_to_completion(ids, on_step=feed.tick)
         finally:
             feed.detach()
             if was_attached:
                 self.attach()
+        results = {out.request_id: out for out in outputs}
         metrics = {rid: out.metrics for rid, out in results.items() if out.metrics is not None}
         self.throughput.metrics.update(metrics)
         self.throughput.redraw()
-        return [results[rid] for rid in ids if rid in results]
+        return outputs
 
     # -- display ---------------------------------------------------------------------------------------
     @property
@@ -272,14 +247,3 @@ class Dashboard:
 
     def save_chrome_trace(self, path) -> None:
         save_chrome_trace(self.replay.records, path)
-
-
-def _prompt_len(engine, prompt) -> int:
-    """Tokens in a prompt, for the contiguous baseline's worst-case reservation."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return len(prompt["prompt_token_ids"])
-        prompt = prompt.get("prompt", "")
-    if isinstance(prompt, str):
-        return len(engine.tokenizer(prompt)["input_ids"]) if engine.tokenizer is not None else 0
-    return len(prompt)
