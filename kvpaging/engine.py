@@ -83,6 +83,9 @@ class StepRecord:
     forked: tuple[tuple[int, int], ...] = ()  # (parent seq id, child seq id) pairs made this step
     sampled: tuple[int, ...] = ()  # seq ids that got a new token this step
     arrivals: dict[str, float] = field(default_factory=dict)  # request id -> arrival time, first scheduled now
+    # seq id -> block table of each sequence that finished normally this step, as it was just before
+    # its blocks were released (a request can be admitted and finish within one step)
+    finished_block_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -114,6 +117,9 @@ class LLMEngine:
         self.trace: deque[StepRecord] | list[StepRecord] = deque(maxlen=256)
         self.keep_trace = False
         self.final_outputs_only = False  # LLM.generate needs no per-step outputs of running requests
+        # final outputs of requests that finished inside run_to_completion without being among its
+        # ids (added by the caller through add_request): handed over by the next step()
+        self._held_outputs: list[RequestOutput] = []
         self.num_steps = 0
         self._batch_ids = itertools.count()
 
@@ -157,13 +163,17 @@ class LLMEngine:
         results: dict[str, RequestOutput] = {}
         previous, self.final_outputs_only = self.final_outputs_only, True
         try:
-            while pending and self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished and out.request_id in pending:
+            while pending and self.scheduler.has_unfinished():
+                for out in self._step():
+                    if not out.finished:
+                        continue
+                    if out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out
                         if on_finish is not None:
                             on_finish(out)
+                    else:  # someone else's request: keep its result for their next step()
+                        self._held_outputs.append(out)
                 if on_step is not None:
                     on_step()
         except BaseException:
@@ -229,7 +239,8 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request is queued or running, or a finished one's output is not yet handed over."""
+        return self.scheduler.has_unfinished() or bool(self._held_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
@@ -250,6 +261,17 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and forward pass; outputs of the requests it advanced, oldest first.
+
+        Also returns, once, the final outputs of requests of yours that finished while
+        ``LLM.generate`` (``run_to_completion``) was driving the engine.
+        """
+        outputs = self._step()
+        if self._held_outputs:
+            outputs, self._held_outputs = self._held_outputs + outputs, []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
@@ -269,9 +291,12 @@ class LLMEngine:
             self._emit(out, start, failed, ())
             return self._outputs({s.request for s in failed})
         finished: list[Sequence] = []
+        released = None
         if seqs:
             # the sampler fills logprobs only when some row asked for them
-            finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs)
+            listening = bool(self._observers) or self.keep_trace
+            released = {} if listening else None
+            finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs, released)
             now = time.perf_counter()
             for seq in seqs:
                 if seq.index == 0:
@@ -285,7 +310,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = start
-        self._emit(out, start, finished, seqs)
+        self._emit(out, start, finished, seqs, released)
         if self.final_outputs_only:  # LLM.generate: only requests that ended now
             return self._outputs({s.request for s in finished if s.request.is_finished})
         return self._outputs({s.request for s in seqs})
@@ -340,7 +365,7 @@ class LLMEngine:
         )
 
     # -- observers -------------------------------------------------------------------------------
-    def _emit(self, out: SchedulerOutput, start: float, finished, sampled) -> None:
+    def _emit(self, out: SchedulerOutput, start: float, finished, sampled, released=None) -> None:
         """Build the step's record for observers and the trace (nothing at all when nobody listens)."""
         if not self._observers and not self.keep_trace:
             return
@@ -371,6 +396,7 @@ class LLMEngine:
             sampled=tuple(s.seq_id for s in sampled),
             arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
                       if s.seq.request.first_scheduled_time == start},
+            finished_block_tables=released or {},
         )
         if self.keep_trace:
             self.trace.append(record)

@@ -222,8 +222,13 @@ class Scheduler:
             self._static_admitting = False
         return seqs, row_of
 
-    def append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float] | None) -> list[Sequence]:
-        """Append each sampled token, finish sequences that are done and free their blocks. Returns the finished."""
+    def append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float] | None,
+                      released_tables: dict[int, tuple[int, ...]] | None = None) -> list[Sequence]:
+        """Append each sampled token, finish sequences that are done and free their blocks. Returns the finished.
+
+        With a ``released_tables`` dict, each finished sequence's block table is stored there
+        just before its blocks go back to the pool (for step records; None costs nothing).
+        """
         finished = []
         for j, (seq, token) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(token)
@@ -239,6 +244,8 @@ class Scheduler:
                 status = SequenceStatus.FINISHED_LENGTH
             else:
                 continue
+            if released_tables is not None:
+                released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
             self._finish(seq, status, remove=False)
             finished.append(seq)
         if finished:

@@ -502,3 +502,23 @@ def test_a_failing_sampler_fails_only_its_step(ref, error):
     assert set(finals) == {"c"}
     ref.assert_greedy(pc, finals["c"].outputs[0].token_ids, 4)
     assert_pool_clean(llm)
+
+
+def test_generate_keeps_the_results_of_requests_it_did_not_add(ref):
+    """A request added through engine.add_request that finishes while LLM.generate drives the
+    engine is not lost: the caller's next step() hands over its final output, once."""
+    mine, theirs = prompts_of(7, 9, seed=40)
+    llm = build_llm(make_model(ARCH))
+    engine = llm.engine
+    engine.add_request("mine", mine, greedy_params(3))
+    engine.step()  # prefill: "mine" is running when generate() starts
+    outs = llm.generate([theirs], greedy_params(12), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12]
+    assert engine.scheduler.requests == {} and engine.has_unfinished_requests()
+    handed = []
+    while engine.has_unfinished_requests():
+        handed.extend(engine.step())
+    assert [(o.request_id, o.finished) for o in handed] == [("mine", True)]
+    ref.assert_greedy(mine, handed[0].outputs[0].token_ids, 3)
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert_pool_clean(llm)

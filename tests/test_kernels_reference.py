@@ -386,3 +386,12 @@ def test_torch_backend_matches_the_references(fp8):
         torch_backend.store_kv(key, value, b_k, b_v, slots, k_scale, v_scale)
         assert torch.equal(a_k.view(torch.uint8) if fp8 else a_k, b_k.view(torch.uint8) if fp8 else b_k)
         assert torch.equal(a_v.view(torch.uint8) if fp8 else a_v, b_v.view(torch.uint8) if fp8 else b_v)
+
+    # prefill: whole prompts (plain causal), chunks after a cached context (end-aligned mask), an empty chunk
+    chunk_lens = torch.tensor([1, 15, 16, 3, 0, 40])
+    pre_lens = torch.tensor([1, 15, 33, 200, 7, 40], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), chunk_lens.cumsum(0).to(torch.int32)])
+    pq = torch.randn(int(chunk_lens.sum()), heads, dim, generator=g)
+    expected = reference.paged_prefill_attention(pq, k_cache, v_cache, tables, cu, pre_lens, dim**-0.5, k_scale, v_scale)
+    got = torch_backend.paged_prefill_attention(pq, k_cache, v_cache, tables, cu, pre_lens, dim**-0.5, k_scale, v_scale)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

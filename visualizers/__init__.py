@@ -34,13 +34,13 @@ traces with known answers, for lessons and tests: ``kvpaging.visualizers.example
 What a step record does not say, the replay (``replay.py``) and the latency
 tracker (``throughput.py``) work out: the tokens in each block, reference
 counts, which free blocks still hold cached KV, prefix-cache hits at
-admission, the parent of a forked sequence, and which steps produced a token. Where records carry ``seq_num_tokens``,
-``forked``, ``sampled`` and ``arrivals`` (newer engines), it takes them as
-given, so older traces and newer ones both replay. One gap remains: a request
-admitted and finished within a single step never shows its block table, so
-the blocks it leaves in the prefix cache cannot be named (a record field such
-as ``cached_free_block_ids``, or the tables of sequences finished in the step,
-would close it).
+admission, the parent of a forked sequence, and which steps produced a token.
+Where records carry ``seq_num_tokens``, ``forked``, ``sampled``, ``arrivals``
+and ``finished_block_tables`` (newer engines), it takes them as given, so older
+traces and newer ones both replay. The last one closes what used to be a gap: a
+request admitted and finished within a single step is never among the running
+tables, so without the tables of the sequences that finished in the step, the
+blocks it leaves in the prefix cache could not be named.
 
 Timing (``python -m kvpaging.visualizers.bench``): on the 2-core CPU
 development machine, with a 4,096-block pool and 256 running sequences, the

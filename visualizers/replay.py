@@ -23,8 +23,11 @@ lengths and fork parents from there instead of working them out.)
   block tables that hold it (the block manager keeps exactly that invariant).
 - **Cached free blocks.** A full block of a computed sequence is offered to the
   prefix cache; it stays findable after its sequence ends until the pool hands
-  it out again. The replay keeps that set; it is exact except for requests that
-  start and finish within one step (their tables are never recorded).
+  it out again. The replay keeps that set. A request can start and finish
+  within one step, so its table is never among the running ones: records carry
+  the tables of the sequences that finished (``finished_block_tables``). With a
+  record from an older engine, which lacks them, the set is exact only until
+  the first such request.
 
 Everything is kept compactly (a few small numpy arrays per step), so a dashboard
 can scrub back and forth through thousands of steps. The per-step *pictures*
@@ -241,29 +244,68 @@ class TraceReplay:
             self._cached.clear()
         else:
             admitted = set(admitted)
-            for sid, table in record.block_tables.items():
+            released = self._released_lengths(record, lengths, exact)
+            for sid, table in (*record.block_tables.items(), *((sid, t) for sid, (t, _) in released.items())):
                 old = self._tables.get(sid)
                 if old is not None:
                     fresh = [b for i, b in enumerate(table) if i >= len(old) or old[i] != b]
                 elif sid in admitted:
                     fresh = table[hits[sid] :]
+                elif sid in released:
+                    fresh = table[released[sid][1][1] :]
                 else:
                     fresh = ()  # a fork child shares all its blocks with its parent
                 self._cached.difference_update(fresh)
             for sid, table in record.block_tables.items():
                 if exact[sid]:
                     self._cached.update(table[: lengths[sid] // self.block_size])
-            # A sequence that finished in this step computed its last tokens first: the blocks
-            # they filled were cached before the sequence let go of them.
-            scheduled = {e.seq_id: e.num_tokens for e in record.scheduled}
-            for sid in record.finished:
-                old = self._tables.get(sid)
-                if old is not None and self._exact.get(sid, False) and sid in scheduled:
-                    self._cached.update(old[: (self._lengths[sid] + scheduled[sid]) // self.block_size])
+            for sid, (table, (length, _)) in released.items():
+                if length is not None:
+                    self._cached.update(table[: length // self.block_size])
+            if not getattr(record, "finished_block_tables", None):
+                # An older engine's record does not carry the tables of finished sequences. One
+                # that was running computed its last tokens first: the blocks they filled were
+                # cached before the sequence let go of them.
+                scheduled = {e.seq_id: e.num_tokens for e in record.scheduled}
+                for sid in record.finished:
+                    old = self._tables.get(sid)
+                    if old is not None and self._exact.get(sid, False) and sid in scheduled:
+                        self._cached.update(old[: (self._lengths[sid] + scheduled[sid]) // self.block_size])
         in_use = {b for table in record.block_tables.values() for b in table}
         cached_free = np.array(sorted(self._cached - in_use), dtype=_INT)
         if not np.array_equal(cached_free, self._cached_free):
             self._cached_free = cached_free  # else share the previous array: most steps change nothing
+
+    def _released_lengths(self, record, lengths, exact) -> dict[int, tuple[tuple[int, ...], tuple[int | None, int]]]:
+        """For each sequence that finished this step with its table recorded: (table, (computed length or None
+        when unknown, prefix-cache hit blocks)). Such a sequence may have been admitted in this very step."""
+        tables = getattr(record, "finished_block_tables", None) or {}
+        if not tables:
+            return {}
+        bs = self.block_size
+        entries = {e.seq_id: e for e in record.scheduled}
+        parents = {child: parent for parent, child in getattr(record, "forked", ())}
+        out: dict[int, tuple[tuple[int, ...], tuple[int | None, int]]] = {}
+        for sid, table in tables.items():
+            entry = entries.get(sid)
+            if sid in self._lengths:  # running before this step
+                length = self._lengths[sid] + (entry.num_tokens if entry else 0)
+                out[sid] = (table, (length if self._exact[sid] else None, self._hits[sid]))
+            elif entry is not None:  # admitted and finished within this step
+                num_hit = max(0, len(table) - math.ceil(entry.num_tokens / bs))
+                out[sid] = (table, (num_hit * bs + entry.num_tokens, num_hit))
+        for sid, table in tables.items():  # fork children that finished at once share their parent's blocks
+            if sid in out:
+                continue
+            parent = parents.get(sid)
+            if parent in out:
+                length = out[parent][1][0]
+            elif parent in lengths and exact[parent]:
+                length = lengths[parent]
+            else:
+                length = None
+            out[sid] = (table, (length, len(table)))  # all its blocks are shared: none is fresh
+        return out
 
     def _add_columns(self, record: StepRecord) -> None:
         prefill = sum(e.num_tokens for e in record.scheduled if e.is_prefill)

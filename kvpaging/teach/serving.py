@@ -80,6 +80,12 @@ def _device(model):
     return next(model.parameters()).device
 
 
+def _warmup(work: Workload, k: int) -> list[tuple[list[int], int]]:
+    """k requests shaped like the workload's first ones but made of token id 1, which the workload never uses
+    (its ids start at 3): a warm-up that leaves nothing in a prefix cache for the timed run to reuse."""
+    return [([1] * len(p), n) for p, n in work.requests[:k]]
+
+
 def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
     """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
     from ..llm import LLM
@@ -90,7 +96,7 @@ def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
     llm = LLM(model, **kw)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work.requests]
     prompts = [p for p, _ in work.requests]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    llm.generate([p for p, _ in _warmup(work, 4)], params[:4], use_tqdm=False)  # warm-up
     _sync(_device(model))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -120,7 +126,7 @@ def run_static_generate(model, work: Workload, batch_size: int = 16) -> tuple[fl
         model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
                        min_new_tokens=longest, pad_token_id=pad)
 
-    batch_generate(work.requests[:2])  # warm-up
+    batch_generate(_warmup(work, 2))  # warm-up
     _sync(device)
     t0 = time.perf_counter()
     for i in range(0, len(work.requests), batch_size):
@@ -150,7 +156,7 @@ def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tup
                     produced += len(result.generated_tokens)
             return produced
 
-        serve(work.requests[:2])  # warm-up
+        serve(_warmup(work, 2))  # warm-up
         _sync(device)
         t0 = time.perf_counter()
         produced = serve(work.requests)
