@@ -233,6 +233,12 @@ class LLMEngine:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         return list(token_ids)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache entry no running sequence uses (vLLM's name); returns how many blocks.
+
+        Handy between benchmark runs, so that a second run of the same prompts computes them again."""
+        return self.block_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> None:
         if request_id not in self.scheduler.requests:
             raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")

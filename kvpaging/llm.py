@@ -138,6 +138,10 @@ class LLM:
             raise ValueError(f"no memory left for the KV cache: budget {budget} bytes, one block needs {bytes_per_block}")
         return int(num_blocks)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block that no running sequence uses; returns how many were forgotten."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

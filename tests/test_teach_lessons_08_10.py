@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpaging import LLM, kv_bytes_per_token
+from kvpaging import LLM, SamplingParams, kv_bytes_per_token
 from kvpaging.kernels.fp8 import FP8_MAX
 from kvpaging.models import tiny
 from kvpaging.teach import fp8, graphs, serving
@@ -141,6 +141,43 @@ def test_compare_engines_counts_useful_tokens():
     table = serving.results_table(results)
     assert "1.00x" in table.splitlines()[-1]
     assert len(serving.throughput_figure(results).data) == 1
+
+
+def test_token_positions_count_what_each_approach_computes():
+    work = serving.Workload([([5] * 3, 2), ([6] * 5, 4), ([7] * 2, 1)])
+    # continuous: 10 prompt tokens + each output token but the last fed back (1 + 3 + 0)
+    # static, batches of 2: 2 rows x (5 padded prompt + 4 - 1 steps) + 1 row x (2 + 1 - 1)
+    assert serving.token_positions(work, batch_size=2) == (14, 16 + 2)
+    # ... and the continuous count is what the engine's steps really computed
+    llm = LLM(tiny("qwen3", **SMALL), max_model_len=64, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 20)
+    llm.engine.keep_trace, llm.engine.trace = True, []
+    llm.generate([p for p, _ in work.requests], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work.requests],
+                 use_tqdm=False)
+    assert sum(r.num_batched_tokens for r in llm.engine.trace) == 14
+
+
+def test_time_breakdown_profiles_a_full_recomputation():
+    work = serving.make_workload(4, 512, (4, 12), (2, 6), seed=0)
+    llm = LLM(tiny("qwen3", **SMALL), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    bd = serving.time_breakdown(llm, work)
+    fresh = LLM(tiny("qwen3", **SMALL), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    fresh.generate([p for p, _ in work.requests], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work.requests],
+                   use_tqdm=False)
+    assert bd.steps == fresh.engine.num_steps  # the prefix cache was reset: the profiled run recomputed every prompt
+    assert bd.wall_s > 0 and bd.linear_s > 0 and bd.attention_s > 0 and bd.other_ops_s > 0 and bd.python_s >= 0
+    assert len(bd.markdown().splitlines()) == 2 + len(bd.rows()) == 6
+
+
+def test_reset_prefix_cache_forgets_cached_prompts():
+    llm = LLM(tiny("qwen3", **SMALL), max_model_len=64, block_size=4, kv_cache_memory_bytes=1 << 20)
+    prompt = list(range(10, 27))  # 17 tokens: 4 full blocks
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.engine.block_manager.stats().num_cached_blocks == 4
+    assert llm.reset_prefix_cache() == 4
+    assert llm.engine.block_manager.stats().num_cached_blocks == 0
+    llm.engine.keep_trace, llm.engine.trace = True, []
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.engine.trace[0].num_batched_tokens == 17  # computed again, no prefix hit
 
 
 def test_vllm_names_point_at_real_code():

@@ -15,8 +15,11 @@ and is not counted.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +29,15 @@ import torch
 __all__ = [
     "Workload",
     "make_workload",
+    "warmup_requests",
+    "kvpaging_llm",
     "run_kvpaging",
     "run_static_generate",
     "run_continuous_batching",
     "EngineResult",
+    "TimeBreakdown",
+    "time_breakdown",
+    "token_positions",
     "compare_engines",
     "VLLM_NAMES",
     "vllm_names_markdown",
@@ -80,23 +88,37 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def _warmup(work: Workload, k: int) -> list[tuple[list[int], int]]:
+def warmup_requests(work: Workload, k: int) -> list[tuple[list[int], int]]:
     """k requests shaped like the workload's first ones but made of token id 1, which the workload never uses
     (its ids start at 3): a warm-up that leaves nothing in a prefix cache for the timed run to reuse."""
     return [([1] * len(p), n) for p, n in work.requests[:k]]
 
 
-def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
-    """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
+def kvpaging_llm(model, work: Workload, **llm_kwargs):
+    """The ``LLM`` the race runs ``work`` on: room for every request at once, vLLM's default step budget."""
     from ..llm import LLM
-    from ..sampling_params import SamplingParams
 
     kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=work.max_prompt + work.max_output + 1)
     kw.update(llm_kwargs)
-    llm = LLM(model, **kw)
+    return LLM(model, **kw)
+
+
+def _warm_up(llm, work: Workload, k: int) -> None:
+    from ..sampling_params import SamplingParams
+
+    warm = warmup_requests(work, k)
+    llm.generate([p for p, _ in warm], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in warm],
+                 use_tqdm=False)
+
+
+def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
+    """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
+    from ..sampling_params import SamplingParams
+
+    llm = kvpaging_llm(model, work, **llm_kwargs)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work.requests]
     prompts = [p for p, _ in work.requests]
-    llm.generate([p for p, _ in _warmup(work, 4)], params[:4], use_tqdm=False)  # warm-up
+    _warm_up(llm, work, 4)
     _sync(_device(model))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -126,7 +148,7 @@ def run_static_generate(model, work: Workload, batch_size: int = 16) -> tuple[fl
         model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
                        min_new_tokens=longest, pad_token_id=pad)
 
-    batch_generate(_warmup(work, 2))  # warm-up
+    batch_generate(warmup_requests(work, 2))  # warm-up
     _sync(device)
     t0 = time.perf_counter()
     for i in range(0, len(work.requests), batch_size):
@@ -156,7 +178,7 @@ def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tup
                     produced += len(result.generated_tokens)
             return produced
 
-        serve(_warmup(work, 2))  # warm-up
+        serve(warmup_requests(work, 2))  # warm-up
         _sync(device)
         t0 = time.perf_counter()
         produced = serve(work.requests)
@@ -176,6 +198,104 @@ class EngineResult:
     @property
     def tokens_per_s(self) -> float:
         return self.useful_tokens / self.seconds
+
+
+# -- where the time goes --------------------------------------------------------------------
+
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm"})
+_ATTENTION_OPS = frozenset({
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+    "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
+})
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """A run's wall time split by what it went to: tensor ops as timed by torch.profiler in a second,
+    identical run; Python and dispatch as what the ops leave of the plain run's wall time."""
+
+    wall_s: float  # the plain (unprofiled) run's wall time
+    steps: int
+    linear_s: float  # the model's matrix products (aten::mm / addmm): the same work for every engine
+    attention_s: float  # paged attention: block gathers, fused SDPA, KV stores
+    other_ops_s: float  # every other tensor op: norms, RoPE, activations, sampling
+    python_s: float  # what no tensor op accounts for: Python and dispatch
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("the model's linear layers (matrix products)", self.linear_s),
+                ("paged attention (block gathers, fused SDPA, KV stores)", self.attention_s),
+                ("other tensor ops (norms, RoPE, activations, sampling)", self.other_ops_s),
+                ("Python and dispatch (the rest of the wall time)", self.python_s)]
+
+    def markdown(self) -> str:
+        lines = ["| where the time went | seconds | share |", "|---|---|---|"]
+        lines += [f"| {name} | {sec:.3f} | {sec / self.wall_s:.0%} |" for name, sec in self.rows()]
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Send file descriptor 2 to /dev/null for a moment: the profiler's C++ side prints a line on
+    every start and stop, which would otherwise land in the notebook. Python's own errors still raise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def time_breakdown(llm, work: Workload, warm_up: bool = True) -> TimeBreakdown:
+    """Run ``work`` through ``llm`` twice, plainly for the wall time and then under the torch
+    profiler (prefix cache reset in between), and split the time by kind of work. A short
+    warm-up on other prompts comes first, unless ``warm_up=False``.
+
+    Meant for the CPU: on a GPU the profiler's CPU times show kernel launches, not the kernels.
+    """
+    from ..sampling_params import SamplingParams
+
+    if warm_up:
+        _warm_up(llm, work, 2)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work.requests]
+    prompts = [p for p, _ in work.requests]
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    llm.reset_prefix_cache()  # the profiled run computes the same prompts again, from nothing
+    steps0 = llm.engine.num_steps
+    with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    linear = attention = other = 0.0
+    for evt in prof.key_averages():
+        seconds = evt.self_cpu_time_total / 1e6
+        if evt.key in _LINEAR_OPS:
+            linear += seconds
+        elif evt.key in _ATTENTION_OPS:
+            attention += seconds
+        elif evt.key.startswith("aten::"):
+            other += seconds
+    return TimeBreakdown(wall, llm.engine.num_steps - steps0, linear, attention, other,
+                         max(0.0, wall - linear - attention - other))
+
+
+def token_positions(work: Workload, batch_size: int) -> tuple[int, int]:
+    """Token positions each approach pushes through the model's layers for ``work``: (continuous, static).
+
+    Continuous batching computes every prompt token once and feeds back every output token
+    but the last (the last one is sampled, never computed on). Static ``generate()`` in
+    fixed batches pads every prompt to its batch's longest and runs every row as many
+    steps as the batch's longest output.
+    """
+    continuous = work.num_prompt_tokens + work.num_output_tokens - len(work.requests)
+    static = 0
+    for i in range(0, len(work.requests), batch_size):
+        batch = work.requests[i : i + batch_size]
+        static += len(batch) * (max(len(p) for p, _ in batch) + max(n for _, n in batch) - 1)
+    return continuous, static
 
 
 ENGINES: dict[str, Callable] = {
@@ -256,6 +376,8 @@ VLLM_NAMES: list[tuple[str, str, str, str]] = [
      "abort_request", "kvpaging.engine:LLMEngine.step"),
     ("offline batch API", "LLM.generate(prompts, params)", "LLM.generate(prompts, sampling_params)",
      "kvpaging.llm:LLM.generate"),
+    ("forget cached prefixes (e.g. between benchmark runs)", "LLM.reset_prefix_cache()", "LLM.reset_prefix_cache()",
+     "kvpaging.llm:LLM.reset_prefix_cache"),
 ]
 
 
