@@ -1,22 +1,23 @@
-"""The dashboard in a real browser: JupyterLab in headless Chromium, driven by Playwright.
+"""The dashboard in a real browser: JupyterLab and Notebook 7 in headless Chromium, driven by Playwright.
 
 The widget tests check the Python half of every view. This test checks the
 other half, which only a browser runs: the ipywidgets and plotly front ends
-load in JupyterLab, the dashboard renders, and a click on **Step** or **Play**
-travels to the kernel and comes back as a changed plot.
+load, the dashboard renders, and a click on **Step** or **Play** travels to
+the kernel and comes back as a changed plot. It runs once in each front end a
+learner may open the lessons in: JupyterLab (``make lab``) and Notebook 7.
 
 1. copy ``tests/notebooks/browser_check.ipynb`` into a temporary folder and
-   start JupyterLab there on a free local port, with no token and with its own
-   config, data and runtime folders (nothing from the user's setup leaks in);
+   start the Jupyter server there on a free local port, with no token and with
+   its own config, data and runtime folders (nothing from the user's setup leaks in);
 2. open the notebook in Chromium (Debian's ``/usr/bin/chromium``; ``make
-   browser-deps`` installs it), wait for its kernel, and run JupyterLab's
+   browser-deps`` installs it), wait for its kernel, and run the front end's
    "Run All Cells" command (the one behind Run > Run All Cells);
 3. wait for the dashboard's controls and plots, read the block-table plot's
    title (it names the step) and screenshot it;
 4. click Step, wait for the title to move on by one step; click Play, wait
    for it to move further, then pause;
-5. screenshots go to ``test-artifacts/browser/``; the server and its kernel
-   are always stopped, by process id, whatever happened.
+5. screenshots go to ``test-artifacts/browser/<front end>/``; the server and its
+   kernel are always stopped, by process id, whatever happened.
 
 If Chromium cannot start, the test fails and says how to install it: a
 browser test that skips itself would pass in CI without testing anything.
@@ -94,9 +95,19 @@ def pids_using(path: Path) -> list[int]:
     return pids
 
 
+# The two front ends a learner or teacher opens the lessons in: JupyterLab (``make lab``) and
+# Notebook 7 (the classic one-notebook-per-tab interface, rebuilt on JupyterLab's components).
+FRONT_ENDS = {
+    "jupyterlab": (["jupyterlab", "--LabApp.news_url=", "--LabApp.extension_manager=readonly",
+                    "--LabApp.expose_app_in_browser=True"], "lab/tree/{name}?reset"),
+    "notebook7": (["notebook", "--JupyterNotebookApp.expose_app_in_browser=True"], "notebooks/{name}"),
+}
+
+
 @contextlib.contextmanager
-def jupyterlab_server(workdir: Path):
-    """A JupyterLab server on a free port serving a copy of the test notebook; always stopped afterwards.
+def jupyterlab_server(workdir: Path, front_end: str = "jupyterlab"):
+    """A Jupyter server (JupyterLab or Notebook 7) on a free port serving a copy of the test notebook;
+    always stopped afterwards.
 
     Yields (base url, log file). Its config, data, runtime, settings and
     workspace folders all live under ``workdir``.
@@ -126,11 +137,11 @@ def jupyterlab_server(workdir: Path):
     (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"autoStartDefaultKernel": True}))
     port = free_port()
     log = workdir / "jupyterlab.log"
+    module, *app_options = FRONT_ENDS[front_end][0]
     command = [
-        sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+        sys.executable, "-m", module, "--no-browser", f"--port={port}", "--ip=127.0.0.1",
         f"--ServerApp.root_dir={root}", "--IdentityProvider.token=", "--ServerApp.password=",
-        "--ServerApp.disable_check_xsrf=True", "--LabApp.news_url=", "--LabApp.extension_manager=readonly",
-        "--ServerApp.terminals_enabled=False", "--LabApp.expose_app_in_browser=True",
+        "--ServerApp.disable_check_xsrf=True", "--ServerApp.terminals_enabled=False", *app_options,
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-root")  # containers and CI machines often run as root
@@ -159,10 +170,10 @@ def jupyterlab_server(workdir: Path):
         assert process.poll() is not None, "the JupyterLab server is still running"
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    with jupyterlab_server(tmp_path) as server:
-        yield server
+@pytest.fixture(params=list(FRONT_ENDS))
+def jupyterlab(request, tmp_path):
+    with jupyterlab_server(tmp_path, request.param) as (url, log):
+        yield url, log, request.param
 
 
 def launch_chromium(playwright, user_data_dir: Path):
@@ -222,20 +233,21 @@ def step_number(title: str) -> int:
     return int(title.split("after step ")[1].split(":")[0])
 
 
-def test_dashboard_step_and_play_in_jupyterlab(jupyterlab, tmp_path):
+def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
     try:
         from playwright import sync_api
     except ImportError as error:  # fail, not skip: a skipped browser test would pass CI untested
         pytest.fail(f"Playwright is missing ({error}): pip install -e '.[test]'")
-    url, log = jupyterlab
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    url, log, front_end = jupyterlab
+    artifacts = ARTIFACTS / front_end
+    artifacts.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with sync_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright, tmp_path / "chromium-profile")
         try:
             page = browser.new_page()
             page.set_default_timeout(NOTEBOOK_TIMEOUT * 1000)
-            page.goto(f"{url}lab/tree/{NOTEBOOK.name}?reset")
+            page.goto(url + FRONT_ENDS[front_end][1].format(name=NOTEBOOK.name))
             page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
             # the server exposes the app (expose_app_in_browser): wait for a connected, idle kernel,
             # then run JupyterLab's own "Run All Cells" command, as the Run menu would
@@ -250,8 +262,8 @@ def test_dashboard_step_and_play_in_jupyterlab(jupyterlab, tmp_path):
             plot = page.locator(".kvpaging-dashboard .js-plotly-plot").first
             before = wait_for_title_change(page, "", "first render")
             page.wait_for_timeout(300)
-            plot.screenshot(path=str(ARTIFACTS / "1-before.png"))
-            page.screenshot(path=str(ARTIFACTS / "1-dashboard.png"), full_page=True)
+            plot.screenshot(path=str(artifacts / "1-before.png"))
+            page.screenshot(path=str(artifacts / "1-dashboard.png"), full_page=True)
             assert step_number(before) == 1, before
             image_before = hashlib.sha256(plot.screenshot()).hexdigest()
 
@@ -259,7 +271,7 @@ def test_dashboard_step_and_play_in_jupyterlab(jupyterlab, tmp_path):
             after_step = wait_for_title_change(page, before, "after Step")
             assert step_number(after_step) == 2, after_step
             page.wait_for_timeout(300)
-            plot.screenshot(path=str(ARTIFACTS / "2-after-step.png"))
+            plot.screenshot(path=str(artifacts / "2-after-step.png"))
             assert hashlib.sha256(plot.screenshot()).hexdigest() != image_before
 
             # ipywidgets 8's Play widget: the first button plays, and pauses while playing
@@ -273,14 +285,14 @@ def test_dashboard_step_and_play_in_jupyterlab(jupyterlab, tmp_path):
             page.wait_for_timeout(1000)
             assert block_table_title(page) == paused_at, "the dashboard kept moving after Pause"
             page.wait_for_timeout(300)
-            plot.screenshot(path=str(ARTIFACTS / "3-after-play.png"))
-            page.screenshot(path=str(ARTIFACTS / "3-dashboard.png"), full_page=True)
+            plot.screenshot(path=str(artifacts / "3-after-play.png"))
+            page.screenshot(path=str(artifacts / "3-dashboard.png"), full_page=True)
         except BaseException:
             try:
-                page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+                page.screenshot(path=str(artifacts / "failure.png"), full_page=True)
             except Exception:  # noqa: BLE001 - the screenshot is a courtesy; report the real error
                 pass
-            shutil.copy(log, ARTIFACTS / "jupyterlab.log")
+            shutil.copy(log, artifacts / "jupyterlab.log")
             raise
         finally:
             browser.close()
