@@ -238,8 +238,12 @@ class TimeBreakdown:
 def _native_stderr_silenced():
     """Send file descriptor 2 to /dev/null for a moment: the profiler's C++ side prints a line on
     every start and stop, which would otherwise land in the notebook. Python's own errors still raise."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no file descriptor 2 to silence (or a closed stderr): nothing to do
+        yield
+        return
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
