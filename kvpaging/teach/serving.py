@@ -107,8 +107,8 @@ def _warm_up(llm, work: Workload, k: int) -> None:
     from ..sampling_params import SamplingParams
 
     warm = warmup_requests(work, k)
-    llm.generate([p for p, _ in warm], [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in warm],
-                 use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in warm]
+    llm.generate([p for p, _ in warm], params, use_tqdm=False)
 
 
 def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
