@@ -31,7 +31,7 @@ def make_llm(model, work, args):
     llm = serving.kvpaging_llm(model, work, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens)
     warm = serving.warmup_requests(work, 4)  # shares no prefix with the timed workload
-    llm.generate([p for p, _ in warm], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate([p for p, _ in warm], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     return llm
 
 
