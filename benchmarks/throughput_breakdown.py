@@ -23,16 +23,13 @@ import time
 import torch
 from throughput import TINY, build
 
-from kvpaging import SamplingParams
 from kvpaging.teach import serving
 
 
 def make_llm(model, work, args):
-    llm = serving.kvpaging_llm(model, work, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens)
-    warm = serving.warmup_requests(work, 4)  # shares no prefix with the timed workload
-    llm.generate([p for p, _ in warm], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return llm
+    """A fresh engine for the workload; ``serving.time_breakdown`` warms it up on other prompts."""
+    return serving.kvpaging_llm(model, work, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def main() -> None:
@@ -63,7 +60,8 @@ def main() -> None:
     layer_weights = sum(m.weight.numel() for name, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear) and "lm_head" not in name)
     head = model.get_output_embeddings().weight
-    flops = 2 * layer_weights * serving.token_positions(work, args.hf_batch_size)[0] + 2 * head.numel() * useful
+    cont, static = serving.token_positions(work, args.hf_batch_size)
+    flops = 2 * layer_weights * cont + 2 * head.numel() * useful
     x, w = torch.randn(2048, head.shape[1]), torch.randn(4 * head.shape[1], head.shape[1])
     torch.nn.functional.linear(x, w)
     t0 = time.perf_counter()
@@ -81,7 +79,6 @@ def main() -> None:
           f"x {bd.steps} steps = {fixed * bd.steps:.3f} s")
     print(f"linear layers + fixed step cost: {floor:.3f} s, i.e. at most {useful / floor:,.0f} tok/s "
           "with free attention and no per-sequence work")
-    cont, static = serving.token_positions(work, args.hf_batch_size)
     print(f"token positions through the model: kvpaging {cont:,}, static generate() in batches of "
           f"{args.hf_batch_size}: {static:,} ({static / cont:.2f}x)")
     if args.static:

@@ -84,6 +84,18 @@ def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tens
     return x.to(cache_dtype)
 
 
+def tables_in_range(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block tables as int64, with every entry past a sequence's last block set to block 0.
+
+    Those entries are padding and may hold any number; pointing them at block 0
+    keeps a gather in range. The tokens they bring in must be masked by the caller.
+    """
+    blocks_in_use = (seq_lens.long() + block_size - 1) // block_size  # [batch]
+    column = torch.arange(block_tables.shape[1], device=block_tables.device)
+    in_use = column[None, :] < blocks_in_use[:, None]  # [batch, max_blocks]
+    return torch.where(in_use, block_tables, 0).long()
+
+
 def gather_kv(
     cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -98,15 +110,7 @@ def gather_kv(
     """
     batch, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-
-    # Table entries past a sequence's last block are padding and may hold any
-    # number; point them at block 0 so the gather below stays in range. The
-    # tokens they bring in are masked out by the caller.
-    blocks_in_use = (seq_lens.long() + block_size - 1) // block_size  # [batch]
-    column = torch.arange(max_blocks, device=block_tables.device)
-    in_use = column[None, :] < blocks_in_use[:, None]  # [batch, max_blocks]
-    table = torch.where(in_use, block_tables, 0).long()
-
+    table = tables_in_range(block_tables, seq_lens, block_size)
     blocks = cache[table]  # [batch, max_blocks, block_size, num_kv_heads, head_dim]
     tokens = blocks.reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
     return dequantize_kv_cache(tokens, scale, torch.float32)

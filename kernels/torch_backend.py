@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import dequantize_kv_cache, is_fp8
-from .reference import copy_blocks
+from .reference import copy_blocks, tables_in_range
 from .reference import store_kv as reference_store_kv
 from .validation import check_prefill_args
 
@@ -58,9 +58,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_blocks = block_tables.shape[1]
-    # table entries past a sequence's last block may hold any number: point them at block 0 (masked below)
-    in_use = torch.arange(max_blocks, device=query.device)[None, :] * block_size < seq_lens[:, None]
-    blocks = torch.where(in_use, block_tables, 0).reshape(-1).long()
+    blocks = tables_in_range(block_tables, seq_lens, block_size).reshape(-1)  # padding -> block 0, masked below
     shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
     keys = _gather_blocks(k_cache, blocks, k_scale).view(shape).transpose(1, 2)  # [batch, kv_heads, T, head_dim]
     values = _gather_blocks(v_cache, blocks, v_scale).view(shape).transpose(1, 2)

@@ -300,8 +300,7 @@ class LLMEngine:
         released = None
         if seqs:
             # the sampler fills logprobs only when some row asked for them
-            listening = bool(self._observers) or self.keep_trace
-            released = {} if listening else None
+            released = {} if self._listening else None  # finished sequences' tables, for the step record
             finished = sched.append_tokens(seqs, sampled.token_ids, sampled.logprobs, released)
             now = time.perf_counter()
             for seq in seqs:
@@ -371,9 +370,14 @@ class LLMEngine:
         )
 
     # -- observers -------------------------------------------------------------------------------
+    @property
+    def _listening(self) -> bool:
+        """Whether step records are wanted (an observer, or the trace): else none is built."""
+        return bool(self._observers) or self.keep_trace
+
     def _emit(self, out: SchedulerOutput, start: float, finished, sampled, released=None) -> None:
         """Build the step's record for observers and the trace (nothing at all when nobody listens)."""
-        if not self._observers and not self.keep_trace:
+        if not self._listening:
             return
         bm = self.block_manager
         stats = bm.stats()

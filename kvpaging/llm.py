@@ -92,6 +92,8 @@ class LLM:
             attention_backend = "triton" if dev.type == "cuda" and _has_triton() else "torch"
         if enforce_eager is False and dev.type != "cuda":
             logger.info("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
+        elif enforce_eager is False and attention_backend == "torch":
+            logger.info("the torch attention backend runs eagerly: CUDA graphs capture the Triton kernels only")
 
         model_dtype = next(model.parameters()).dtype
         # "fp8": keys and values stored as float8_e4m3fn with per-KV-head scales (half the bytes of bf16)

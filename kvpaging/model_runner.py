@@ -95,7 +95,9 @@ class ModelRunner:
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.graphs = None
-        if not enforce_eager and self.device.type == "cuda":
+        # Only the Triton kernels are capture-safe (no host syncs, padding slots skipped in-kernel);
+        # the torch backend checks and masks its padding on the host, so it always runs eagerly.
+        if not enforce_eager and self.device.type == "cuda" and attention_backend == "triton":
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():

@@ -35,3 +35,13 @@ def test_graph_replay_gives_the_eager_tokens():
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert llm.engine.block_manager.stats().num_used_blocks == 0
     assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_torch_backend_runs_eagerly_on_cuda():
+    """Its store_kv checks for padding slots on the host, which a graph capture cannot do."""
+    m = tiny("qwen3", seed=0, num_hidden_layers=2).to("cuda")
+    llm = LLM(m, num_blocks=64, max_model_len=128, attention_backend="torch", enforce_eager=False)
+    assert llm.engine.runner.graphs is None
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -45,12 +45,7 @@ SAMPLED_TOKENS = (2, 3, 4, 5, 6)  # EOS among them
 GARBAGE = "garbage"  # what a slot holds after a failed forward wrote it
 
 COUNTS = {"transitions": 0, "rules": 0, "scheduler_steps": 0, "failed_steps": 0, "preemptions": 0, "finished": 0,
-          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "overlapping_copies": 0, "examples": 0}
-
-# BUG (see test_a_copy_source_freed_in_a_step_is_not_a_copy_destination_in_it below): a step's copy-on-write
-# pairs can read and write one block. Until it is fixed the machine counts such steps instead of failing;
-# once that test passes (strict xfail turns into a failure), set this to False so the machine enforces it.
-KNOWN_BUG_COPY_OVERLAP = False
+          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "examples": 0}
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -134,9 +129,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # copy_blocks runs every pair at once (on a GPU): no block may be both read and written by one call
         sources, destinations = [p[0] for p in out.blocks_to_copy], [p[1] for p in out.blocks_to_copy]
         assert len(set(destinations)) == len(destinations), f"two copies into one block: {out.blocks_to_copy}"
-        if set(sources) & set(destinations):
-            COUNTS["overlapping_copies"] += 1
-            assert KNOWN_BUG_COPY_OVERLAP, f"a block is copied from and into in one step: {out.blocks_to_copy}"
+        assert not set(sources) & set(destinations), f"a block is copied from and into in one step: {out.blocks_to_copy}"
         slots = set()
         for block_id, slot, p, seq in self._written_slots(out):
             block = bm.pool.blocks[block_id]

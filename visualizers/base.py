@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 __all__ = [
+    "DisplaysAsWidget",
     "View",
     "TraceView",
     "PlaybackControls",
@@ -159,7 +160,25 @@ class PlaybackControls:
             self._on_change(change["new"])
 
 
-class View:
+class DisplaysAsWidget:
+    """Jupyter shows the object as its ``widget`` (text: its ``summary()``); ``repr`` is the summary.
+
+    Displaying it also sets ``_displayed``, so a live run knows it need not display it again."""
+
+    _displayed = False
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        self._displayed = True
+        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
+        if bundle is not None:
+            bundle["text/plain"] = self.summary()
+        return bundle
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+class View(DisplaysAsWidget):
     """Base of every view: subclasses provide data, this class draws it.
 
     Subclasses implement :meth:`num_positions`, :meth:`position_label`,
@@ -356,16 +375,6 @@ class View:
                 f.write(html)
         return html
 
-    # -- display ---------------------------------------------------------------------------------------
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        self._displayed = True
-        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
-        if bundle is not None:
-            bundle["text/plain"] = self.summary()
-        return bundle
-
-    def __repr__(self) -> str:
-        return self.summary()
 
 
 class TraceView(View):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from html import escape
 
-from .base import LiveFeed, PlaybackControls, View
+from .base import DisplaysAsWidget, LiveFeed, PlaybackControls, View
 from .block_table import BlockTableView
 from .bubbles import BubbleTimeline
 from .contiguous_view import ContiguousMemoryView, ContiguousTraceSim
@@ -38,7 +38,7 @@ from .trace_io import save_chrome_trace, save_trace
 __all__ = ["Dashboard"]
 
 
-class Dashboard:
+class Dashboard(DisplaysAsWidget):
     """Block tables, memory map, bubbles, contiguous baseline and throughput of one engine or trace."""
 
     def __init__(self, llm=None, *, trace=None, block_size: int | None = None, fps: float = 4.0,
@@ -207,21 +207,11 @@ class Dashboard:
             self._widget.add_class("kvpaging-dashboard")
         return self._widget
 
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        self._displayed = True
-        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
-        if bundle is not None:
-            bundle["text/plain"] = self.summary()
-        return bundle
-
     def summary(self, position: int | None = None) -> str:
         position = self.position if position is None else position
         if not len(self.replay):
             return "Dashboard: no steps yet"
         return "\n\n".join(view.summary(position) for view in self.views)
-
-    def __repr__(self) -> str:
-        return self.summary()
 
     # -- export -----------------------------------------------------------------------------------------
     def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 60) -> str:

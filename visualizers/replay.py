@@ -159,6 +159,11 @@ class TraceReplay:
         if self.num_blocks is None:
             self.num_blocks = record.num_free_blocks + record.num_used_blocks
         tables = record.block_tables
+        # Sequences that finished in this step are gone from the running tables; newer records
+        # keep their last tables, so their lengths are worked out like everyone else's (for the
+        # prefix cache), while the step's picture shows the running ones only.
+        finished_tables = getattr(record, "finished_block_tables", None) or {}
+        all_tables = {**tables, **finished_tables} if finished_tables else tables
         entries = {}
         for entry in record.scheduled:
             entries[entry.seq_id] = entry
@@ -173,9 +178,9 @@ class TraceReplay:
         # The first record of a bounded trace (engine.trace keeps the last 256 steps) may be the
         # middle of a run: a prefill entry there can be a prompt's second chunk, not an admission.
         joined_late = not self.records and record.step > 1
-        for sid, table in tables.items():
+        for sid, table in all_tables.items():
             entry = entries.get(sid)
-            if sid in self._lengths:  # running before this step, still running
+            if sid in self._lengths:  # running before this step
                 length = self._lengths[sid] + (entry.num_tokens if entry else 0)
                 is_exact = self._exact[sid]
                 if not is_exact:
@@ -193,10 +198,10 @@ class TraceReplay:
                 later.append(sid)
         parents = {child: parent for parent, child in getattr(record, "forked", ())}
         for sid in later:  # fork children: recorded as such, or found by their parent's identical table
-            table = tables[sid]
+            table = all_tables[sid]
             parent = parents.get(sid)
             if parent not in lengths:
-                parent = next((p for p in entries if p in lengths and tables.get(p) == table), None)
+                parent = next((p for p in entries if p in lengths and all_tables.get(p) == table), None)
             if parent is not None:
                 lengths[sid], exact[sid], hits[sid] = lengths[parent], exact[parent], hits[parent]
                 self.seq_request.setdefault(sid, self.seq_request[parent])
@@ -211,7 +216,12 @@ class TraceReplay:
 
         preempted = set(record.preempted)
         ended = tuple(sid for sid in self._tables if sid not in tables and sid not in preempted)
-        self._update_cache(record, lengths, exact, hits, admitted)
+        self._update_cache(record, all_tables, lengths, exact, hits, admitted)
+        if finished_tables:  # what the next record needs is the running sequences' state
+            admitted = [sid for sid in admitted if sid in tables]
+            forked = [sid for sid in forked if sid in tables]
+            for sid in finished_tables:
+                del lengths[sid], exact[sid], hits[sid]
 
         seq_ids = np.array(sorted(tables), dtype=_INT)
         derived = DerivedStep(
@@ -232,37 +242,33 @@ class TraceReplay:
         self._add_columns(record)
         return derived
 
-    def _update_cache(self, record, lengths, exact, hits, admitted) -> None:
+    def _update_cache(self, record, all_tables, lengths, exact, hits, admitted) -> None:
         """Track which blocks hold prefix-cache entries (see the module docstring).
 
-        First every block that a table holds *fresh* (newly taken from the free
-        queue) loses its old cache entry, if it had one: the pool evicted it to
-        hand it out. Then every full block of a sequence with a known length is
-        in the cache (the engine offers full blocks right after computing them).
+        ``all_tables`` are the running sequences' tables plus, from newer engines, the
+        last tables of the sequences that finished in this step. First every block that
+        a table holds *fresh* (newly taken from the free queue) loses its old cache
+        entry, if it had one: the pool evicted it to hand it out. Then every full block
+        of a sequence with a known length is in the cache (the engine offers full blocks
+        right after computing them, before a finished sequence lets go of them).
         """
         if record.num_cached_blocks == 0:  # caching is off, or the cache was just reset
             self._cached.clear()
         else:
             admitted = set(admitted)
-            released = self._released_lengths(record, lengths, exact)
-            for sid, table in (*record.block_tables.items(), *((sid, t) for sid, (t, _) in released.items())):
+            for sid, table in all_tables.items():
                 old = self._tables.get(sid)
                 if old is not None:
                     fresh = [b for i, b in enumerate(table) if i >= len(old) or old[i] != b]
                 elif sid in admitted:
                     fresh = table[hits[sid] :]
-                elif sid in released:
-                    fresh = table[released[sid][1][1] :]
                 else:
                     fresh = ()  # a fork child shares all its blocks with its parent
                 self._cached.difference_update(fresh)
-            for sid, table in record.block_tables.items():
+            for sid, table in all_tables.items():
                 if exact[sid]:
                     self._cached.update(table[: lengths[sid] // self.block_size])
-            for sid, (table, (length, _)) in released.items():
-                if length is not None:
-                    self._cached.update(table[: length // self.block_size])
-            if not getattr(record, "finished_block_tables", None):
+            if all_tables is record.block_tables:
                 # An older engine's record does not carry the tables of finished sequences. One
                 # that was running computed its last tokens first: the blocks they filled were
                 # cached before the sequence let go of them.
@@ -275,37 +281,6 @@ class TraceReplay:
         cached_free = np.array(sorted(self._cached - in_use), dtype=_INT)
         if not np.array_equal(cached_free, self._cached_free):
             self._cached_free = cached_free  # else share the previous array: most steps change nothing
-
-    def _released_lengths(self, record, lengths, exact) -> dict[int, tuple[tuple[int, ...], tuple[int | None, int]]]:
-        """For each sequence that finished this step with its table recorded: (table, (computed length or None
-        when unknown, prefix-cache hit blocks)). Such a sequence may have been admitted in this very step."""
-        tables = getattr(record, "finished_block_tables", None) or {}
-        if not tables:
-            return {}
-        bs = self.block_size
-        entries = {e.seq_id: e for e in record.scheduled}
-        parents = {child: parent for parent, child in getattr(record, "forked", ())}
-        out: dict[int, tuple[tuple[int, ...], tuple[int | None, int]]] = {}
-        for sid, table in tables.items():
-            entry = entries.get(sid)
-            if sid in self._lengths:  # running before this step
-                length = self._lengths[sid] + (entry.num_tokens if entry else 0)
-                out[sid] = (table, (length if self._exact[sid] else None, self._hits[sid]))
-            elif entry is not None:  # admitted and finished within this step
-                num_hit = max(0, len(table) - math.ceil(entry.num_tokens / bs))
-                out[sid] = (table, (num_hit * bs + entry.num_tokens, num_hit))
-        for sid, table in tables.items():  # fork children that finished at once share their parent's blocks
-            if sid in out:
-                continue
-            parent = parents.get(sid)
-            if parent in out:
-                length = out[parent][1][0]
-            elif parent in lengths and exact[parent]:
-                length = lengths[parent]
-            else:
-                length = None
-            out[sid] = (table, (length, len(table)))  # all its blocks are shared: none is fresh
-        return out
 
     def _add_columns(self, record: StepRecord) -> None:
         prefill = sum(e.num_tokens for e in record.scheduled if e.is_prefill)

@@ -103,21 +103,22 @@ def kvpaging_llm(model, work: Workload, **llm_kwargs):
     return LLM(model, **kw)
 
 
-def _warm_up(llm, work: Workload, k: int) -> None:
+def _greedy(requests: list[tuple[list[int], int]]) -> tuple[list[list[int]], list]:
+    """Prompts and greedy, ignore_eos sampling parameters for (prompt, output length) pairs."""
     from ..sampling_params import SamplingParams
 
-    warm = warmup_requests(work, k)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in warm]
-    llm.generate([p for p, _ in warm], params, use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    return [p for p, _ in requests], params
+
+
+def _warm_up(llm, work: Workload, k: int) -> None:
+    llm.generate(*_greedy(warmup_requests(work, k)), use_tqdm=False)
 
 
 def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
     """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
-    from ..sampling_params import SamplingParams
-
     llm = kvpaging_llm(model, work, **llm_kwargs)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work.requests]
-    prompts = [p for p, _ in work.requests]
+    prompts, params = _greedy(work.requests)
     _warm_up(llm, work, 4)
     _sync(_device(model))
     t0 = time.perf_counter()
@@ -260,12 +261,9 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True) -> TimeBreakdown:
 
     Meant for the CPU: on a GPU the profiler's CPU times show kernel launches, not the kernels.
     """
-    from ..sampling_params import SamplingParams
-
     if warm_up:
         _warm_up(llm, work, 2)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work.requests]
-    prompts = [p for p, _ in work.requests]
+    prompts, params = _greedy(work.requests)
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
