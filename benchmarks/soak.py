@@ -449,7 +449,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--scheduling", choices=["continuous", "static"], default=defaults.scheduling)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=defaults.kv_cache_dtype)
-    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=defaults.attention_backend)
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default=defaults.attention_backend)
     parser.add_argument("--device", default=None, help="e.g. cuda (default: the CPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a tiny model gains nothing from more)")
     args = parser.parse_args(argv)

@@ -41,7 +41,8 @@ def build(args):
 
 def run_kvpaging(model, work: Workload, args) -> tuple[float, int]:
     return serving.run_kvpaging(model, work, max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+                                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+                                attention_backend=args.attention_backend)
 
 
 def run_static_generate(model, work: Workload, args) -> tuple[float, int]:
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                    help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each engine; the median is reported")
     ap.add_argument("--seed", type=int, default=0)
@@ -102,6 +105,11 @@ def main() -> None:
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | transformers "
           f"{transformers.__version__} | kvpaging {kvpaging.__version__} | device {args.device} {args.dtype} | "
           f"{torch.get_num_threads()} torch threads")
+    backend = args.attention_backend
+    if backend == "auto":
+        from kvpaging.llm import auto_attention_backend
+        backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
+    print(f"kvpaging attention backend: {backend}")
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"({total_prompt} tokens), outputs {args.min_output}-{args.max_output} ({total_out} useful tokens), "
           f"model {args.model}")

@@ -52,11 +52,17 @@ def get_backend(name: str) -> ModuleType:
         from .kernels import torch_backend
 
         return torch_backend
+    if name == "cpu":
+        from .kernels import cpu_backend
+
+        if not cpu_backend.available():
+            raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_backend.unavailable_reason()}")
+        return cpu_backend
     if name == "triton":
         from . import kernels
 
         return kernels
-    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {name!r}")
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

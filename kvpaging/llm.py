@@ -66,8 +66,8 @@ class LLM:
             raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
-        if attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
+        if attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {attention_backend!r}")
         if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if not isinstance(enable_prefix_caching, bool):
@@ -89,7 +89,9 @@ class LLM:
         elif limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         if attention_backend == "auto":
-            attention_backend = "triton" if dev.type == "cuda" and _has_triton() else "torch"
+            attention_backend = auto_attention_backend(dev)
+        elif attention_backend == "cpu" and dev.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, but device={str(dev)!r}")
         if enforce_eager is False and dev.type != "cuda":
             logger.info("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
         elif enforce_eager is False and attention_backend == "torch":
@@ -177,6 +179,19 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def auto_attention_backend(dev: torch.device) -> str:
+    """Triton on CUDA; on the CPU the C decode kernel when a C compiler can build it; else the torch backend."""
+    if dev.type == "cuda" and _has_triton():
+        return "triton"
+    if dev.type == "cpu":
+        from .kernels import cpu_backend
+
+        if cpu_backend.available():
+            return "cpu"
+        logger.info("attention_backend='auto' uses the torch backend: %s", cpu_backend.unavailable_reason())
+    return "torch"
 
 
 def _has_triton() -> bool:

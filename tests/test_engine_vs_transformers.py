@@ -58,13 +58,15 @@ def check_outputs(ref: Reference, prompts, outputs, num_tokens=NUM_TOKENS, n=1, 
             ref.assert_greedy(prompt, completion.token_ids, num_tokens, what=f"{what} prompt len {len(prompt)}")
 
 
+# "auto" is the C decode kernel on a CPU with a compiler (tests/test_kernels_cpu.py); "torch" the torch backend
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_equals_generate(ref, block_size):
+def test_mixed_batch_equals_generate(ref, block_size, backend):
     prompts = mixed_prompts()
     llm = build_llm(make_model(ref.arch), block_size=block_size, num_blocks=64, max_model_len=64,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, attention_backend=backend)
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
-    check_outputs(ref, prompts, outputs, what=f"block_size={block_size}")
+    check_outputs(ref, prompts, outputs, what=f"block_size={block_size} backend={backend}")
     assert_pool_clean(llm)
 
 

@@ -208,6 +208,7 @@ _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
     "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
+    "kvpaging::cpu_decode_attention",  # the "cpu" backend's C kernel (kernels/cpu_backend.py)
 })
 
 
@@ -219,13 +220,13 @@ class TimeBreakdown:
     wall_s: float  # the plain (unprofiled) run's wall time
     steps: int
     linear_s: float  # the model's matrix products (aten::mm / addmm): the same work for every engine
-    attention_s: float  # paged attention: block gathers, fused SDPA, KV stores
+    attention_s: float  # paged attention: block gathers, fused SDPA or the C decode kernel, KV stores
     other_ops_s: float  # every other tensor op: norms, RoPE, activations, sampling
     python_s: float  # what no tensor op accounts for: Python and dispatch
 
     def rows(self) -> list[tuple[str, float]]:
         return [("the model's linear layers (matrix products)", self.linear_s),
-                ("paged attention (block gathers, fused SDPA, KV stores)", self.attention_s),
+                ("paged attention (C decode kernel or gathers + SDPA, KV stores)", self.attention_s),
                 ("other tensor ops (norms, RoPE, activations, sampling)", self.other_ops_s),
                 ("Python and dispatch (the rest of the wall time)", self.python_s)]
 

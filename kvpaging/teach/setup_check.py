@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..llm import auto_attention_backend
+
 __all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy"]
 
 
@@ -29,9 +31,9 @@ def environment() -> dict:
     elif cuda:
         triton_mode = "compiled for the GPU (the engine's default attention backend here)"
     elif os.environ.get("TRITON_INTERPRET") == "1":
-        triton_mode = "interpreter (TRITON_INTERPRET=1): runs on the CPU, slowly; the engine defaults to torch"
+        triton_mode = "interpreter (TRITON_INTERPRET=1): runs on the CPU, slowly; not the engine's default here"
     else:
-        triton_mode = "installed, but no GPU: the engine defaults to its torch reference kernels"
+        triton_mode = "installed, but no GPU: the engine uses its CPU kernels here"
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -43,7 +45,7 @@ def environment() -> dict:
         "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
         "cpu_threads": torch.get_num_threads(),
         "triton_mode": triton_mode,
-        "attention_backend": "triton" if cuda and triton_version else "torch",
+        "attention_backend": auto_attention_backend(torch.device("cuda" if cuda else "cpu")),
     }
 
 

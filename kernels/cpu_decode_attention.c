@@ -1,0 +1,150 @@
+/* Paged decode attention for the CPU: one query token per sequence, read straight from the blocks.
+ *
+ * The torch backend gathers every sequence's blocks into a padded [batch, max_len] copy of the
+ * keys and values, then runs SDPA over that copy: the cache is read, written and read again,
+ * and the padding is read too. This kernel walks each sequence's block table and reads each
+ * cached key and value once, in place, as the Triton kernel does on a GPU. The maths is the
+ * reference's (kernels/reference.py: paged_decode_attention):
+ *
+ *     score[g][t] = scale * dot(query[g], key[t])        for the G query heads of one KV head
+ *     p[g][t]     = softmax over t < seq_len of score[g][t]
+ *     out[g]      = sum over t of p[g][t] * value[t]
+ *
+ * Layouts (float32, as the engine keeps them on the CPU):
+ *     query   [batch, num_heads, head_dim], any strides for batch and head, head_dim contiguous
+ *     caches  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+ *     tables  [batch, table_width] int32, rows table_stride apart;  seq_lens [batch] int32
+ *     out     [batch, num_heads, head_dim], contiguous
+ *     scores  scratch of at least num_heads * max(seq_lens) floats
+ * A sequence of length 0 (padding) gets zeros, as in the reference.
+ *
+ * Returns 0, or 1 when a sequence is longer than its table holds, or 2 when a table entry in use
+ * is not a block of the cache; error[0] is then the sequence and error[1] the bad value.
+ *
+ * Built and loaded by kernels/cpu_backend.py (compiled with the flags written there).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Ask for a whole block ahead of its use: the cache is far bigger than the CPU's caches, so every
+ * block comes from memory, and the loads of one token alone cannot keep memory busy. */
+static inline void prefetch_block(const float *block, int64_t floats)
+{
+    for (int64_t i = 0; i < floats; i += 16)  /* 16 floats: one 64-byte cache line */
+        __builtin_prefetch(block + i, 0, 0);
+}
+
+static inline __attribute__((always_inline)) int64_t decode_attention(
+    const float *query, int64_t q_batch_stride, int64_t q_head_stride,
+    const float *k_cache, const float *v_cache, int64_t num_blocks,
+    const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
+    float *out, float *scores, int64_t *error,
+    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;  /* one token's keys, all KV heads */
+    const int64_t block_stride = block_size * token_stride;
+
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b];
+        const int32_t *table = block_tables + b * table_stride;
+        const int64_t num_used = (len + block_size - 1) / block_size;
+        if (len > table_width * block_size) {
+            error[0] = b, error[1] = len;
+            return 1;
+        }
+        for (int64_t j = 0; j < num_used; j++) {
+            if (table[j] < 0 || table[j] >= num_blocks) {
+                error[0] = b, error[1] = table[j];
+                return 2;
+            }
+        }
+        const float *q = query + b * q_batch_stride;
+        float *o = out + b * num_heads * head_dim;
+        memset(o, 0, sizeof(float) * num_heads * head_dim);
+        if (len <= 0)
+            continue;
+        float row_max[num_heads], inv_sum[num_heads];
+        for (int64_t h = 0; h < num_heads; h++)
+            row_max[h] = -FLT_MAX;
+
+        /* pass 1: every head's scores (scores[h][t]), block by block, all KV heads of a token together */
+        prefetch_block(k_cache + (int64_t)table[0] * block_stride, block_stride);
+        for (int64_t j = 0; j < num_used; j++) {
+            const float *k = k_cache + (int64_t)table[j] * block_stride;
+            if (j + 1 < num_used)
+                prefetch_block(k_cache + (int64_t)table[j + 1] * block_stride, block_stride);
+            const int64_t start = j * block_size;
+            const int64_t n = len - start < block_size ? len - start : block_size;
+            for (int64_t i = 0; i < n; i++, k += token_stride) {
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        dot += qh[d] * kh[d];
+                    dot *= scale;
+                    scores[h * len + start + i] = dot;
+                    if (dot > row_max[h])
+                        row_max[h] = dot;
+                }
+            }
+        }
+        /* softmax weights, not yet divided by their sum */
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *s = scores + h * len, sum = 0.0f;
+            for (int64_t t = 0; t < len; t++) {
+                /* below e^-80 a weight is 0 in float32 terms: skip the C library's slow path for it */
+                const float x = s[t] - row_max[h];
+                s[t] = x < -80.0f ? 0.0f : expf(x);
+                sum += s[t];
+            }
+            inv_sum[h] = 1.0f / sum;
+        }
+        /* pass 2: the weighted sum of the values */
+        prefetch_block(v_cache + (int64_t)table[0] * block_stride, block_stride);
+        for (int64_t j = 0; j < num_used; j++) {
+            const float *v = v_cache + (int64_t)table[j] * block_stride;
+            if (j + 1 < num_used)
+                prefetch_block(v_cache + (int64_t)table[j + 1] * block_stride, block_stride);
+            const int64_t start = j * block_size;
+            const int64_t n = len - start < block_size ? len - start : block_size;
+            for (int64_t i = 0; i < n; i++, v += token_stride) {
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float p = scores[h * len + start + i], *vh = v + (h / group) * head_dim;
+                    float *oh = o + h * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        oh[d] += p * vh[d];
+                }
+            }
+        }
+        for (int64_t h = 0; h < num_heads; h++)
+            for (int64_t d = 0; d < head_dim; d++)
+                o[h * head_dim + d] *= inv_sum[h];
+    }
+    return 0;
+}
+
+/* The entry point. Common head sizes get their own copy of the loops above, with head_dim a
+ * constant the compiler can unroll and vectorize exactly; any other size runs the general copy. */
+int64_t kvpaging_decode_attention_f32(
+    const float *query, int64_t q_batch_stride, int64_t q_head_stride,
+    const float *k_cache, const float *v_cache, int64_t num_blocks,
+    const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
+    float *out, float *scores, int64_t *error,
+    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale)
+{
+#define DECODE(D) decode_attention(query, q_batch_stride, q_head_stride, k_cache, v_cache, num_blocks, \
+    block_tables, table_stride, table_width, seq_lens, out, scores, error, batch, num_heads, num_kv_heads, \
+    D, block_size, scale)
+    switch (head_dim) {
+    case 32: return DECODE(32);
+    case 64: return DECODE(64);
+    case 128: return DECODE(128);
+    default: return DECODE(head_dim);
+    }
+#undef DECODE
+}

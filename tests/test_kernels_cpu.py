@@ -1,0 +1,151 @@
+"""The "cpu" attention backend: the C decode kernel (kernels/cpu_decode_attention.c) against the reference.
+
+The oracle is ``reference.paged_decode_attention`` (itself checked against a
+float64 per-token loop in test_kernels_reference.py). Caches are random, block
+tables random permutations with random (valid) ids in the columns a sequence
+does not use, and the query is a transposed view, as transformers hands it to
+the engine. Random data is fresh each run; the seed is printed and can be
+replayed with KVPAGING_TEST_SEED=<seed>.
+
+The kernel is compiled on first use with the machine's C compiler. Where no C
+compiler exists at all these tests skip; where one exists the kernel must build.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvpaging.kernels import cpu_backend, reference, torch_backend
+from kvpaging.kernels.testing import random_paged_kv
+
+HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang")) or bool(os.environ.get("CC"))
+pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def gen():
+    seed = int(os.environ.get("KVPAGING_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"seed={seed}  (replay with KVPAGING_TEST_SEED={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def test_the_kernel_builds_where_there_is_a_compiler():
+    assert cpu_backend.available(), cpu_backend.unavailable_reason()
+    assert cpu_backend.unavailable_reason() is None
+
+
+def transposed_query(batch: int, heads: int, dim: int, gen) -> torch.Tensor:
+    """``[batch, heads, dim]`` as a view of a ``[heads, batch, dim]`` tensor: what the attention function passes."""
+    return torch.randn(heads, batch, dim, generator=gen).transpose(0, 1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 64), (8, 1, 80), (16, 2, 128), (2, 2, 256)])
+def test_decode_matches_the_reference(gen, block_size, heads, kv_heads, dim):
+    lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 150]
+    lens = [n for n in lens if n >= 0]
+    kv = random_paged_kv(lens, kv_heads, dim, block_size, generator=gen,
+                         max_blocks=-(-max(lens) // block_size) + 2)  # two padding columns of random ids
+    query = transposed_query(len(lens), heads, dim, gen)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, dim**-0.5)
+    got = cpu_backend.paged_decode_attention(*args)
+    torch.testing.assert_close(got, reference.paged_decode_attention(*args), atol=2e-5, rtol=1e-5)
+    assert torch.all(got[0] == 0), "a sequence of length 0 gives zeros"
+
+
+def test_decode_of_peaked_scores(gen):
+    """Scores far apart: most weights underflow to zero (the kernel skips their exp) and one key wins."""
+    kv = random_paged_kv([40, 7], 2, 32, 16, generator=gen)
+    query = transposed_query(2, 4, 32, gen) * 200.0
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32**-0.5)
+    torch.testing.assert_close(cpu_backend.paged_decode_attention(*args), reference.paged_decode_attention(*args),
+                               atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_other_dtypes_are_served_by_the_torch_backend(gen, dtype):
+    kv = random_paged_kv([5, 33], 2, 32, 16, dtype=dtype, generator=gen)
+    query = transposed_query(2, 8, 32, gen).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32**-0.5, kv.k_scale, kv.v_scale)
+    assert torch.equal(cpu_backend.paged_decode_attention(*args), torch_backend.paged_decode_attention(*args))
+
+
+def test_bad_tables_are_refused_naming_the_value(gen):
+    kv = random_paged_kv([20, 9], 2, 32, 16, generator=gen)
+    query = torch.randn(2, 8, 32, generator=gen)
+    tables = kv.block_tables.clone()
+    tables[1, 0] = kv.k_cache.shape[0] + 5
+    with pytest.raises(ValueError, match=rf"row 1 holds block {kv.k_cache.shape[0] + 5}, outside"):
+        cpu_backend.paged_decode_attention(query, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.1)
+    tables[1, 0] = -1
+    with pytest.raises(ValueError, match=r"row 1 holds block -1"):
+        cpu_backend.paged_decode_attention(query, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.1)
+    too_long = torch.tensor([20, 16 * kv.block_tables.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"seq_lens\[1\]={16 * kv.block_tables.shape[1] + 1} is more than"):
+        cpu_backend.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, too_long, 0.1)
+    with pytest.raises(ValueError, match="num_heads 6 is not a multiple of num_kv_heads 4"):
+        cpu_backend.paged_decode_attention(torch.randn(2, 6, 32), torch.zeros(4, 16, 4, 32), torch.zeros(4, 16, 4, 32),
+                                           kv.block_tables, kv.seq_lens, 0.1)
+
+
+def test_loading_the_kernel_keeps_denormal_floats():
+    """The kernel is compiled with -ffast-math but linked without it: the process must keep its
+    floating-point mode (some linkers flush denormals to zero for the whole process otherwise)."""
+    assert cpu_backend.available()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 0.5).item() != 0.0
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_the_build_is_cached_per_machine(tmp_path):
+    code = """
+        from kvpaging.kernels import cpu_backend
+        assert cpu_backend.available(), cpu_backend.unavailable_reason()
+    """
+    first = run_python(code, KVPAGING_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    built = list((tmp_path / "cpu_kernels").glob("decode_attention_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    second = run_python(code, KVPAGING_CACHE_DIR=str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert built[0].stat().st_mtime_ns == stamp, "a second process must load the built kernel, not rebuild it"
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_is_refused(tmp_path):
+    code = """
+        import pytest
+        from kvpaging import LLM
+        from kvpaging.kernels import cpu_backend
+        from kvpaging.models import tiny
+        assert not cpu_backend.available()
+        print(cpu_backend.unavailable_reason())
+        model = tiny("llama", seed=0)
+        llm = LLM(model, num_blocks=16, max_model_len=64)
+        assert llm.engine.config.attention_backend == "torch", llm.engine.config.attention_backend
+        with pytest.raises(ValueError, match="attention_backend='cpu' is unavailable here: .*no-such-compiler"):
+            LLM(model, num_blocks=16, max_model_len=64, attention_backend="cpu")
+    """
+    done = run_python(code, CC="/no-such-compiler", KVPAGING_CACHE_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "no-such-compiler" in done.stdout
+
+
+def test_the_cpu_backend_is_refused_for_other_devices():
+    from kvpaging import LLM
+    from kvpaging.models import tiny
+
+    with pytest.raises(ValueError, match="attention_backend='cpu' runs on the CPU, but device='meta'"):
+        LLM(tiny("llama", seed=0), num_blocks=16, max_model_len=64, attention_backend="cpu", device="meta")
