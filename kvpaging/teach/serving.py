@@ -226,7 +226,7 @@ class TimeBreakdown:
 
     def rows(self) -> list[tuple[str, float]]:
         return [("the model's linear layers (matrix products)", self.linear_s),
-                ("paged attention (C decode kernel or gathers + SDPA, KV stores)", self.attention_s),
+                ("paged attention (C kernel or gathers + SDPA, KV stores)", self.attention_s),
                 ("other tensor ops (norms, RoPE, activations, sampling)", self.other_ops_s),
                 ("Python and dispatch (the rest of the wall time)", self.python_s)]
 
