@@ -12,6 +12,9 @@ Four operations, each in two versions with the same signature:
 * ``kvpaging.kernels.reference``: plain torch, any device. Read these first;
   they are also the test oracle. ``torch_backend`` is the engine's "torch" backend:
   the references, with decode attention done by torch's fused SDPA (same maths).
+  ``cpu_backend`` is the "cpu" backend (the default on a CPU with a C compiler): the torch
+  backend with decode attention done by a C kernel, ``cpu_decode_attention.c``, that reads
+  the blocks in place (compiled on first use).
 * ``kvpaging.kernels.store_kv`` etc. (this package's top level): the Triton
   kernels, in ``triton_*.py``. They run on a CUDA GPU, or on the CPU when
   ``TRITON_INTERPRET=1`` is set (slowly: meant for tests and for reading).
