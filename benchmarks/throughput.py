@@ -7,7 +7,15 @@ Reports *useful* output tokens per second: static batching must run every
 member of a batch as long as its longest one, and the tokens it generates past
 a request's own length are not counted.
 
+On a CPU kvpaging runs the model's linear layers with oneDNN during its steps
+(``kvpaging.cpu_linear``), transformers with its default ``F.linear``.
+``--static-onednn`` adds a run of static ``generate()`` with the same oneDNN
+products, and ``--onednn-linear off`` runs kvpaging without them, so the part of
+the ratio that comes from the matrix-product library can be read off apart from
+the part that comes from scheduling.
+
     python benchmarks/throughput.py                 # CPU default: tiny Qwen3, 48 requests
+    python benchmarks/throughput.py --threads 1 --repeats 3 --static-onednn
     python benchmarks/throughput.py --device cuda --model Qwen3-0.6B --requests 256 --dtype bfloat16
 """
 
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -23,6 +32,7 @@ import torch
 import transformers
 
 import kvpaging
+from kvpaging.cpu_linear import ENV_SWITCH, onednn_usable
 from kvpaging.models import real_shaped, tiny
 from kvpaging.teach import serving
 from kvpaging.teach.serving import Workload
@@ -49,6 +59,10 @@ def run_static_generate(model, work: Workload, args) -> tuple[float, int]:
     return serving.run_static_generate(model, work, batch_size=args.hf_batch_size)
 
 
+def run_static_generate_onednn(model, work: Workload, args) -> tuple[float, int]:
+    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size, onednn_linears=True)
+
+
 def run_continuous_batching(model, work: Workload, args) -> tuple[float, int]:
     return serving.run_continuous_batching(model, work)
 
@@ -68,6 +82,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--onednn-linear", choices=["on", "off"], default="on",
+                    help="kvpaging's linear layers on a CPU: oneDNN during engine steps (kvpaging.cpu_linear) or F.linear")
+    ap.add_argument("--static-onednn", action="store_true",
+                    help="also run static generate() with kvpaging's oneDNN linear layers (same matrix products)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
@@ -80,9 +98,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    if args.onednn_linear == "off":
+        os.environ[ENV_SWITCH] = "0"  # read when each LLM is built
     engines = {"kvpaging": run_kvpaging}
     if "static" not in skip:
         engines["transformers generate() (static)"] = run_static_generate
+    if args.static_onednn:
+        engines["generate() (static), oneDNN linears"] = run_static_generate_onednn
     if "cb" not in skip:
         engines["transformers continuous batching"] = run_continuous_batching
     results = {}
@@ -109,7 +131,9 @@ def main() -> None:
     if backend == "auto":
         from kvpaging.llm import auto_attention_backend
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
-    print(f"kvpaging attention backend: {backend}")
+    linears = "F.linear" if args.onednn_linear == "off" or args.device != "cpu" else (
+        "oneDNN (kvpaging.cpu_linear)" if onednn_usable() else "F.linear (oneDNN unusable here)")
+    print(f"kvpaging attention backend: {backend} | kvpaging linear layers: {linears}")
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"({total_prompt} tokens), outputs {args.min_output}-{args.max_output} ({total_out} useful tokens), "
           f"model {args.model}")

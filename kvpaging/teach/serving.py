@@ -132,12 +132,23 @@ def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
 
 
 @torch.inference_mode()
-def run_static_generate(model, work: Workload, batch_size: int = 16) -> tuple[float, int]:
+def run_static_generate(model, work: Workload, batch_size: int = 16, onednn_linears: bool = False) -> tuple[float, int]:
     """Seconds and useful tokens for transformers' ``model.generate`` on fixed batches, left-padded.
 
     Each batch runs until its longest request is done (``min_new_tokens`` keeps every
     row going, like ``ignore_eos``); only each request's own tokens count as useful.
+    ``onednn_linears=True`` runs it with the linear layers kvpaging uses on a CPU
+    (``kvpaging.cpu_linear``), to separate what scheduling buys from what the matrix products do.
     """
+    from ..cpu_linear import enable_onednn_linears, use_onednn
+
+    if onednn_linears and not enable_onednn_linears(model):
+        raise RuntimeError("oneDNN linear layers are not available here (see kvpaging.cpu_linear)")
+    with use_onednn() if onednn_linears else contextlib.nullcontext():
+        return _run_static_generate(model, work, batch_size)
+
+
+def _run_static_generate(model, work: Workload, batch_size: int) -> tuple[float, int]:
     device = _device(model)
     pad = 0
 
@@ -400,7 +411,7 @@ DIFFERENCES: list[tuple[str, str, str]] = [
     ("CUDA graphs", "decode-only steps replay a graph captured per padded batch size; prefill and mixed steps "
      "run eagerly", "piecewise graphs through torch.compile cover mixed batches too"),
     ("attention", "transformers' own model code with a paged attention function plugged in; Triton kernels "
-     "on a GPU, plain torch elsewhere", "its own model implementations and FlashAttention / FlashInfer / "
+     "on a GPU, a small C decode kernel (or plain torch) on a CPU", "its own model implementations and FlashAttention / FlashInfer / "
      "Triton backends"),
     ("process layout", "one Python process: scheduler, model and sampler in one loop",
      "v1 splits the engine core and the API server into processes and overlaps scheduling with the GPU"),
