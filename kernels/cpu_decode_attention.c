@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
         for (int64_t h = 0; h < num_heads; h++)
             row_max[h] = -FLT_MAX;
 
-        /* pass 1: every head's scores (scores[h][t]), block by block, all KV heads of a token together */
+        /* pass 1: every head's scores (scores[h][t]), block by block: a block is read from memory once, for all heads */
         prefetch_block(k_cache + (int64_t)table[0] * block_stride, block_stride);
         for (int64_t j = 0; j < num_used; j++) {
             const float *k = k_cache + (int64_t)table[j] * block_stride;
@@ -79,17 +79,17 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
                 prefetch_block(k_cache + (int64_t)table[j + 1] * block_stride, block_stride);
             const int64_t start = j * block_size;
             const int64_t n = len - start < block_size ? len - start : block_size;
-            for (int64_t i = 0; i < n; i++, k += token_stride) {
-                for (int64_t h = 0; h < num_heads; h++) {
-                    const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
+            for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its query stays in registers */
+                const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
+                float *s = scores + h * len + start, m = row_max[h];
+                for (int64_t i = 0; i < n; i++, kh += token_stride) {
                     float dot = 0.0f;
                     for (int64_t d = 0; d < head_dim; d++)
                         dot += qh[d] * kh[d];
-                    dot *= scale;
-                    scores[h * len + start + i] = dot;
-                    if (dot > row_max[h])
-                        row_max[h] = dot;
+                    s[i] = dot * scale;
+                    m = s[i] > m ? s[i] : m;
                 }
+                row_max[h] = m;
             }
         }
         /* softmax weights, not yet divided by their sum */
@@ -111,13 +111,16 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
                 prefetch_block(v_cache + (int64_t)table[j + 1] * block_stride, block_stride);
             const int64_t start = j * block_size;
             const int64_t n = len - start < block_size ? len - start : block_size;
-            for (int64_t i = 0; i < n; i++, v += token_stride) {
-                for (int64_t h = 0; h < num_heads; h++) {
-                    const float p = scores[h * len + start + i], *vh = v + (h / group) * head_dim;
-                    float *oh = o + h * head_dim;
+            for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its sum stays in registers */
+                const float *vh = v + (h / group) * head_dim, *p = scores + h * len + start;
+                float *oh = o + h * head_dim, acc[head_dim];
+                for (int64_t d = 0; d < head_dim; d++)
+                    acc[d] = oh[d];
+                for (int64_t i = 0; i < n; i++, vh += token_stride)
                     for (int64_t d = 0; d < head_dim; d++)
-                        oh[d] += p * vh[d];
-                }
+                        acc[d] += p[i] * vh[d];
+                for (int64_t d = 0; d < head_dim; d++)
+                    oh[d] = acc[d];
             }
         }
         for (int64_t h = 0; h < num_heads; h++)
