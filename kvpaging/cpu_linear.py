@@ -6,14 +6,14 @@ float32 CPU tensor goes to the BLAS torch was built with (Intel MKL in the x86
 wheels). torch also ships oneDNN, which it uses for its own compiled CPU code
 (``torch.ops.mkldnn._linear_pointwise``: the same product, float32 in and out,
 no reduced precision). Which one is faster depends on the CPU: on the AMD EPYC
-(Zen 4) development machine oneDNN ran layer-sized products about 2x faster for
-16 rows or more, and slower for a handful of rows, where its fixed cost of about
-10 µs a call dominates (``python -m kvpaging.cpu_linear`` prints the comparison
-for the machine it runs on).
+(Zen 4) development machine oneDNN ran layer-sized products about 2x faster, but
+it costs about 10 µs more per call, so products under about a million
+multiply-adds (a few rows through a small layer) are faster with ``F.linear``
+(``python -m kvpaging.cpu_linear`` prints the comparison for the machine it runs on).
 
 So, when the engine serves a float32 model on the CPU, every ``nn.Linear`` of
 the model gets a ``forward`` that, **only while an engine step runs** and only
-for inputs of at least ``MIN_ROWS`` rows, calls oneDNN with the module's own
+for products of at least ``MIN_MACS`` multiply-adds, calls oneDNN with the module's own
 weight (no copy, nothing to keep in sync); otherwise it is the ordinary
 ``F.linear``. ``model.generate()`` on the same model object is untouched.
 Nothing is changed when the op is missing, fails, or disagrees with ``F.linear``
@@ -30,9 +30,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["enable_onednn_linears", "use_onednn", "MIN_ROWS"]
+__all__ = ["enable_onednn_linears", "use_onednn", "MIN_MACS"]
 
-MIN_ROWS = 16  # fewer rows: F.linear (oneDNN's per-call cost outweighs its faster product)
+MIN_MACS = 1 << 20  # smaller products: F.linear (oneDNN's per-call cost outweighs its faster product)
 ENV_SWITCH = "KVPAGING_ONEDNN_LINEAR"
 
 _active = False  # True only inside ``use_onednn()`` (the runner wraps every step in it)
@@ -50,7 +50,7 @@ def onednn_usable() -> bool:
         op = _onednn_linear()
         try:
             g = torch.Generator().manual_seed(0)
-            x, w, b = (torch.randn(s, generator=g) for s in ((2, MIN_ROWS, 64), (48, 64), (48,)))
+            x, w, b = (torch.randn(s, generator=g) for s in ((2, 16, 64), (48, 64), (48,)))
             _checked = op is not None and torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b),
                                                          rtol=1e-5, atol=1e-5)
         except (RuntimeError, TypeError, NotImplementedError):
@@ -59,8 +59,10 @@ def onednn_usable() -> bool:
 
 
 def _forward_for(module: torch.nn.Linear, op):
+    out_features = module.out_features
+
     def forward(input: torch.Tensor) -> torch.Tensor:
-        if _active and input.dim() >= 2 and input.numel() >= MIN_ROWS * input.shape[-1]:
+        if _active and input.dim() >= 2 and input.numel() * out_features >= MIN_MACS:
             return op(input, module.weight, module.bias, "none", [], "")
         return F.linear(input, module.weight, module.bias)
 

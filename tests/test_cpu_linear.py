@@ -40,9 +40,10 @@ def test_the_engine_patches_every_float32_linear_of_the_model():
 
 
 def test_onednn_inside_a_step_and_exactly_f_linear_outside():
-    layer = torch.nn.Linear(64, 48)
+    layer = torch.nn.Linear(256, 256)
     assert cpu_linear.enable_onednn_linears(layer) == 1
-    many, few = torch.randn(1, cpu_linear.MIN_ROWS, 64), torch.randn(1, cpu_linear.MIN_ROWS - 1, 64)
+    rows = cpu_linear.MIN_MACS // (256 * 256)  # the smallest product that goes to oneDNN
+    many, few = torch.randn(1, rows, 256), torch.randn(1, rows - 1, 256)
     with torch.inference_mode():
         outside = ops_called(lambda: layer(many))
         assert "mkldnn::_linear_pointwise" not in outside
@@ -51,7 +52,7 @@ def test_onednn_inside_a_step_and_exactly_f_linear_outside():
             inside = ops_called(lambda: layer(many))
             assert "mkldnn::_linear_pointwise" in inside
             torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-            assert "mkldnn::_linear_pointwise" not in ops_called(lambda: layer(few)), "few rows stay on F.linear"
+            assert "mkldnn::_linear_pointwise" not in ops_called(lambda: layer(few)), "small products stay on F.linear"
             assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
 
 
