@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
 
 import torch
 from throughput import TINY, build
 
+from kvpaging.cpu_linear import onednn_usable
 from kvpaging.teach import serving
 
 
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--static", action="store_true", help="also time transformers' static generate()")
+    ap.add_argument("--repeats", type=int, default=3, help="plain runs of each engine; the median is used")
     ap.add_argument("--ratio", type=float, default=3.0, help="the ratio to static generate() to budget for")
     args = ap.parse_args()
     if args.threads:
@@ -49,7 +52,7 @@ def main() -> None:
     work = serving.make_workload(args.requests, TINY["vocab_size"], (16, 256), (16, 128), seed=0)
     useful = work.num_output_tokens
 
-    bd = serving.time_breakdown(make_llm(model, work, args), work)
+    bd = serving.time_breakdown(make_llm(model, work, args), work, repeats=args.repeats)
     wall = bd.wall_s
     print(f"machine: {platform.machine()} | torch {torch.__version__} | {torch.get_num_threads()} torch threads")
     print(f"kvpaging: {useful} useful tokens in {wall:.3f} s = {useful / wall:,.0f} tok/s, {bd.steps} steps")
@@ -63,13 +66,19 @@ def main() -> None:
     cont, static = serving.token_positions(work, args.hf_batch_size)
     flops = 2 * layer_weights * cont + 2 * head.numel() * useful
     x, w = torch.randn(2048, head.shape[1]), torch.randn(4 * head.shape[1], head.shape[1])
-    torch.nn.functional.linear(x, w)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        torch.nn.functional.linear(x, w)
-    peak = 10 * 2 * x.shape[0] * w.numel() / (time.perf_counter() - t0)
+    products = {"F.linear": lambda: torch.nn.functional.linear(x, w)}
+    if onednn_usable():
+        products["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    peaks = []
+    for name, product in products.items():
+        product()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            product()
+        peaks.append(f"{name} {10 * 2 * x.shape[0] * w.numel() / (time.perf_counter() - t0) / 1e9:.0f}")
     print(f"linear layers: {flops / 1e9:.1f} GFLOP at {flops / bd.linear_s / 1e9:.0f} GFLOP/s; one "
-          f"[2048 x {head.shape[1]}] @ [{head.shape[1]} x {w.shape[0]}] product runs at {peak / 1e9:.0f} GFLOP/s here")
+          f"[2048 x {head.shape[1]}] @ [{head.shape[1]} x {w.shape[0]}] product runs at "
+          f"{', '.join(peaks)} GFLOP/s here")
 
     # the fixed cost of a step: one request decoding alone, without its (tiny) linear layers
     one = serving.time_breakdown(make_llm(model, work, args), serving.Workload([([7] * 16, 128)]))
@@ -82,7 +91,9 @@ def main() -> None:
     print(f"token positions through the model: kvpaging {cont:,}, static generate() in batches of "
           f"{args.hf_batch_size}: {static:,} ({static / cont:.2f}x)")
     if args.static:
-        static_s, _ = serving.run_static_generate(build(build_args), work, batch_size=args.hf_batch_size)
+        static_model = build(build_args)
+        static_s = statistics.median(serving.run_static_generate(static_model, work, batch_size=args.hf_batch_size)[0]
+                                     for _ in range(args.repeats))
         rate = useful / static_s
         budget = useful / (args.ratio * rate)
         print(f"static generate(): {rate:,.0f} tok/s, so kvpaging ran at {useful / wall / rate:.2f}x; "

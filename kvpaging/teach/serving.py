@@ -214,7 +214,7 @@ class EngineResult:
 
 # -- where the time goes --------------------------------------------------------------------
 
-_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm"})
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"})  # the last: kvpaging.cpu_linear
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
@@ -230,7 +230,7 @@ class TimeBreakdown:
 
     wall_s: float  # the plain (unprofiled) run's wall time
     steps: int
-    linear_s: float  # the model's matrix products (aten::mm / addmm): the same work for every engine
+    linear_s: float  # the model's matrix products (aten::mm / addmm, oneDNN's linear): the same work for every engine
     attention_s: float  # paged attention: block gathers, fused SDPA or the C decode kernel, KV stores
     other_ops_s: float  # every other tensor op: norms, RoPE, activations, sampling
     python_s: float  # what no tensor op accounts for: Python and dispatch
@@ -266,19 +266,23 @@ def _native_stderr_silenced():
         os.close(saved)
 
 
-def time_breakdown(llm, work: Workload, warm_up: bool = True) -> TimeBreakdown:
-    """Run ``work`` through ``llm`` twice, plainly for the wall time and then under the torch
-    profiler (prefix cache reset in between), and split the time by kind of work. A short
-    warm-up on other prompts comes first, unless ``warm_up=False``.
+def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) -> TimeBreakdown:
+    """Run ``work`` through ``llm`` plainly for the wall time (the median of ``repeats`` runs), then
+    once under the torch profiler (prefix cache reset before each run), and split the time by kind
+    of work. A short warm-up on other prompts comes first, unless ``warm_up=False``.
 
     Meant for the CPU: on a GPU the profiler's CPU times show kernel launches, not the kernels.
     """
     if warm_up:
         _warm_up(llm, work, 2)
     prompts, params = _greedy(work.requests)
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    walls = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
     llm.reset_prefix_cache()  # the profiled run computes the same prompts again, from nothing
     steps0 = llm.engine.num_steps
     with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
