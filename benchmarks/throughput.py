@@ -7,15 +7,15 @@ Reports *useful* output tokens per second: static batching must run every
 member of a batch as long as its longest one, and the tokens it generates past
 a request's own length are not counted.
 
-On a CPU kvpaging runs the model's linear layers with oneDNN during its steps
-(``kvpaging.cpu_linear``), transformers with its default ``F.linear``.
-``--static-onednn`` adds a run of static ``generate()`` with the same oneDNN
-products, and ``--onednn-linear off`` runs kvpaging without them, so the part of
-the ratio that comes from the matrix-product library can be read off apart from
-the part that comes from scheduling.
+On a CPU kvpaging runs the model's linear layers with oneDNN and its RMSNorms in
+one C pass during its steps (``kvpaging.cpu_layers``); transformers runs the
+model's own layers. ``--static-cpu-layers`` adds a run of static ``generate()``
+with the same layers, and ``--cpu-layers off`` runs kvpaging without them, so the
+part of the ratio that comes from faster layers can be read off apart from the
+part that comes from scheduling.
 
     python benchmarks/throughput.py                 # CPU default: tiny Qwen3, 48 requests
-    python benchmarks/throughput.py --threads 1 --repeats 3 --static-onednn
+    python benchmarks/throughput.py --threads 1 --repeats 3 --static-cpu-layers
     python benchmarks/throughput.py --device cuda --model Qwen3-0.6B --requests 256 --dtype bfloat16
 """
 
@@ -32,7 +32,8 @@ import torch
 import transformers
 
 import kvpaging
-from kvpaging.cpu_linear import ENV_SWITCH, onednn_usable
+from kvpaging.cpu_layers import ENV_SWITCH, onednn_usable
+from kvpaging.kernels import cpu_backend
 from kvpaging.models import real_shaped, tiny
 from kvpaging.teach import serving
 from kvpaging.teach.serving import Workload
@@ -59,8 +60,8 @@ def run_static_generate(model, work: Workload, args) -> tuple[float, int]:
     return serving.run_static_generate(model, work, batch_size=args.hf_batch_size)
 
 
-def run_static_generate_onednn(model, work: Workload, args) -> tuple[float, int]:
-    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size, onednn_linears=True)
+def run_static_generate_cpu_layers(model, work: Workload, args) -> tuple[float, int]:
+    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size, cpu_layers=True)
 
 
 def run_continuous_batching(model, work: Workload, args) -> tuple[float, int]:
@@ -82,10 +83,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--onednn-linear", choices=["on", "off"], default="on",
-                    help="kvpaging's linear layers on a CPU: oneDNN during engine steps (kvpaging.cpu_linear) or F.linear")
-    ap.add_argument("--static-onednn", action="store_true",
-                    help="also run static generate() with kvpaging's oneDNN linear layers (same matrix products)")
+    ap.add_argument("--cpu-layers", choices=["on", "off"], default="on",
+                    help="kvpaging on a CPU: oneDNN linear and one-pass RMSNorm layers in its steps "
+                         "(kvpaging.cpu_layers), or the model's own layers")
+    ap.add_argument("--static-cpu-layers", action="store_true",
+                    help="also run static generate() with the layers kvpaging uses on a CPU")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
@@ -98,13 +100,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    if args.onednn_linear == "off":
+    if args.cpu_layers == "off":
         os.environ[ENV_SWITCH] = "0"  # read when each LLM is built
     engines = {"kvpaging": run_kvpaging}
     if "static" not in skip:
         engines["transformers generate() (static)"] = run_static_generate
-    if args.static_onednn:
-        engines["generate() (static), oneDNN linears"] = run_static_generate_onednn
+    if args.static_cpu_layers:
+        engines["generate() (static), kvpaging's CPU layers"] = run_static_generate_cpu_layers
     if "cb" not in skip:
         engines["transformers continuous batching"] = run_continuous_batching
     results = {}
@@ -131,9 +133,10 @@ def main() -> None:
     if backend == "auto":
         from kvpaging.llm import auto_attention_backend
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
-    linears = "F.linear" if args.onednn_linear == "off" or args.device != "cpu" else (
-        "oneDNN (kvpaging.cpu_linear)" if onednn_usable() else "F.linear (oneDNN unusable here)")
-    print(f"kvpaging attention backend: {backend} | kvpaging linear layers: {linears}")
+    layers = "the model's own" if args.cpu_layers == "off" or args.device != "cpu" else (
+        "oneDNN linears" + (", one-pass RMSNorms" if cpu_backend.available() else "") if onednn_usable()
+        else "one-pass RMSNorms" if cpu_backend.available() else "the model's own (no faster path here)")
+    print(f"kvpaging attention backend: {backend} | kvpaging layers: {layers}")
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"({total_prompt} tokens), outputs {args.min_output}-{args.max_output} ({total_out} useful tokens), "
           f"model {args.model}")

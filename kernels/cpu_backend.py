@@ -1,4 +1,5 @@
-"""The engine's "cpu" attention backend: the torch backend, with decode attention done by a small C kernel.
+"""The engine's "cpu" attention backend (the torch backend, with decode attention done by a small
+C kernel), and the fused RMSNorm that ``kvpaging.cpu_layers`` gives the model's norm layers.
 
 On a CPU the torch backend's decode attention spends most of its time moving
 memory, not computing: it gathers every sequence's blocks into a padded copy
@@ -8,7 +9,7 @@ kernel does on a GPU instead: it follows each sequence's block table and reads
 every cached key and value once, where it lies. Same maths as
 ``reference.paged_decode_attention``; the tests hold it to that reference.
 
-The C file is compiled the first time it is needed, with the C compiler found
+The C files are compiled the first time they are needed, with the C compiler found
 on the machine (``$CC``, else ``cc``), for this machine's CPU
 (``-march=native``), into a cache folder (``$KVPAGING_CACHE_DIR``, else
 ``~/.cache/kvpaging``), and loaded with ``ctypes``: no build step at install
@@ -41,9 +42,9 @@ from .torch_backend import copy_blocks, paged_prefill_attention, store_kv
 from .validation import check_decode_args
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "available",
-           "unavailable_reason"]
+           "unavailable_reason", "rms_norm"]
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_rms_norm.c")]
 # -ffast-math lets the compiler reorder the dot products' sums into vector lanes. It is used
 # to compile only: linking a shared library with it would switch the whole process to
 # flush-denormals-to-zero on some compilers.
@@ -52,6 +53,7 @@ LINK_FLAGS = ["-shared", "-lm"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C call shows up in torch.profiler tables
 
 _lib = None
+_rms_norm_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -73,8 +75,10 @@ def _cpu_id() -> str:
 def _compile(cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], [cc, str(obj), "-o", str(lib), *LINK_FLAGS]):
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+        lib = Path(tmp) / target.name
+        commands = [[cc, *COMPILE_FLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        for cmd in [*commands, [cc, *objects, "-o", str(lib), *LINK_FLAGS]]:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
@@ -83,7 +87,7 @@ def _compile(cc: str, target: Path) -> None:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _lib, _reason
+    global _lib, _rms_norm_fn, _reason
     if _lib is not None or _reason is not None:
         return _lib
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -92,9 +96,10 @@ def _load():
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
+        sources = [src.read_text() for src in SOURCES]
+        key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
                              .encode()).hexdigest()[:16]
-        target = _cache_dir() / f"decode_attention_{key}.so"
+        target = _cache_dir() / f"cpu_kernels_{key}.so"
         if not target.exists():
             try:
                 _compile(cc, target)
@@ -110,7 +115,11 @@ def _load():
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    ctypes.c_float]
     fn.restype = i64
+    norm = lib.kvpaging_rms_norm_f32
+    norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    norm.restype = None
     _lib = fn
+    _rms_norm_fn = norm
     return fn
 
 
@@ -167,4 +176,21 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     if status == 2:
         b, n = error.tolist()
         raise ValueError(f"block_tables row {b} holds block {n}, outside the cache's {num_blocks} blocks")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dimension, in one pass per row
+    (``cpu_rms_norm.c``): contiguous float32 ``x`` on the CPU and a float32 ``weight`` of its last size."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    dim = x.shape[-1]
+    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
+        raise ValueError(f"rms_norm needs float32 CPU tensors, got x {x.dtype} on {x.device}, "
+                         f"weight {weight.dtype} on {weight.device}")
+    if weight.shape != (dim,) or not x.is_contiguous() or not weight.is_contiguous():
+        raise ValueError(f"rms_norm needs a contiguous x and a contiguous weight of shape ({dim},), "
+                         f"got weight {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    _rms_norm_fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1), dim, float(eps))
     return out

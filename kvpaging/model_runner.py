@@ -26,7 +26,7 @@ import torch
 
 from .attention import ATTN_NAME, AttentionMetadata, get_backend, register_attention
 from .block_manager import BlockManager
-from .cpu_linear import enable_onednn_linears, use_onednn
+from .cpu_layers import CpuLayers, enable_cpu_layers, engine_step
 from .scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "StepInputs", "check_model_supported", "prepare_step_inputs"]
@@ -91,8 +91,8 @@ class ModelRunner:
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
         register_attention()
         model.set_attn_implementation(ATTN_NAME)
-        # float32 on a CPU: the linear layers run oneDNN's product during engine steps (cpu_linear.py)
-        self.onednn_linears = enable_onednn_linears(model) if self.device.type == "cpu" else 0
+        # float32 on a CPU: linear layers on oneDNN, RMSNorms in one C pass, during engine steps (cpu_layers.py)
+        self.cpu_layers = enable_cpu_layers(model) if self.device.type == "cpu" else CpuLayers()
         if self.kv_cache_dtype == torch.float8_e4m3fn:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
@@ -169,7 +169,7 @@ class ModelRunner:
             if size is not None:
                 return self.graphs.run(inputs, size)
         logits_indices = 0 if all_positions else inputs.logits_indices  # 0: transformers' "keep every position"
-        with use_onednn():
+        with engine_step():
             result = self.model(
                 input_ids=inputs.input_ids,
                 position_ids=inputs.positions,

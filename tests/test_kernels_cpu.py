@@ -141,7 +141,7 @@ def test_the_build_is_cached_per_machine(tmp_path):
     """
     first = run_python(code, KVPAGING_CACHE_DIR=str(tmp_path))
     assert first.returncode == 0, first.stderr
-    built = list((tmp_path / "cpu_kernels").glob("decode_attention_*.so"))
+    built = list((tmp_path / "cpu_kernels").glob("cpu_kernels_*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     second = run_python(code, KVPAGING_CACHE_DIR=str(tmp_path))

@@ -132,19 +132,19 @@ def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
 
 
 @torch.inference_mode()
-def run_static_generate(model, work: Workload, batch_size: int = 16, onednn_linears: bool = False) -> tuple[float, int]:
+def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_layers: bool = False) -> tuple[float, int]:
     """Seconds and useful tokens for transformers' ``model.generate`` on fixed batches, left-padded.
 
     Each batch runs until its longest request is done (``min_new_tokens`` keeps every
     row going, like ``ignore_eos``); only each request's own tokens count as useful.
-    ``onednn_linears=True`` runs it with the linear layers kvpaging uses on a CPU
-    (``kvpaging.cpu_linear``), to separate what scheduling buys from what the matrix products do.
+    ``cpu_layers=True`` runs it with the linear and RMSNorm layers kvpaging uses on a CPU
+    (``kvpaging.cpu_layers``), to separate what scheduling buys from what those layers do.
     """
-    from ..cpu_linear import enable_onednn_linears, use_onednn
+    from ..cpu_layers import CpuLayers, enable_cpu_layers, engine_step
 
-    if onednn_linears and not enable_onednn_linears(model):
-        raise RuntimeError("oneDNN linear layers are not available here (see kvpaging.cpu_linear)")
-    with use_onednn() if onednn_linears else contextlib.nullcontext():
+    if cpu_layers and enable_cpu_layers(model) == CpuLayers():
+        raise RuntimeError("no layer of this model has a faster CPU path here (see kvpaging.cpu_layers)")
+    with engine_step() if cpu_layers else contextlib.nullcontext():
         return _run_static_generate(model, work, batch_size)
 
 
@@ -214,7 +214,7 @@ class EngineResult:
 
 # -- where the time goes --------------------------------------------------------------------
 
-_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"})  # the last: kvpaging.cpu_linear
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"})  # the last: kvpaging.cpu_layers
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
