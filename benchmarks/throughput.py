@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each engine; the median is reported")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds in which every engine runs once; each engine's median is reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every engine alike")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -109,20 +110,20 @@ def main() -> None:
         engines["generate() (static), kvpaging's CPU layers"] = run_static_generate_cpu_layers
     if "cb" not in skip:
         engines["transformers continuous batching"] = run_continuous_batching
-    results = {}
-    reqs = None
-    for name, fn in engines.items():
-        model = build(args)  # a fresh copy per engine: identical weights
-        if reqs is None:
-            work = serving.make_workload(args.requests, model.config.vocab_size, (args.min_prompt, args.max_prompt),
-                                         (args.min_output, args.max_output), seed=args.seed)
-            reqs = work.requests
-        rates = []
-        for _ in range(args.repeats):
-            elapsed, useful = fn(model, work, args)
-            rates.append(useful / elapsed)
-        results[name] = statistics.median(rates)
-        del model
+    # a fresh copy of the model per engine (identical weights), then the engines take turns,
+    # one run each per round: a machine that speeds up or slows down during the benchmark
+    # moves every engine alike instead of favouring whichever ran in the fast stretch
+    models = {name: build(args) for name in engines}
+    work = serving.make_workload(args.requests, next(iter(models.values())).config.vocab_size,
+                                 (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), seed=args.seed)
+    reqs = work.requests
+    rates = {name: [] for name in engines}
+    for _ in range(args.repeats):
+        for name, fn in engines.items():
+            elapsed, useful = fn(models[name], work, args)
+            rates[name].append(useful / elapsed)
+    results = {name: statistics.median(r) for name, r in rates.items()}
+    del models
 
     total_prompt = sum(len(p) for p, _ in reqs)
     total_out = sum(n for _, n in reqs)

@@ -19,6 +19,7 @@ between steps: everything above is rebuilt from the scheduler's output.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,8 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_NAME)
         # float32 on a CPU: linear layers on oneDNN, RMSNorms in one C pass, during engine steps (cpu_layers.py)
         self.cpu_layers = enable_cpu_layers(model) if self.device.type == "cpu" else CpuLayers()
+        # (an engine built with them switched off runs the model's own layers, even if another engine patched them)
+        self._layers = engine_step if self.cpu_layers != CpuLayers() else contextlib.nullcontext
         if self.kv_cache_dtype == torch.float8_e4m3fn:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
@@ -169,7 +172,7 @@ class ModelRunner:
             if size is not None:
                 return self.graphs.run(inputs, size)
         logits_indices = 0 if all_positions else inputs.logits_indices  # 0: transformers' "keep every position"
-        with engine_step():
+        with self._layers():
             result = self.model(
                 input_ids=inputs.input_ids,
                 position_ids=inputs.positions,

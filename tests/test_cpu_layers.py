@@ -145,3 +145,19 @@ def test_c_rms_norm_refuses_what_it_cannot_serve():
         cpu_backend.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)
     with pytest.raises(ValueError, match="contiguous x"):
         cpu_backend.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-6)
+
+
+@needs_onednn
+def test_an_engine_built_with_the_switch_off_runs_the_plain_layers(monkeypatch):
+    """Even on a model another engine has patched: the switch is the engine's, not the model's."""
+    from kvpaging import SamplingParams
+
+    model = tiny("qwen3", seed=0)
+    fast = LLM(model, num_blocks=16, max_model_len=64)
+    monkeypatch.setenv(cpu_layers.ENV_SWITCH, "0")
+    plain = LLM(model, num_blocks=16, max_model_len=64)
+    assert plain.engine.runner.cpu_layers == cpu_layers.CpuLayers()
+    prompts = [[5, 9, 2, 7] * 8] * 2
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    assert "mkldnn::_linear_pointwise" in ops_called(lambda: fast.generate(prompts, params, use_tqdm=False))
+    assert "mkldnn::_linear_pointwise" not in ops_called(lambda: plain.generate(prompts, params, use_tqdm=False))

@@ -33,6 +33,8 @@ from engine_helpers import (  # noqa: F401 - one_thread is a fixture
     random_prompt,
 )
 
+from kvpaging.cpu_layers import ENV_SWITCH
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NUM_TOKENS = 12
@@ -58,10 +60,14 @@ def check_outputs(ref: Reference, prompts, outputs, num_tokens=NUM_TOKENS, n=1, 
             ref.assert_greedy(prompt, completion.token_ids, num_tokens, what=f"{what} prompt len {len(prompt)}")
 
 
-# "auto" is the C decode kernel on a CPU with a compiler (tests/test_kernels_cpu.py); "torch" the torch backend
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+# "auto" is the C decode kernel on a CPU with a compiler (tests/test_kernels_cpu.py); "torch" the torch backend.
+# "plain layers": without kvpaging.cpu_layers' oneDNN linears and one-pass RMSNorms (on by default on a CPU).
+@pytest.mark.parametrize("backend", ["auto", "torch", "torch, plain layers"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_equals_generate(ref, block_size, backend):
+def test_mixed_batch_equals_generate(ref, block_size, backend, monkeypatch):
+    if backend.endswith("plain layers"):
+        monkeypatch.setenv(ENV_SWITCH, "0")
+        backend = "torch"
     prompts = mixed_prompts()
     llm = build_llm(make_model(ref.arch), block_size=block_size, num_blocks=64, max_model_len=64,
                     enable_prefix_caching=False, attention_backend=backend)

@@ -294,7 +294,7 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
             linear += seconds
         elif evt.key in _ATTENTION_OPS:
             attention += seconds
-        elif evt.key.startswith("aten::"):
+        elif evt.key.startswith("aten::") or evt.key == "kvpaging::cpu_rms_norm":  # the latter: kvpaging.cpu_layers
             other += seconds
     return TimeBreakdown(wall, llm.engine.num_steps - steps0, linear, attention, other,
                          max(0.0, wall - linear - attention - other))
