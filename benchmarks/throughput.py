@@ -116,7 +116,6 @@ def main() -> None:
     models = {name: build(args) for name in engines}
     work = serving.make_workload(args.requests, next(iter(models.values())).config.vocab_size,
                                  (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), seed=args.seed)
-    reqs = work.requests
     rates = {name: [] for name in engines}
     for _ in range(args.repeats):
         for name, fn in engines.items():
@@ -125,8 +124,6 @@ def main() -> None:
     results = {name: statistics.median(r) for name, r in rates.items()}
     del models
 
-    total_prompt = sum(len(p) for p, _ in reqs)
-    total_out = sum(n for _, n in reqs)
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | transformers "
           f"{transformers.__version__} | kvpaging {kvpaging.__version__} | device {args.device} {args.dtype} | "
           f"{torch.get_num_threads()} torch threads")
@@ -134,12 +131,13 @@ def main() -> None:
     if backend == "auto":
         from kvpaging.llm import auto_attention_backend
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
-    layers = "the model's own" if args.cpu_layers == "off" or args.device != "cpu" else (
-        "oneDNN linears" + (", one-pass RMSNorms" if cpu_backend.available() else "") if onednn_usable()
-        else "one-pass RMSNorms" if cpu_backend.available() else "the model's own (no faster path here)")
+    layers = "the model's own"
+    if args.cpu_layers == "on" and args.device == "cpu":
+        layers = f"oneDNN linears: {onednn_usable()}, one-pass C RMSNorms: {cpu_backend.available()}"
     print(f"kvpaging attention backend: {backend} | kvpaging layers: {layers}")
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
-          f"({total_prompt} tokens), outputs {args.min_output}-{args.max_output} ({total_out} useful tokens), "
+          f"({work.num_prompt_tokens} tokens), outputs {args.min_output}-{args.max_output} "
+          f"({work.num_output_tokens} useful tokens), "
           f"model {args.model}")
     base = results.get("transformers generate() (static)")
     for name, rate in results.items():

@@ -24,7 +24,7 @@ import time
 import torch
 from throughput import TINY, build
 
-from kvpaging.cpu_layers import onednn_usable
+from kvpaging.cpu_layers import onednn_linear, onednn_usable
 from kvpaging.teach import serving
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     x, w = torch.randn(2048, head.shape[1]), torch.randn(4 * head.shape[1], head.shape[1])
     products = {"F.linear": lambda: torch.nn.functional.linear(x, w)}
     if onednn_usable():
-        products["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        products["oneDNN"] = lambda: onednn_linear()(x, w, None, "none", [], "")
     peaks = []
     for name, product in products.items():
         product()

@@ -53,7 +53,7 @@ LINK_FLAGS = ["-shared", "-lm"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in torch.profiler tables
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 
-_lib = None
+_decode_fn = None
 _rms_norm_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
@@ -88,9 +88,9 @@ def _compile(cc: str, target: Path) -> None:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _lib, _rms_norm_fn, _reason
-    if _lib is not None or _reason is not None:
-        return _lib
+    global _decode_fn, _rms_norm_fn, _reason
+    if _decode_fn is not None or _reason is not None:
+        return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         _reason = "no C compiler found (set $CC, or install gcc)"
@@ -119,7 +119,7 @@ def _load():
     norm = lib.kvpaging_rms_norm_f32
     norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
     norm.restype = None
-    _lib = fn
+    _decode_fn = fn
     _rms_norm_fn = norm
     return fn
 
@@ -135,12 +135,14 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:
+def _served_by_c(query, k_cache, v_cache, block_tables, seq_lens, k_scale) -> bool:
     return (
         query.dtype == torch.float32
         and k_cache.dtype == torch.float32
         and k_scale is None
         and query.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and query.stride(-1) == 1
         and block_tables.stride(-1) == 1
         and seq_lens.is_contiguous()
@@ -152,11 +154,9 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     """``reference.paged_decode_attention``, by the C kernel for float32 on the CPU (see the module docstring)."""
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     fn = _load()
-    if fn is None or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale):
+    if fn is None or not _served_by_c(query, k_cache, v_cache, block_tables, seq_lens, k_scale):
         return torch_backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                     k_scale, v_scale, num_splits)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the cpu backend needs contiguous caches (as the engine allocates them)")
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]

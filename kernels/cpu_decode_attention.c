@@ -36,6 +36,15 @@ static inline void prefetch_block(const float *block, int64_t floats)
         __builtin_prefetch(block + i, 0, 0);
 }
 
+/* Block j of a sequence in a cache, with block j + 1 asked for while block j is being used. */
+static inline const float *block_of(const float *cache, const int32_t *table, int64_t j, int64_t num_used,
+                                    int64_t block_stride)
+{
+    if (j + 1 < num_used)
+        prefetch_block(cache + (int64_t)table[j + 1] * block_stride, block_stride);
+    return cache + (int64_t)table[j] * block_stride;
+}
+
 static inline __attribute__((always_inline)) int64_t decode_attention(
     const float *query, int64_t q_batch_stride, int64_t q_head_stride,
     const float *k_cache, const float *v_cache, int64_t num_blocks,
@@ -72,13 +81,9 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
             row_max[h] = -FLT_MAX;
 
         /* pass 1: every head's scores (scores[h][t]), block by block: a block is read from memory once, for all heads */
-        prefetch_block(k_cache + (int64_t)table[0] * block_stride, block_stride);
         for (int64_t j = 0; j < num_used; j++) {
-            const float *k = k_cache + (int64_t)table[j] * block_stride;
-            if (j + 1 < num_used)
-                prefetch_block(k_cache + (int64_t)table[j + 1] * block_stride, block_stride);
-            const int64_t start = j * block_size;
-            const int64_t n = len - start < block_size ? len - start : block_size;
+            const float *k = block_of(k_cache, table, j, num_used, block_stride);
+            const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
             for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its query stays in registers */
                 const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
                 float *s = scores + h * len + start, m = row_max[h];
@@ -104,13 +109,9 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
             inv_sum[h] = 1.0f / sum;
         }
         /* pass 2: the weighted sum of the values */
-        prefetch_block(v_cache + (int64_t)table[0] * block_stride, block_stride);
         for (int64_t j = 0; j < num_used; j++) {
-            const float *v = v_cache + (int64_t)table[j] * block_stride;
-            if (j + 1 < num_used)
-                prefetch_block(v_cache + (int64_t)table[j + 1] * block_stride, block_stride);
-            const int64_t start = j * block_size;
-            const int64_t n = len - start < block_size ? len - start : block_size;
+            const float *v = block_of(v_cache, table, j, num_used, block_stride);
+            const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
             for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its sum stays in registers */
                 const float *vh = v + (h / group) * head_dim, *p = scores + h * len + start;
                 float *oh = o + h * head_dim, acc[head_dim];

@@ -56,7 +56,8 @@ class CpuLayers:
     rms_norms: int = 0
 
 
-def _onednn_linear():
+def onednn_linear():
+    """oneDNN's float32 linear op, or None where this torch has none (check ``onednn_usable()`` before using it)."""
     return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
@@ -64,7 +65,7 @@ def onednn_usable() -> bool:
     """Whether oneDNN's linear runs here and agrees with ``F.linear`` on a probe product."""
     global _onednn_checked
     if _onednn_checked is None:
-        op = _onednn_linear()
+        op = onednn_linear()
         try:
             g = torch.Generator().manual_seed(0)
             x, w, b = (torch.randn(s, generator=g) for s in ((2, 16, 64), (48, 64), (48,)))
@@ -129,7 +130,7 @@ def enable_cpu_layers(model: torch.nn.Module) -> CpuLayers:
         return CpuLayers()
     from .kernels import cpu_backend
 
-    op = _onednn_linear() if onednn_usable() else None
+    op = onednn_linear() if onednn_usable() else None
     rms_norm = cpu_backend.rms_norm if cpu_backend.available() else None
     linears = norms = 0
     for module in model.modules():
@@ -165,7 +166,7 @@ def engine_step():
 
 def _compare() -> None:
     """Print F.linear against oneDNN for layer-sized products on this machine."""
-    op = _onednn_linear()
+    op = onednn_linear()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; oneDNN usable: {onednn_usable()}")
     for rows in (1, 4, 16, 48, 512):
         cells = []

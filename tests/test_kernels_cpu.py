@@ -51,7 +51,6 @@ def transposed_query(batch: int, heads: int, dim: int, gen) -> torch.Tensor:
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 64), (8, 1, 80), (16, 2, 128), (2, 2, 256)])
 def test_decode_matches_the_reference(gen, block_size, heads, kv_heads, dim):
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 150]
-    lens = [n for n in lens if n >= 0]
     kv = random_paged_kv(lens, kv_heads, dim, block_size, generator=gen,
                          max_blocks=-(-max(lens) // block_size) + 2)  # two padding columns of random ids
     query = transposed_query(len(lens), heads, dim, gen)
@@ -100,6 +99,14 @@ def test_other_dtypes_are_served_by_the_torch_backend(gen, dtype):
     kv = random_paged_kv([5, 33], 2, 32, 16, dtype=dtype, generator=gen)
     query = transposed_query(2, 8, 32, gen).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32**-0.5, kv.k_scale, kv.v_scale)
+    assert torch.equal(cpu_backend.paged_decode_attention(*args), torch_backend.paged_decode_attention(*args))
+
+
+def test_non_contiguous_caches_are_served_by_the_torch_backend(gen):
+    kv = random_paged_kv([5, 33], 2, 32, 16, generator=gen)
+    k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kv.k_cache, kv.v_cache))
+    assert not k_cache.is_contiguous()
+    args = (transposed_query(2, 8, 32, gen), k_cache, v_cache, kv.block_tables, kv.seq_lens, 32**-0.5)
     assert torch.equal(cpu_backend.paged_decode_attention(*args), torch_backend.paged_decode_attention(*args))
 
 

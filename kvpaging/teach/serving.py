@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import cpu_backend
+
 __all__ = [
     "Workload",
     "make_workload",
@@ -219,7 +221,7 @@ _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
     "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
-    "kvpaging::cpu_decode_attention",  # the "cpu" backend's C kernel (kernels/cpu_backend.py)
+    cpu_backend.PROFILER_NAME,  # the "cpu" backend's C kernel
 })
 
 
@@ -294,7 +296,7 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
             linear += seconds
         elif evt.key in _ATTENTION_OPS:
             attention += seconds
-        elif evt.key.startswith("aten::") or evt.key == "kvpaging::cpu_rms_norm":  # the latter: kvpaging.cpu_layers
+        elif evt.key.startswith("aten::") or evt.key == cpu_backend.RMS_NORM_PROFILER_NAME:  # kvpaging.cpu_layers
             other += seconds
     return TimeBreakdown(wall, llm.engine.num_steps - steps0, linear, attention, other,
                          max(0.0, wall - linear - attention - other))
