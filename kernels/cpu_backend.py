@@ -135,14 +135,12 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _served_by_c(query, k_cache, v_cache, block_tables, seq_lens, k_scale) -> bool:
+def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:
     return (
         query.dtype == torch.float32
         and k_cache.dtype == torch.float32
         and k_scale is None
         and query.device.type == "cpu"
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
         and query.stride(-1) == 1
         and block_tables.stride(-1) == 1
         and seq_lens.is_contiguous()
@@ -154,9 +152,11 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     """``reference.paged_decode_attention``, by the C kernel for float32 on the CPU (see the module docstring)."""
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     fn = _load()
-    if fn is None or not _served_by_c(query, k_cache, v_cache, block_tables, seq_lens, k_scale):
+    if fn is None or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale):
         return torch_backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                     k_scale, v_scale, num_splits)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):  # (the torch backend's views need that too)
+        raise ValueError("the cpu backend needs contiguous caches (as the engine allocates them)")
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]

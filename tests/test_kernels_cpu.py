@@ -102,12 +102,13 @@ def test_other_dtypes_are_served_by_the_torch_backend(gen, dtype):
     assert torch.equal(cpu_backend.paged_decode_attention(*args), torch_backend.paged_decode_attention(*args))
 
 
-def test_non_contiguous_caches_are_served_by_the_torch_backend(gen):
+def test_non_contiguous_caches_are_refused(gen):
     kv = random_paged_kv([5, 33], 2, 32, 16, generator=gen)
     k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kv.k_cache, kv.v_cache))
     assert not k_cache.is_contiguous()
-    args = (transposed_query(2, 8, 32, gen), k_cache, v_cache, kv.block_tables, kv.seq_lens, 32**-0.5)
-    assert torch.equal(cpu_backend.paged_decode_attention(*args), torch_backend.paged_decode_attention(*args))
+    with pytest.raises(ValueError, match="needs contiguous caches"):
+        cpu_backend.paged_decode_attention(transposed_query(2, 8, 32, gen), k_cache, v_cache, kv.block_tables,
+                                           kv.seq_lens, 32**-0.5)
 
 
 def test_bad_tables_are_refused_naming_the_value(gen):
