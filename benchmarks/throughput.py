@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -32,7 +31,7 @@ import torch
 import transformers
 
 import kvpaging
-from kvpaging.cpu_layers import ENV_SWITCH, onednn_usable
+from kvpaging.kernels.cpu.layers import onednn_usable
 from kvpaging.kernels import cpu_backend
 from kvpaging.models import real_shaped, tiny
 from kvpaging.teach import serving
@@ -53,15 +52,12 @@ def build(args):
 def run_kvpaging(model, work: Workload, args) -> tuple[float, int]:
     return serving.run_kvpaging(model, work, max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-                                attention_backend=args.attention_backend)
+                                attention_backend=args.attention_backend, cpu_fast_layers=args.cpu_fast_layers)
 
 
 def run_static_generate(model, work: Workload, args) -> tuple[float, int]:
-    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size)
-
-
-def run_static_generate_cpu_layers(model, work: Workload, args) -> tuple[float, int]:
-    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size, cpu_layers=True)
+    return serving.run_static_generate(model, work, batch_size=args.hf_batch_size,
+                                       cpu_fast_layers=args.cpu_fast_layers)
 
 
 def run_continuous_batching(model, work: Workload, args) -> tuple[float, int]:
@@ -83,11 +79,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--cpu-layers", choices=["on", "off"], default="on",
-                    help="kvpaging on a CPU: oneDNN linear and one-pass RMSNorm layers in its steps "
-                         "(kvpaging.cpu_layers), or the model's own layers")
-    ap.add_argument("--static-cpu-layers", action="store_true",
-                    help="also run static generate() with the layers kvpaging uses on a CPU")
+    ap.add_argument("--cpu-fast-layers", action="store_true",
+                    help="kvpaging and static generate() both run oneDNN linears and one-pass C RMSNorms "
+                         "(kvpaging.kernels.cpu.layers) instead of the model's own layers")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
@@ -101,13 +95,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    if args.cpu_layers == "off":
-        os.environ[ENV_SWITCH] = "0"  # read when each LLM is built
     engines = {"kvpaging": run_kvpaging}
     if "static" not in skip:
         engines["transformers generate() (static)"] = run_static_generate
-    if args.static_cpu_layers:
-        engines["generate() (static), kvpaging's CPU layers"] = run_static_generate_cpu_layers
     if "cb" not in skip:
         engines["transformers continuous batching"] = run_continuous_batching
     # a fresh copy of the model per engine (identical weights), then the engines take turns,
@@ -129,12 +119,12 @@ def main() -> None:
           f"{torch.get_num_threads()} torch threads")
     backend = args.attention_backend
     if backend == "auto":
-        from kvpaging.llm import auto_attention_backend
+        from kvpaging.config import auto_attention_backend
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
     layers = "the model's own"
-    if args.cpu_layers == "on" and args.device == "cpu":
+    if args.cpu_fast_layers:
         layers = f"oneDNN linears: {onednn_usable()}, one-pass C RMSNorms: {cpu_backend.available()}"
-    print(f"kvpaging attention backend: {backend} | kvpaging layers: {layers}")
+    print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"({work.num_prompt_tokens} tokens), outputs {args.min_output}-{args.max_output} "
           f"({work.num_output_tokens} useful tokens), "

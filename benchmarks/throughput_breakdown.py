@@ -24,7 +24,7 @@ import time
 import torch
 from throughput import TINY, build
 
-from kvpaging.cpu_layers import onednn_linear, onednn_usable
+from kvpaging.kernels.cpu.layers import onednn_linear, onednn_usable
 from kvpaging.teach import serving
 
 

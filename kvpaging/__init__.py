@@ -25,7 +25,8 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
+from .config import EngineConfig
+from .errors import DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError
 from .kv_math import (
     KV_CACHE_DTYPES,
     dtype_nbytes,
@@ -40,6 +41,8 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "LLMEngine",
+    "EngineConfig",
+    "RequestFailedError",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 from .block_manager import BlockManager
-from .errors import DuplicateSequenceError
+from .config import EngineConfig
+from .errors import DuplicateSequenceError, RequestFailedError
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, make_generator
@@ -34,20 +35,6 @@ from .sequence import Request, Sequence
 logger = logging.getLogger("kvpaging")
 
 __all__ = ["LLMEngine", "StepRecord", "EngineConfig", "normalize_batch"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int
-    num_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_prefix_caching: bool
-    scheduling: str
-    attention_backend: str
-    kv_cache_dtype: str
-    enforce_eager: bool
 
 
 @dataclass(frozen=True)
@@ -89,13 +76,20 @@ class StepRecord:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, *, config: EngineConfig, seed: int = 0, kv_torch_dtype=None) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None) -> None:
+        """Serve ``model`` (a transformers causal LM, never changed: the engine runs a private copy).
+
+        ``config`` is checked when it is made and resolved here against the model
+        ("auto" backend, KV dtype, pool size and max_model_len become concrete).
+        """
+        config = (config if config is not None else EngineConfig()).resolve(model)
         self.config = config
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.tokenizer = tokenizer
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, self.block_manager, config)
+        self.model = self.runner.model  # the private copy the engine runs
+        self.device = self.runner.device
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -106,13 +100,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             make_generator=self._make_generator,
         )
-        self.runner = ModelRunner(
-            model, self.block_manager, config.attention_backend, kv_torch_dtype,
-            enforce_eager=config.enforce_eager, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        )
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(config.seed)
         self._observers: list[Callable[[StepRecord], None]] = []
         self.trace: deque[StepRecord] | list[StepRecord] = deque(maxlen=256)
         self.keep_trace = False
@@ -155,6 +145,10 @@ class LLMEngine:
     def run_to_completion(self, request_ids: list[str], on_step=None, on_finish=None) -> list[RequestOutput]:
         """Step until every one of ``request_ids`` has finished; their final outputs, in that order.
 
+        If a request failed in the model's forward pass, ``RequestFailedError`` is raised
+        once all of them are done, carrying every output (a failed request must never be
+        counted as served; the others are not lost).
+
         ``on_step()`` runs after every step and ``on_finish(output)`` once per finished
         request (a progress bar, a live view). If anything interrupts the loop (Ctrl-C in
         a notebook), the unfinished ones are aborted so the engine stays usable.
@@ -183,7 +177,15 @@ class LLMEngine:
             raise
         finally:
             self.final_outputs_only = previous
-        return [results[rid] for rid in request_ids if rid in results]
+        outputs = [results[rid] for rid in request_ids if rid in results]
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            first = failed[0].error
+            raise RequestFailedError(
+                f"{len(failed)} of {len(outputs)} requests failed ({', '.join(o.request_id for o in failed[:5])}"
+                f"{', ...' if len(failed) > 5 else ''}): {type(first).__name__}: {first}. The others finished; "
+                "every output is in this error's .outputs", outputs, failed) from first
+        return outputs
 
     def _check_request(self, prompt, params) -> tuple[str | None, list[int]]:
         """Validate one request without changing anything; returns its text and token ids."""
@@ -197,11 +199,14 @@ class LLMEngine:
             )
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer to find strings in the text, and this "
+                             "engine has none: use stop_token_ids, or give LLM a tokenizer")
         return text, token_ids
 
     def _enqueue(self, request_id, text, token_ids, params, arrival_time) -> None:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        self.scheduler.add_request(Request(request_id, token_ids, params, arrival, text))
+        self.scheduler.add_request(Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -341,9 +346,7 @@ class LLMEngine:
         completions = []
         for seq in req.seqs:
             tokens = seq.output_token_ids
-            text = ""
-            if done and self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = seq.text()
             lp = seq.output_logprobs if req.params.logprobs is not None else None
             completions.append(
                 CompletionOutput(

@@ -1,6 +1,6 @@
-"""Exceptions with names that say what went wrong. All are ValueErrors, so ``except ValueError`` catches them."""
+"""Exceptions with names that say what went wrong. The ones about bad input are ValueErrors."""
 
-__all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError"]
+__all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError", "RequestFailedError"]
 
 
 class SequenceNotFoundError(ValueError):
@@ -13,3 +13,19 @@ class DuplicateSequenceError(ValueError):
 
 class SequenceTooLongError(ValueError):
     """The sequence needs more blocks than the whole pool has, so it could never run."""
+
+
+class RequestFailedError(RuntimeError):
+    """Some requests of a batch failed inside the model's forward pass (or the sampler).
+
+    ``LLM.generate`` raises it once the whole batch is done, so a failed request is
+    never mistaken for a served one; the requests that succeeded are not lost:
+    ``outputs`` holds every request's final output, in the order given (the failed
+    ones with ``finish_reason="error"`` and ``error`` set), and ``failed`` the failed
+    ones. The first failure's exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, outputs: list, failed: list) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+        self.failed = failed

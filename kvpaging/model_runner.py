@@ -19,7 +19,7 @@ between steps: everything above is rebuilt from the scheduler's output.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +27,12 @@ import torch
 
 from .attention import ATTN_NAME, AttentionMetadata, get_backend, register_attention
 from .block_manager import BlockManager
-from .cpu_layers import CpuLayers, enable_cpu_layers, engine_step
+from .config import EngineConfig
+from .kernels.cpu.layers import FastLayers
+from .models import private_copy
 from .scheduler import SchedulerOutput
+
+logger = logging.getLogger("kvpaging")
 
 __all__ = ["ModelRunner", "StepInputs", "check_model_supported", "prepare_step_inputs"]
 
@@ -58,30 +62,26 @@ def check_model_supported(model) -> None:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model,
-        block_manager: BlockManager,
-        attention_backend: str = "torch",
-        kv_cache_dtype: torch.dtype | None = None,
-        calibration_tokens: list[list[int]] | None = None,
-        enforce_eager: bool = True,
-        max_num_seqs: int = 256,
-        max_model_len: int = 4096,
-    ) -> None:
+    """Runs the engine's private copy of the model, one packed forward pass per step, over the paged KV cache."""
+
+    def __init__(self, model, block_manager: BlockManager, config: EngineConfig,
+                 calibration_tokens: list[list[int]] | None = None) -> None:
+        if not config.is_resolved:
+            raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
         check_model_supported(model)
-        self.model = model
+        self.model = private_copy(model).eval()
+        model = self.model
         self.bm = block_manager
         self.block_size = block_manager.block_size
-        config = model.config
+        config_hf = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_cache_dtype = kv_cache_dtype or self.dtype
-        self.backend_name = attention_backend
-        self.backend = get_backend(attention_backend)
+        self.num_layers = config_hf.num_hidden_layers
+        self.num_kv_heads = getattr(config_hf, "num_key_value_heads", None) or config_hf.num_attention_heads
+        self.head_dim = getattr(config_hf, "head_dim", None) or config_hf.hidden_size // config_hf.num_attention_heads
+        self.kv_cache_dtype = config.kv_torch_dtype
+        self.backend_name = config.attention_backend
+        self.backend = get_backend(config.attention_backend)
         shape = (block_manager.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: masked-out positions are multiplied by a probability of 0, and 0 * NaN is NaN
         self.kv_caches = [
@@ -91,11 +91,12 @@ class ModelRunner:
         ]
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
         register_attention()
-        model.set_attn_implementation(ATTN_NAME)
-        # float32 on a CPU: linear layers on oneDNN, RMSNorms in one C pass, during engine steps (cpu_layers.py)
-        self.cpu_layers = enable_cpu_layers(model) if self.device.type == "cpu" else CpuLayers()
-        # (an engine built with them switched off runs the model's own layers, even if another engine patched them)
-        self._layers = engine_step if self.cpu_layers != CpuLayers() else contextlib.nullcontext
+        model.set_attn_implementation(ATTN_NAME)  # on the private copy: the user's model keeps its attention
+        self.fast_layers = FastLayers()
+        if config.cpu_fast_layers:  # opt-in: oneDNN linears and one-pass C RMSNorms (kernels/cpu/layers.py)
+            from .kernels.cpu.layers import enable_fast_layers
+
+            self.fast_layers = enable_fast_layers(model)
         if self.kv_cache_dtype == torch.float8_e4m3fn:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
@@ -103,11 +104,14 @@ class ModelRunner:
         self.graphs = None
         # Only the Triton kernels are capture-safe (no host syncs, padding slots skipped in-kernel);
         # the torch backend checks and masks its padding on the host, so it always runs eagerly.
-        if not enforce_eager and self.device.type == "cuda" and attention_backend == "triton":
+        if not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton":
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(self, max_num_seqs, -(-max_model_len // self.block_size))
+                self.graphs = DecodeGraphs(self, config.max_num_seqs, -(-config.max_model_len // self.block_size))
+        elif not config.enforce_eager and self.device.type == "cuda":
+            logger.info("the %s attention backend runs eagerly: CUDA graphs capture the Triton kernels only",
+                        config.attention_backend)
 
     @torch.inference_mode()
     def calibrate_fp8_scales(self, calibration_tokens: list[list[int]] | None = None, seed: int = 0):
@@ -172,15 +176,14 @@ class ModelRunner:
             if size is not None:
                 return self.graphs.run(inputs, size)
         logits_indices = 0 if all_positions else inputs.logits_indices  # 0: transformers' "keep every position"
-        with self._layers():
-            result = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.positions,
-                attention_mask=self._placeholder_mask,
-                use_cache=False,
-                logits_to_keep=logits_indices,
-                **{ATTN_NAME: self.attention_metadata(inputs)},
-            )
+        result = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.positions,
+            attention_mask=self._placeholder_mask,
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            **{ATTN_NAME: self.attention_metadata(inputs)},
+        )
         return result.logits[0].float()
 
 

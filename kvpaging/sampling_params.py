@@ -44,7 +44,13 @@ class SamplingParams:
     seed: makes this request's samples reproducible, whatever else is in the batch.
     max_tokens: the most tokens to generate. vLLM also accepts None (up to the
         model's length); here it must be a number.
+    stop: strings that end generation when the text contains one. The text
+        ends just before it (``include_stop_str_in_output`` keeps it); the
+        token ids keep every generated token. A stop string that spans several
+        tokens is found. Needs a tokenizer.
     stop_token_ids: generation stops after any of these (kept in the output).
+    include_stop_str_in_output: keep the stop string at the end of the text.
+    skip_special_tokens: leave special tokens (``<|im_end|>``...) out of the text.
     ignore_eos: keep going after the end-of-sequence token (for benchmarks).
     logprobs: None for none; k >= 0 to get the chosen token's log-probability
         plus those of the k most likely tokens.
@@ -62,9 +68,12 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -86,14 +95,18 @@ class SamplingParams:
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stop!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        stop_strings = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
+        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(t, str) and t for t in stop_strings):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
 
         # Normalise. The dataclass is frozen, so assignments go through object.__setattr__.
         normal = {"temperature": float(self.temperature), "top_p": float(self.top_p),
-                  "min_p": float(self.min_p), "stop_token_ids": list(stop)}
+                  "min_p": float(self.min_p), "stop_token_ids": list(stop), "stop": list(stop_strings)}
         if self.top_k == -1:
             normal["top_k"] = 0
         if self.temperature < SAMPLING_EPS:
@@ -112,6 +125,7 @@ class SamplingParams:
     def clone(self, **changes) -> SamplingParams:
         """A copy (with its own stop list), optionally with some fields changed and checked again."""
         changes.setdefault("stop_token_ids", list(self.stop_token_ids))
+        changes.setdefault("stop", list(self.stop))
         return dataclasses.replace(self, **changes)
 
 

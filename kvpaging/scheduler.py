@@ -240,6 +240,9 @@ class Scheduler:
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
                 seq.stop_reason = token
+            elif params.stop and seq.detokenizer.update(seq.output_token_ids) is not None:
+                status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
+                seq.stop_reason = seq.detokenizer.stop_reason
             elif len(seq.token_ids) - seq.request.prompt_len >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             else:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence", "Request"]
@@ -49,8 +50,9 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     output_logprobs: list[float] = field(default_factory=list)
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    _detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -63,6 +65,25 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.request.prompt_len :]
+
+    @property
+    def detokenizer(self) -> IncrementalDetokenizer | None:
+        """This completion's text, kept up to date on demand (None without a tokenizer)."""
+        if self._detokenizer is None and self.request.tokenizer is not None:
+            p = self.request.params
+            self._detokenizer = IncrementalDetokenizer(self.request.tokenizer, p.skip_special_tokens, p.stop,
+                                                       p.include_stop_str_in_output)
+        return self._detokenizer
+
+    def text(self) -> str:
+        """The completion's text so far: final once it finished, else without what a stop string may cut."""
+        detok = self.detokenizer
+        if detok is None:
+            return ""
+        if self.status.is_finished:
+            return detok.finish(self.output_token_ids)
+        detok.update(self.output_token_ids)
+        return detok.visible_text()
 
     @property
     def is_prefill(self) -> bool:
@@ -86,6 +107,7 @@ class Request:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output step of completion 0 ended
     error: BaseException | None = None
+    tokenizer: object | None = None  # turns the completions' tokens into text; None: token ids only
 
     @property
     def prompt_len(self) -> int:

@@ -25,7 +25,7 @@ from engine_helpers import (  # noqa: F401 - one_thread is a fixture
     run_engine,
 )
 
-from kvpaging import SamplingParams
+from kvpaging import RequestFailedError, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -376,8 +376,12 @@ def test_a_failing_prefill_chunk_is_not_cached(ref):
     llm = build_llm(make_model(ARCH), max_num_batched_tokens=8, enable_prefix_caching=True)
     boom = RuntimeError("injected")
     handle = hook_layer(llm, RaiseOnCall(3, boom))  # the third chunk of 8 tokens fails
-    failed = llm.generate([prompt], greedy_params(5), use_tqdm=False)[0]
+    with pytest.raises(RequestFailedError, match="1 of 1 requests failed") as raised:
+        llm.generate([prompt], greedy_params(5), use_tqdm=False)
     handle.remove()
+    assert raised.value.__cause__ is boom
+    (failed,) = raised.value.outputs
+    assert raised.value.failed == [failed]
     assert failed.finished and failed.error is boom
     assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
     assert_pool_clean(llm)

@@ -33,8 +33,6 @@ from engine_helpers import (  # noqa: F401 - one_thread is a fixture
     random_prompt,
 )
 
-from kvpaging.cpu_layers import ENV_SWITCH
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NUM_TOKENS = 12
@@ -61,18 +59,17 @@ def check_outputs(ref: Reference, prompts, outputs, num_tokens=NUM_TOKENS, n=1, 
 
 
 # "auto" is the C decode kernel on a CPU with a compiler (tests/test_kernels_cpu.py); "torch" the torch backend.
-# "plain layers": without kvpaging.cpu_layers' oneDNN linears and one-pass RMSNorms (on by default on a CPU).
-@pytest.mark.parametrize("backend", ["auto", "torch", "torch, plain layers"])
+# "fast layers": with the opt-in oneDNN linears and one-pass RMSNorms of kernels/cpu/layers.py.
+@pytest.mark.parametrize("backend", ["auto", "torch", "auto, fast layers"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_equals_generate(ref, block_size, backend, monkeypatch):
-    if backend.endswith("plain layers"):
-        monkeypatch.setenv(ENV_SWITCH, "0")
-        backend = "torch"
+def test_mixed_batch_equals_generate(ref, block_size, backend):
+    fast = backend.endswith("fast layers")
+    backend = backend.split(",")[0]
     prompts = mixed_prompts()
     llm = build_llm(make_model(ref.arch), block_size=block_size, num_blocks=64, max_model_len=64,
-                    enable_prefix_caching=False, attention_backend=backend)
+                    enable_prefix_caching=False, attention_backend=backend, cpu_fast_layers=fast)
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
-    check_outputs(ref, prompts, outputs, what=f"block_size={block_size} backend={backend}")
+    check_outputs(ref, prompts, outputs, what=f"block_size={block_size} backend={backend} fast layers={fast}")
     assert_pool_clean(llm)
 
 

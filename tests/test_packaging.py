@@ -44,7 +44,7 @@ def test_built_wheel_imports_all_three(tmp_path):
     assert "kvpaging/kernels/__init__.py" in names
     assert "kvpaging/visualizers/__init__.py" in names
     assert any(n.startswith("kvpaging/model_configs/") and n.endswith(".json") for n in names)
-    assert {"kvpaging/kernels/cpu_decode_attention.c", "kvpaging/kernels/cpu_rms_norm.c"} <= set(names)  # compiled on first use
+    assert {"kvpaging/kernels/cpu/decode_attention.c", "kvpaging/kernels/cpu/rms_norm.c"} <= set(names)  # compiled on first use
     code = (
         "import kvpaging, kvpaging.kernels, kvpaging.visualizers, sys;"
         "print(kvpaging.__file__); print(kvpaging.kernels.__file__); print(kvpaging.visualizers.__file__)"

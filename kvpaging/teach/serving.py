@@ -134,20 +134,22 @@ def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
 
 
 @torch.inference_mode()
-def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_layers: bool = False) -> tuple[float, int]:
+def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_layers: bool = False) -> tuple[float, int]:
     """Seconds and useful tokens for transformers' ``model.generate`` on fixed batches, left-padded.
 
     Each batch runs until its longest request is done (``min_new_tokens`` keeps every
     row going, like ``ignore_eos``); only each request's own tokens count as useful.
-    ``cpu_layers=True`` runs it with the linear and RMSNorm layers kvpaging uses on a CPU
-    (``kvpaging.cpu_layers``), to separate what scheduling buys from what those layers do.
+    ``cpu_fast_layers=True`` runs it on a private copy of the model with the opt-in CPU layers
+    of ``kvpaging.kernels.cpu.layers``, to compare the two engines on the same layers.
     """
-    from ..cpu_layers import CpuLayers, enable_cpu_layers, engine_step
+    if cpu_fast_layers:
+        from ..kernels.cpu.layers import FastLayers, enable_fast_layers
+        from ..models import private_copy
 
-    if cpu_layers and enable_cpu_layers(model) == CpuLayers():
-        raise RuntimeError("no layer of this model has a faster CPU path here (see kvpaging.cpu_layers)")
-    with engine_step() if cpu_layers else contextlib.nullcontext():
-        return _run_static_generate(model, work, batch_size)
+        model = private_copy(model)
+        if enable_fast_layers(model) == FastLayers():
+            raise RuntimeError("no layer of this model has a faster CPU path here (see kvpaging.kernels.cpu.layers)")
+    return _run_static_generate(model, work, batch_size)
 
 
 def _run_static_generate(model, work: Workload, batch_size: int) -> tuple[float, int]:
@@ -216,7 +218,7 @@ class EngineResult:
 
 # -- where the time goes --------------------------------------------------------------------
 
-_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"})  # the last: kvpaging.cpu_layers
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"})  # the last: cpu_fast_layers
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
@@ -296,7 +298,7 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
             linear += seconds
         elif evt.key in _ATTENTION_OPS:
             attention += seconds
-        elif evt.key.startswith("aten::") or evt.key == cpu_backend.RMS_NORM_PROFILER_NAME:  # kvpaging.cpu_layers
+        elif evt.key.startswith("aten::") or evt.key == cpu_backend.RMS_NORM_PROFILER_NAME:  # cpu_fast_layers
             other += seconds
     return TimeBreakdown(wall, llm.engine.num_steps - steps0, linear, attention, other,
                          max(0.0, wall - linear - attention - other))

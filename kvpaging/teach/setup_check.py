@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..llm import auto_attention_backend
+from ..config import auto_attention_backend
 
 __all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy"]
 

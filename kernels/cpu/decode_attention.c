@@ -21,7 +21,8 @@
  * Returns 0, or 1 when a sequence is longer than its table holds, or 2 when a table entry in use
  * is not a block of the cache; error[0] is then the sequence and error[1] the bad value.
  *
- * Built and loaded by kernels/cpu_backend.py (compiled with the flags written there).
+ * Built and loaded by kernels/cpu/__init__.py (compiled with the flags written there); the
+ * attention backend that calls it is kernels/cpu_backend.py.
  */
 #include <float.h>
 #include <math.h>

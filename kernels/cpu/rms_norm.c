@@ -5,7 +5,7 @@
  * transformers' RMSNorm modules compute the same thing as five separate tensor operations
  * (square, mean, add, rsqrt, two multiplies), each a full pass over memory plus its own
  * dispatch; on a CPU step of a small model that adds up to a tenth of the time. Rows are
- * contiguous float32. Built together with cpu_decode_attention.c by kernels/cpu_backend.py.
+ * contiguous float32. Built together with decode_attention.c by kernels/cpu/__init__.py.
  */
 #include <math.h>
 #include <stdint.h>

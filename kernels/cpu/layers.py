@@ -1,0 +1,168 @@
+"""Opt-in faster linear and RMSNorm layers for a float32 model on a CPU (``cpu_fast_layers=True``).
+
+On a CPU two kinds of a transformers model's layers are worth a faster
+implementation of the *same* maths (measured by
+``benchmarks/throughput_breakdown.py``):
+
+* **Linear layers**, more than half of a step. ``F.linear`` on a float32 CPU
+  tensor goes to the BLAS torch was built with (Intel MKL in the x86 wheels).
+  torch also ships oneDNN, which its own compiled CPU code uses
+  (``torch.ops.mkldnn._linear_pointwise``: float32 in and out, no reduced
+  precision). On the AMD EPYC (Zen 4) development machine oneDNN ran
+  layer-sized products about 2x faster, but costs about 10 µs more per call,
+  so products under ``MIN_MACS`` multiply-adds stay on ``F.linear``
+  (``python -m kvpaging.kernels.cpu.layers`` prints the comparison here).
+* **RMSNorm layers.** transformers writes RMSNorm as five tensor operations
+  (square, mean, add, rsqrt, two multiplies), each a pass over memory with its
+  own dispatch: 1.6 ms for a 2048 x 256 prefill chunk, where the one-pass C
+  loop of ``rms_norm.c`` takes 0.05 ms.
+
+They are **off by default**: the engine then runs the model's own layers, the
+very code ``generate()`` runs, so a comparison of the two measures scheduling
+and paging and nothing else. ``LLM(..., cpu_fast_layers=True)`` turns them on.
+
+The user's model is never touched. The engine runs a private copy of the
+model's modules that shares the weight tensors (``kvpaging.model_runner.private_copy``);
+``enable_fast_layers`` gives *that copy's* layers a new ``forward``, bound to
+the layer (a bound method, so the copy can still be deep-copied and pickled).
+The layer's own weight is used: no copy, nothing to keep in sync. A norm gets
+the C path only after it agreed with its own ``forward`` on a probe input, so
+RMSNorm variants with other maths (Gemma's ``1 + weight``) keep their own.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["enable_fast_layers", "FastLayers", "MIN_MACS", "onednn_linear", "onednn_usable"]
+
+MIN_MACS = 1 << 20  # smaller products: F.linear (oneDNN's per-call cost outweighs its faster product)
+
+_onednn_checked: bool | None = None  # the probe's verdict, once run
+
+
+@dataclass(frozen=True)
+class FastLayers:
+    """How many layers of a model have the fast path."""
+
+    linears: int = 0
+    rms_norms: int = 0
+
+
+def onednn_linear():
+    """oneDNN's float32 linear op, or None where this torch has none (check ``onednn_usable()`` before using it)."""
+    return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def onednn_usable() -> bool:
+    """Whether oneDNN's linear runs here and agrees with ``F.linear`` on a probe product."""
+    global _onednn_checked
+    if _onednn_checked is None:
+        op = onednn_linear()
+        try:
+            g = torch.Generator().manual_seed(0)
+            x, w, b = (torch.randn(s, generator=g) for s in ((2, 16, 64), (48, 64), (48,)))
+            _onednn_checked = op is not None and torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b),
+                                                                rtol=1e-5, atol=1e-6)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _onednn_checked = False
+    return _onednn_checked
+
+
+def _fast_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if input.dim() >= 2 and input.numel() * self.out_features >= MIN_MACS:
+        return onednn_linear()(input, self.weight, self.bias, "none", [], "")
+    return F.linear(input, self.weight, self.bias)
+
+
+def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu" and hidden_states.is_contiguous():
+        from . import rms_norm
+
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return type(self).forward(self, hidden_states)  # the layer's own code
+
+
+def _has_fast_path(module: torch.nn.Module) -> bool:
+    forward = vars(module).get("forward")
+    return getattr(forward, "__func__", None) in (_fast_linear_forward, _fast_rms_norm_forward)
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+    )
+
+
+def _agrees(module: torch.nn.Module) -> bool:
+    """The C RMSNorm gives what the layer's own forward gives, on a probe input."""
+    from . import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, module.weight.shape[0], generator=g) * 3
+    with torch.no_grad():
+        try:
+            return torch.allclose(rms_norm(x, module.weight, module.variance_epsilon), type(module).forward(module, x),
+                                  rtol=1e-5, atol=1e-6)
+        except (RuntimeError, ValueError, TypeError):
+            return False
+
+
+def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
+    """Give the float32 CPU ``nn.Linear`` and RMSNorm layers of ``model`` their fast ``forward``.
+
+    Call it on a model nobody else uses (the engine calls it on its private copy):
+    the layers' ``forward`` changes for every caller. Returns how many layers have it.
+    """
+    from . import available
+
+    use_onednn = onednn_usable()
+    use_c = available()
+    linears = norms = 0
+    for module in model.modules():
+        if _has_fast_path(module):
+            linears += isinstance(module, torch.nn.Linear)
+            norms += not isinstance(module, torch.nn.Linear)
+            continue
+        if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
+            if module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+                module.forward = types.MethodType(_fast_linear_forward, module)
+                linears += 1
+        elif use_c and _is_rms_norm(module) and _agrees(module):
+            module.forward = types.MethodType(_fast_rms_norm_forward, module)
+            norms += 1
+    return FastLayers(linears, norms)
+
+
+def _compare() -> None:
+    """Print F.linear against oneDNN for layer-sized products on this machine."""
+    op = onednn_linear()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; oneDNN usable: {onednn_usable()}")
+    for rows in (1, 4, 16, 48, 512):
+        cells = []
+        for n, k in ((256, 256), (1024, 256), (4096, 256), (4096, 1024)):
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            times = []
+            for fn in (lambda: F.linear(x, w), lambda: op(x, w, None, "none", [], "")):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                times.append((time.perf_counter() - t0) / 50 * 1e6)
+            cells.append(f"[{rows}x{k}]@[{k}x{n}] {times[0]:8.1f} / {times[1]:8.1f} µs")
+        print("   ".join(cells))
+
+
+if __name__ == "__main__":
+    _compare()

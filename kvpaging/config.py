@@ -1,0 +1,232 @@
+"""``EngineConfig``: every engine setting, checked in one place, with its "auto" values resolved.
+
+``LLM(...)`` and ``LLMEngine(model, config=EngineConfig(...))`` both go through
+this class, so a setting means the same thing, and is refused with the same
+message, whichever door it comes in by. Making a config checks each value on
+its own (types, ranges, known names); :meth:`EngineConfig.resolve` then looks
+at the model and the device and replaces every "auto" with what will really
+run (the attention backend, the KV cache dtype, the number of blocks, the
+longest sequence), checking what depends on the model. A resolved config says
+exactly what the engine runs; resolving it again changes nothing.
+
+The names are vLLM's where vLLM has the setting (``num_blocks`` is its
+``num_gpu_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from .kv_math import kv_bytes_per_token
+
+logger = logging.getLogger("kvpaging")
+
+__all__ = ["EngineConfig", "check_int", "check_bool", "ATTENTION_BACKENDS", "DEFAULT_CPU_KV_CACHE_BYTES"]
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+SCHEDULING = ("continuous", "static")
+# what a user may ask for; "auto" resolves to the model's own dtype, spelt as below
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: the CPU has no "free device memory" to size from
+
+
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_block_size(block_size) -> int:
+    """``block_size`` if it is a power of two from 1 to 256, else a ValueError."""
+    check_int("block_size", block_size)
+    if not (1 <= block_size <= 256) or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
+    return block_size
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Every field is checked when the config is made.
+
+    block_size: token slots per KV block (a power of two, 1 to 256).
+    num_blocks: KV blocks in the pool; None sizes the pool from memory
+        (``gpu_memory_utilization`` on a GPU, ``kv_cache_memory_bytes`` or 1 GiB on a CPU).
+    max_num_seqs: most sequences in one step (each completion of an n > 1 request counts).
+    max_num_batched_tokens: most tokens in one step (prompt chunks and decode tokens together).
+    max_model_len: longest sequence, prompt plus output; None: the model's max_position_embeddings.
+    enable_prefix_caching: reuse the KV blocks of prompts seen before.
+    scheduling: "continuous" (iteration-level batching) or "static" (a batch runs until its last member ends).
+    attention_backend: "auto", "torch", "cpu" (the C decode kernel) or "triton".
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (half the bytes of bf16).
+    enforce_eager: never capture CUDA graphs.
+    seed: of the engine's random generator (requests without a seed of their own draw from it).
+    gpu_memory_utilization: the share of GPU memory the whole process may use, KV pool included.
+    kv_cache_memory_bytes: the KV pool's size in bytes (overrides gpu_memory_utilization).
+    cpu_fast_layers: on a CPU, run a float32 model's linear layers on oneDNN and its RMSNorms
+        in one C pass (``kvpaging.kernels.cpu.layers``). Off by default: the engine then runs
+        the model's own layers, exactly what ``generate()`` runs.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling: str = "continuous"
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    cpu_fast_layers: bool = False
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size)
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 2)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_choice("scheduling", self.scheduling, SCHEDULING)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_bool("enforce_eager", self.enforce_eager)
+        check_int("seed", self.seed, 0)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, numbers.Real) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.kv_cache_memory_bytes is not None:
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        check_bool("cpu_fast_layers", self.cpu_fast_layers)
+
+    # -- resolving "auto" --------------------------------------------------------------------
+    @property
+    def is_resolved(self) -> bool:
+        return (self.num_blocks is not None and self.max_model_len is not None
+                and self.attention_backend != "auto" and self.kv_cache_dtype != "auto")
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is stored in (a resolved config only)."""
+        if self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_dtype is still 'auto': resolve the config against its model first")
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    def resolve(self, model) -> EngineConfig:
+        """This config with every "auto" replaced by what runs for ``model``, and every setting that
+        depends on the model checked. Raises ValueError, naming the value, for what cannot run."""
+        param = next(model.parameters())
+        dev, model_dtype = param.device, param.dtype
+        config = model.config
+
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = auto_attention_backend(dev)
+        elif backend == "cpu":
+            if dev.type != "cpu":
+                raise ValueError(f"attention_backend='cpu' runs on the CPU, but device={str(dev)!r}")
+            from .kernels import cpu_backend
+
+            if not cpu_backend.available():
+                raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_backend.unavailable_reason()}")
+        elif backend == "triton" and not _has_triton():
+            raise ValueError("attention_backend='triton' needs the triton package, which is not installed")
+
+        kv_dtype = self.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = _dtype_name(model_dtype)
+        elif KV_CACHE_DTYPES[kv_dtype] not in (model_dtype, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype={kv_dtype!r} differs from the model's dtype {model_dtype}: "
+                             "use 'auto' (the model's dtype) or 'fp8'")
+        if kv_dtype == "fp8":
+            kv_dtype = "fp8_e4m3"
+
+        limit = getattr(config, "max_position_embeddings", None)
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = limit or 4096
+        elif limit is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size
+            num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
+        if num_blocks * self.block_size < max_model_len:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
+                f"tokens) cannot hold one sequence of max_model_len={max_model_len}: raise num_blocks or lower "
+                "max_model_len"
+            )
+        if self.cpu_fast_layers and dev.type != "cpu":
+            raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")
+        if not self.enforce_eager and dev.type != "cuda":
+            logger.debug("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
+        return dataclasses.replace(self, attention_backend=backend, kv_cache_dtype=kv_dtype,
+                                   max_model_len=max_model_len, num_blocks=num_blocks)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, value in KV_CACHE_DTYPES.items():
+        if value == dtype and name.startswith(("float", "bfloat")):
+            return name
+    raise ValueError(f"the model's dtype {dtype} cannot be a KV cache dtype; use float32, bfloat16 or float16")
+
+
+def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None) -> int:
+    if budget is None:
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            # like vLLM: the whole process may use `utilization` of the device; the KV pool gets what is left
+            budget = int(total * utilization) - (total - free)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"no memory left for the KV cache: budget {budget} bytes, one block needs {bytes_per_block}")
+    return int(num_blocks)
+
+
+def auto_attention_backend(dev: torch.device) -> str:
+    """Triton on CUDA; on the CPU the C decode kernel when a C compiler can build it; else the torch backend."""
+    if dev.type == "cuda" and _has_triton():
+        return "triton"
+    if dev.type == "cpu":
+        from .kernels import cpu_backend
+
+        if cpu_backend.available():
+            return "cpu"
+        logger.info("attention_backend='auto' uses the torch backend: %s", cpu_backend.unavailable_reason())
+    return "torch"
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
