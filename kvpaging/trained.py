@@ -30,6 +30,7 @@ whose files no longer match its manifest is rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -225,8 +226,22 @@ def load_trained_model(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
+    with _quiet_progress_bars():  # a notebook shows no "Loading weights" bar for a 2-second read
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def trained(

