@@ -1,20 +1,37 @@
 """Tests of the helpers behind lessons 04-07 (kvpaging.teach.paging / sharing / batching / scheduling)."""
 
-from functools import partial
-
 import pytest
+import torch
 
-from kvpaging import LLM
+from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
-from kvpaging.teach.batching import compare_policies, request_stream
+from kvpaging.teach.batching import compare_policies, request_stream, run_policy
 from kvpaging.teach.paging import concurrency_at_budget, fragmentation, fragmentation_by_block_size, random_workload
-from kvpaging.teach.scheduling import long_prompt_arrives, run_with_pool
-from kvpaging.teach.sharing import prefix_cache_demo, ref_counts, rollouts
+from kvpaging.teach.scheduling import cpu_threads, document_chat, long_prompt_arrives, run_with_pool
+from kvpaging.teach.sharing import (
+    PeakWatcher,
+    completion_seed,
+    prefix_cache_demo,
+    prefix_cache_run,
+    preview,
+    ref_counts,
+    rollouts,
+)
+from kvpaging.visualizers import simulate_continuous_batching
+
+EOS = 2  # tiny models: token ids 0, 1, 2 are pad, bos, eos
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny("qwen3", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def chatty():
+    """A vocabulary of 8 tokens: sampling picks the end-of-sequence token often, so answers end
+    naturally at different lengths, as a trained model's do."""
+    return tiny("qwen3", num_hidden_layers=1, vocab_size=8, seed=2)
 
 
 def _make(model, **kw):
@@ -50,9 +67,63 @@ def test_rollouts_share_and_copy(model):
     assert len(shared.outputs) == 4 and all(len(o) == 6 for o in shared.outputs)
 
 
-def test_ref_counts_after_fork(model):
-    from kvpaging import SamplingParams
+def _table_blocks(record) -> int:
+    return sum(len(t) for t in record.block_tables.values())
 
+
+def test_rollouts_natural_stopping_and_same_rollouts_unshared(chatty):
+    make = lambda enable_prefix_caching=True: _make(chatty, enable_prefix_caching=enable_prefix_caching)  # noqa: E731
+    prompt = [3, 4, 5, 6, 7] * 8  # 40 tokens: 2.5 blocks
+    shared = rollouts(make, prompt, 6, True, max_tokens=40, seed=3, temperature=1.0, ignore_eos=False)
+    alone = rollouts(make, prompt, 6, False, max_tokens=40, seed=3, temperature=1.0, ignore_eos=False)
+    # each rollout ends at its own end-of-sequence token, or at max_tokens
+    for ids, reason in zip(shared.outputs, shared.finish_reasons):
+        assert (reason == "stop" and ids[-1] == EOS and EOS not in ids[:-1]) or (reason == "length" and len(ids) == 40)
+    assert len(set(shared.lengths)) > 1, "natural stopping should give rollouts of different lengths"
+    assert shared.prompt_len == alone.prompt_len == len(prompt)
+    # separate requests seeded like the shared request's completions sample the very same rollouts...
+    assert alone.outputs == shared.outputs
+    # ...so n separate requests hold at their peak what the shared run's tables pointed at, at theirs
+    assert alone.peak_used_blocks == shared.peak_table_blocks
+    assert alone.cow_copies == 0 and alone.savings_at_peak == 0
+
+
+def test_completion_seed_matches_engine(chatty):
+    llm = _make(chatty)
+    params = SamplingParams(n=3, temperature=1.0, seed=11)
+    assert [llm.engine._make_generator(params, k).initial_seed() for k in range(3)] == \
+        [completion_seed(11, k) for k in range(3)]
+
+
+def test_peak_watcher_reads_one_step(chatty):
+    """The figures at the peak come from the same step: check them against the step records."""
+    llm = _make(chatty)
+    watcher = PeakWatcher(llm.engine)
+    llm.engine.add_observer(watcher)
+    llm.engine.keep_trace, llm.engine.trace = True, []
+    # a long shared prompt and rollouts that end at different steps: the tables peak while all are alive,
+    # the blocks in use later, so the figures at the peak of use differ from the tables' own peak
+    llm.generate([[3, 4, 5, 6, 7] * 14], SamplingParams(n=6, temperature=1.0, seed=1, max_tokens=60), use_tqdm=False)
+    trace = list(llm.engine.trace)
+    used = [r.num_used_blocks for r in trace]
+    first_peak = trace[used.index(max(used))]
+    assert _table_blocks(first_peak) < max(_table_blocks(r) for r in trace), "the scenario must separate the two peaks"
+    assert watcher.peak_used_blocks == max(used)
+    assert watcher.step_of_peak == first_peak.step
+    assert watcher.table_blocks_at_peak == _table_blocks(first_peak)
+    assert watcher.savings_at_peak == _table_blocks(first_peak) - max(used)
+    assert watcher.peak_table_blocks == max(_table_blocks(r) for r in trace)
+    assert watcher.peak_savings_blocks == max(_table_blocks(r) - r.num_used_blocks for r in trace)
+
+
+def test_preview():
+    assert preview("\n\n  Paris.\nMore text") == "Paris."
+    assert preview("x" * 100, width=10) == "xxxxxxx..."
+    assert len(preview("word " * 40, width=30)) <= 30
+    assert preview("") == ""
+
+
+def test_ref_counts_after_fork(model):
     llm = _make(model)
     llm.engine.add_request("r", list(range(20)), SamplingParams(n=3, max_tokens=4, seed=1))
     llm.engine.step()
@@ -65,6 +136,48 @@ def test_prefix_cache_demo_hits(model):
     prompts, stats = prefix_cache_demo(_make(model), system_len=32, num_users=3, question_len=4, max_tokens=2)
     assert stats[0].prefix_hit_tokens == 0
     assert stats[-1].prefix_hit_tokens == 64
+
+
+def test_prefix_cache_run_counts(model):
+    system = list(range(10, 50))  # 40 tokens: 2 full blocks of 16 are shareable
+    prompts = [system + [60 + i, 70 + i, 80 + i] for i in range(4)]
+    cached = prefix_cache_run(_make(model), prompts)
+    plain = prefix_cache_run(_make(model, enable_prefix_caching=False), prompts)
+    full_blocks = len(system) // 16 * 16
+    assert [r.hit_tokens for r in cached] == [0] + [full_blocks] * 3
+    assert [r.computed_tokens for r in cached] == [len(p) - r.hit_tokens for p, r in zip(prompts, cached)]
+    assert [r.computed_tokens for r in plain] == [len(p) for p in prompts]
+    assert all(r.hit_tokens == 0 for r in plain)
+    assert [r.prompt_len for r in cached] == [len(p) for p in prompts]
+    assert all(r.looked_up_tokens == len(p) for p, r in zip(prompts, cached))
+    assert cached[-1].stats.prefix_hit_tokens == 3 * full_blocks
+    assert all(r.ttft_seconds > 0 for r in cached)
+
+
+def test_static_vs_continuous_natural_stopping(chatty):
+    """Answers that end on their own: static batching waits for each batch's longest."""
+    prompts = [[3 + i % 5] * (5 + i) for i in range(7)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=30) for i in range(7)]
+    runs = compare_policies(lambda **kw: _make(chatty, **kw), prompts, max_num_seqs=3, warmup=False, params=params,
+                            use_tqdm=False)
+    s, c = runs["static"], runs["continuous"]
+    # seeded: the same answers under both policies
+    assert [o.outputs[0].token_ids for o in s.outputs] == [o.outputs[0].token_ids for o in c.outputs]
+    lengths = c.lengths
+    assert len(set(lengths)) > 1 and "stop" in c.finish_reasons
+    assert s.useful_tokens == c.useful_tokens == sum(lengths)
+    # static: each batch of 3 runs as long as its longest member; continuous: a slot is refilled at once
+    assert s.steps == sum(max(lengths[i:i + 3]) for i in range(0, len(lengths), 3))
+    assert c.steps == simulate_continuous_batching(lengths, 3).num_iterations
+    assert c.steps < s.steps
+
+
+def test_run_policy_needs_lengths_or_params(model):
+    make = lambda **kw: _make(model, **kw)  # noqa: E731
+    with pytest.raises(ValueError):
+        run_policy(make, "static", [[5, 6]], [3], 2, params=SamplingParams())
+    with pytest.raises(ValueError):
+        run_policy(make, "static", [[5, 6]], None, 2)
 
 
 def test_static_vs_continuous(model):
@@ -93,3 +206,78 @@ def test_preemption_keeps_outputs(model):
     assert big.num_preemptions == 0 and small.num_preemptions > 0
     assert small.preempted_steps
     assert small.outputs == big.outputs
+
+
+# -- lesson 07's helpers on real prompts (kvpaging.teach.scheduling) -----------------------------------
+
+def _make_llm(model, **kw):
+    cfg = dict(block_size=16, num_blocks=64, max_model_len=256, seed=0)
+    cfg.update(kw)
+    return LLM(model, **cfg)
+
+
+def test_cpu_threads_sets_and_restores():
+    before = torch.get_num_threads()
+    with cpu_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_document_chat_cuts_the_document_at_exact_tokens():
+    from transformers import AutoTokenizer
+    from kvpaging.trained import trained_path
+
+    tok = AutoTokenizer.from_pretrained(trained_path())
+    short, long = document_chat(tok, 50), document_chat(tok, 120)
+    assert len(long) - len(short) == 70
+    text = tok.decode(long)
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    assert "What is this text about?" in text and "@@DOCUMENT@@" not in text
+
+
+def test_long_prompt_arrives_with_given_prompts():
+    model = tiny("qwen3", num_hidden_layers=2, vocab_size=512)
+    make = lambda **kw: _make_llm(model, enable_prefix_caching=False, **kw)  # noqa: E731
+    r = long_prompt_arrives(make, 16, decode_tokens=6, arrive_after=2, running_prompts=[[5] * 5, [7] * 7],
+                            long_prompt=list(range(3, 53)), long_params=SamplingParams(temperature=0.0, max_tokens=3,
+                                                                                       ignore_eos=True))
+    assert r.running_ids == ["run0", "run1"]
+    assert r.prefill_steps == 4  # 50 tokens, 14 per step beside the two decodes (the last chunk has room to spare)
+    assert r.max_step_tokens_for_running == 16
+    assert len(r.outputs["long"].outputs[0].token_ids) == 3
+    assert [len(r.outputs[i].outputs[0].token_ids) for i in r.running_ids] == [6, 6]
+
+
+def test_run_with_pool_names_the_preempted_requests():
+    model = tiny("qwen3", num_hidden_layers=2, vocab_size=512)
+    prompts = [list(range(3 + i, 40 + i)) for i in range(4)]
+    big = run_with_pool(lambda **kw: _make_llm(model, **kw), prompts, 30, 128, use_tqdm=False)
+    small = run_with_pool(lambda **kw: _make_llm(model, max_model_len=128, **kw), prompts, 30, 10, use_tqdm=False)
+    assert big.preempted_requests == [] and big.recomputed_tokens == 0
+    assert small.num_preemptions > 0 and small.preempted_requests
+    assert set(small.preempted_requests) <= set(small.request_ids) and len(small.request_ids) == 4
+    assert small.recomputed_tokens > 0
+    assert small.finish_reasons == ["length"] * 4 and small.texts == [""] * 4
+    assert small.outputs == big.outputs
+
+
+def test_long_prompt_arrives_fails_loudly_when_a_step_fails():
+    from kvpaging import RequestFailedError
+
+    model = tiny("qwen3", num_hidden_layers=2, vocab_size=512)
+
+    def make(**kw):
+        llm = _make_llm(model, **kw)
+        execute, calls = llm.engine.runner.execute, []
+
+        def flaky(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 4:  # the step after the long prompt arrives
+                raise RuntimeError("boom")
+            return execute(*args, **kwargs)
+
+        llm.engine.runner.execute = flaky
+        return llm
+
+    with pytest.raises(RequestFailedError):
+        long_prompt_arrives(make, 64, num_running=2, decode_tokens=6, long_prompt_len=40, arrive_after=3, vocab=512)

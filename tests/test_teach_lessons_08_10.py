@@ -120,6 +120,83 @@ def test_pool_capacity_fp8_quarter_of_float32():
     assert a.pool_bytes == q.pool_bytes == budget
 
 
+def test_pool_capacity_of_a_bf16_copy_is_real_and_leaves_the_model_alone():
+    model = tiny("qwen3", **SMALL)
+    budget = kv_bytes_per_token(model.config, torch.float32) * 32 * 3
+    b = fp8.measure_pool_capacity(model, budget, 32, "auto", dtype=torch.bfloat16)
+    assert b.element_dtype == "bfloat16" and b.bytes_per_element == 2
+    assert (b.num_blocks, b.capacity, b.peak_running, b.num_preemptions) == (12, 6, 6, 0)
+    assert next(model.parameters()).dtype == torch.float32  # the engine served its own converted copy
+
+
+def test_scale_spread_reads_ratios_of_amax():
+    k = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 3.0])]
+    v = [torch.tensor([0.5, 0.5]), torch.tensor([8.0, 2.0])]
+    scales = [(kk / FP8_MAX, vv / FP8_MAX) for kk, vv in zip(k, v)]
+    s = fp8.scale_spread(scales)
+    assert (s["layers"], s["kv_heads"]) == (2, 2)
+    assert s["k_within_layer"] == pytest.approx(2.0) and s["k_within_layer_layer"] == 0
+    assert s["v_within_layer"] == pytest.approx(4.0) and s["v_within_layer_layer"] == 1
+    assert s["k_across_layers"] == pytest.approx(3.0) and s["v_across_layers"] == pytest.approx(16.0)
+    assert s["v_amax"] == pytest.approx((0.5, 8.0))
+    fig = fp8.scales_figure(scales, "t")
+    assert len(fig.data) == 2 and fig.data[0].customdata[1][0] == pytest.approx(2.0)  # head 1 of layer 0, keys
+
+
+def _attention_model(q_norm_gain: float):
+    model = tiny("qwen3", num_hidden_layers=2, vocab_size=512)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(q_norm_gain)
+    return model
+
+
+def test_attention_entropy_uniform_peaked_and_model_untouched():
+    tokens = torch.randint(3, 512, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    uniform = fp8.attention_entropy(_attention_model(0.0), tokens)  # q = 0: every score is 0, attention is uniform
+    assert uniform.shape == (2,)
+    torch.testing.assert_close(uniform, torch.ones(2), atol=1e-4, rtol=0)
+    model = tiny("qwen3", num_hidden_layers=2, vocab_size=512)
+    plain = fp8.attention_entropy(model, tokens)
+    peaked = fp8.attention_entropy(_attention_model(30.0), tokens)  # large scores: attention on a few tokens
+    assert bool((plain > 0).all() and (plain < 1).all())
+    assert bool((peaked < plain - 0.2).all())
+    assert model.config._attn_implementation != "eager"  # the helper ran a private copy
+    with pytest.raises(ValueError):
+        fp8.attention_entropy(model, tokens[:10])
+    assert len(fp8.attention_entropy_figure({"a": plain, "b": peaked}).data) == 2
+
+
+def test_compare_engines_keeps_per_position_figures():
+    from kvpaging.kv_accuracy import compare_engines
+
+    model = tiny("qwen3", **SMALL)
+    seqs = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(3)).tolist()
+    seqs[1] = seqs[1][:40]
+    kw = dict(max_model_len=64, num_blocks=8)
+    ref, q8 = LLM(model, **kw), LLM(model, kv_cache_dtype="fp8", **kw)
+    acc = compare_engines(ref, q8, seqs, chunk_size=16, rows_at_once=7)  # rows_at_once cuts across chunks
+    assert acc.positions == 88
+    assert [k.numel() for k in acc.kl_per_sequence] == [48, 40]
+    assert [t.dtype for t in acc.same_top1_per_sequence] == [torch.bool, torch.bool]
+    assert 0.0 < acc.mean_kl < 1.0 and 0.0 < acc.reference_top1_prob <= 1.0
+    rows = acc.by_position([0, 16, 40, 100])
+    assert [(r["start"], r["stop"], r["positions"]) for r in rows] == [(0, 16, 32), (16, 40, 48), (40, 100, 8)]
+    # the ranges pool every sequence: their weighted means give back the totals
+    assert sum(r["mean_kl"] * r["positions"] for r in rows) / 88 == pytest.approx(acc.mean_kl, rel=1e-5)
+    assert sum(r["top1_agreement"] * r["positions"] for r in rows) / 88 == pytest.approx(acc.top1_agreement)
+    assert max(r["max_kl"] for r in rows) == pytest.approx(acc.max_kl)
+    assert sum(r["reference_top1_prob"] * r["positions"] for r in rows) / 88 == pytest.approx(acc.reference_top1_prob,
+                                                                                             rel=1e-5)
+    assert [p.numel() for p in acc.reference_top1_prob_per_sequence] == [48, 40]
+    assert [(r["start"], r["positions"]) for r in acc.by_position([40, 48, 60])] == [(40, 8)]  # empty ranges left out
+    with pytest.raises(ValueError):
+        acc.by_position([16, 0])
+    same = compare_engines(ref, LLM(model, **kw), seqs[:1], chunk_size=16)
+    assert same.top1_agreement == 1.0 and same.mean_kl == pytest.approx(0.0, abs=1e-6)
+    assert ref.engine.block_manager.stats().num_used_blocks == 0
+
+
 # ------------------------------------------------------------------ serving
 
 

@@ -1,4 +1,13 @@
-"""Helpers for lesson 06 (continuous batching): a request stream and a fair static-vs-continuous run."""
+"""Helpers for lesson 06 (continuous batching): a request stream and a fair static-vs-continuous run.
+
+Two kinds of workload run through the same functions:
+
+* real chats on the trained model, each answer ending at the model's own
+  end-of-sequence token (``output_lengths=None`` and the ``params`` to sample
+  with): the lengths, and so static batching's bubbles, come from real answers;
+* token-id prompts with forced output lengths (``request_stream`` and
+  ``output_lengths``, greedy with ``ignore_eos``), for any model, random weights included.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,9 @@ from dataclasses import dataclass
 from ..sampling_params import SamplingParams
 from ..visualizers.batching import SlotTimeline, slot_timeline_from_trace
 from .paging import timed
+from .sharing import preview
 
-__all__ = ["request_stream", "PolicyRun", "run_policy", "compare_policies"]
+__all__ = ["request_stream", "PolicyRun", "run_policy", "compare_policies", "preview"]
 
 
 def request_stream(num_requests: int, seed: int = 0, prompt_range=(8, 48), median_output: int = 24,
@@ -35,8 +45,21 @@ class PolicyRun:
     timeline: SlotTimeline
     seconds: float  # wall time of the whole generate call
     steps: int
-    useful_tokens: int  # generated tokens that were asked for (ignore_eos: exactly the requested lengths)
+    useful_tokens: int  # generated tokens: each answer up to its own end (ignore_eos: exactly the requested lengths)
     outputs: list
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each request generated (the end-of-sequence token included, when it ended there)."""
+        return [len(o.outputs[0].token_ids) for o in self.outputs]
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [o.outputs[0].finish_reason for o in self.outputs]
+
+    @property
+    def texts(self) -> list[str]:
+        return [o.outputs[0].text for o in self.outputs]
 
     @property
     def tokens_per_second(self) -> float:
@@ -47,13 +70,37 @@ class PolicyRun:
         return self.useful_tokens / self.steps
 
 
-def run_policy(make_llm, scheduling: str, prompts, output_lengths, max_num_seqs: int,
-               use_tqdm: bool = True) -> PolicyRun:
-    """One ``LLM.generate`` over the whole stream under ``scheduling`` ("static" or "continuous")."""
+def _params(output_lengths, params, num_requests: int) -> list[SamplingParams]:
+    """Each request's SamplingParams: forced lengths (greedy, ignore_eos), or ``params`` as given."""
+    if output_lengths is not None:
+        if params is not None:
+            raise ValueError("give output_lengths (forced lengths) or params (natural stopping), not both")
+        if len(output_lengths) != num_requests:
+            raise ValueError(f"{len(output_lengths)} output lengths for {num_requests} prompts")
+        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
+    if params is None:
+        raise ValueError("give output_lengths (forced lengths) or params (natural stopping)")
+    if isinstance(params, SamplingParams):
+        return [params] * num_requests
+    params = list(params)
+    if len(params) != num_requests:
+        raise ValueError(f"{len(params)} SamplingParams for {num_requests} prompts")
+    return params
+
+
+def run_policy(make_llm, scheduling: str, prompts, output_lengths=None, max_num_seqs: int = 4,
+               use_tqdm: bool = True, params=None) -> PolicyRun:
+    """One ``LLM.generate`` over the whole stream under ``scheduling`` ("static" or "continuous").
+
+    ``output_lengths``: each request generates exactly that many tokens (greedy,
+    ``ignore_eos``). Or ``params`` (one SamplingParams for all, or one each): the
+    requests stop where the model ends its answer, or at ``max_tokens``.
+    Prompts may be token-id lists, strings or ``{"prompt_token_ids": ...}`` dicts.
+    """
+    params = _params(output_lengths, params, len(prompts))
     llm = make_llm(scheduling=scheduling, max_num_seqs=max_num_seqs)
     engine = llm.engine
     engine.keep_trace, engine.trace = True, []
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     with timed() as t:
         outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     trace = list(engine.trace)
@@ -63,9 +110,17 @@ def run_policy(make_llm, scheduling: str, prompts, output_lengths, max_num_seqs:
                      len(trace), useful, outs)
 
 
-def compare_policies(make_llm, prompts, output_lengths, max_num_seqs: int, warmup: bool = True):
-    """Static then continuous on the same stream (after a short warm-up run); returns {policy: PolicyRun}."""
+def compare_policies(make_llm, prompts, output_lengths=None, max_num_seqs: int = 4, warmup: bool = True,
+                     params=None, use_tqdm: bool = True):
+    """Static then continuous on the same stream (after a short warm-up run); returns {policy: PolicyRun}.
+
+    ``output_lengths`` forces each request's length; ``params`` instead lets each
+    answer end naturally (see :func:`run_policy`). The warm-up runs two prompts for
+    a few tokens on an engine of its own, so nothing it leaves (a prefix cache) helps the timed runs.
+    """
+    _params(output_lengths, params, len(prompts))  # refuse a bad combination before any work
     if warmup:
         llm = make_llm(scheduling="continuous", max_num_seqs=max_num_seqs)
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    return {p: run_policy(make_llm, p, prompts, output_lengths, max_num_seqs) for p in ("static", "continuous")}
+    return {p: run_policy(make_llm, p, prompts, output_lengths, max_num_seqs, use_tqdm=use_tqdm, params=params)
+            for p in ("static", "continuous")}

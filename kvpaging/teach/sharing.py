@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 from ..sampling_params import SamplingParams
 
-__all__ = ["ref_counts", "PeakWatcher", "SharingRun", "rollouts", "prefix_cache_demo"]
+__all__ = [
+    "ref_counts",
+    "preview",
+    "completion_seed",
+    "PeakWatcher",
+    "SharingRun",
+    "rollouts",
+    "PrefixRequest",
+    "prefix_cache_run",
+    "prefix_cache_demo",
+]
 
 
 def ref_counts(block_manager, seq_ids) -> dict[int, int]:
@@ -17,20 +27,57 @@ def ref_counts(block_manager, seq_ids) -> dict[int, int]:
     return {b: pool.blocks[b].ref_cnt for b in ids}
 
 
+def preview(text: str, width: int = 80) -> str:
+    """A generated text as one short line: its first non-empty line, cut to ``width`` characters."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= width else line[: width - 3].rstrip() + "..."
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request with ``SamplingParams(n=..., seed=seed)``.
+
+    The engine gives each completion of a seeded request its own random stream
+    (``LLMEngine._make_generator``): completion 0 uses ``seed`` itself, the
+    others a seed derived from ``(seed, index)``. Separate requests given these
+    seeds sample the very same rollouts, so that shared and unshared runs can be
+    compared token for token. (Python hashes tuples of ints the same in every
+    process, unlike strings.)
+    """
+    return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 class PeakWatcher:
-    """An engine observer that keeps the largest figures seen in any step."""
+    """An engine observer that keeps the busiest step's figures, all read at that same step.
+
+    ``peak_used_blocks`` is the most blocks held at once; ``table_blocks_at_peak``
+    is what the block tables pointed at in that same step (a shared block counted
+    once per table: the blocks the same sequences would hold without sharing), so
+    ``savings_at_peak`` is an honest difference of two figures taken together.
+    ``peak_table_blocks`` and ``peak_savings_blocks`` are maxima over all steps,
+    each possibly reached at a different step.
+    """
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.peak_used_blocks = 0
+        self.table_blocks_at_peak = 0
+        self.step_of_peak = -1  # the first step at which use peaked
         self.peak_table_blocks = 0
         self.peak_savings_blocks = 0
 
     def __call__(self, record) -> None:
         st = self.engine.block_manager.stats()
-        self.peak_used_blocks = max(self.peak_used_blocks, st.num_used_blocks)
+        if st.num_used_blocks > self.peak_used_blocks:
+            self.peak_used_blocks = st.num_used_blocks
+            self.table_blocks_at_peak = st.num_table_blocks
+            self.step_of_peak = record.step
         self.peak_table_blocks = max(self.peak_table_blocks, st.num_table_blocks)
         self.peak_savings_blocks = max(self.peak_savings_blocks, st.shared_savings_blocks)
+
+    @property
+    def savings_at_peak(self) -> int:
+        """Blocks the tables point at minus blocks held, at the step of peak use."""
+        return self.table_blocks_at_peak - self.peak_used_blocks
 
 
 @dataclass
@@ -38,21 +85,41 @@ class SharingRun:
     n: int
     shared: bool
     peak_used_blocks: int  # blocks actually held at the busiest step
-    peak_table_blocks: int  # blocks the tables point at, counting a shared block once per table
-    peak_savings_blocks: int  # max over steps of stats().shared_savings_blocks
+    table_blocks_at_peak: int  # blocks the tables pointed at in that same step (a shared block once per table)
+    peak_table_blocks: int  # the most blocks the tables pointed at, in any step
+    peak_savings_blocks: int  # max over steps of stats().shared_savings_blocks (not necessarily at the peak)
     cow_copies: int
     outputs: list  # token id lists, one per completion
     trace: list
+    texts: list | None = None  # the completions' text (empty strings without a tokenizer)
+    finish_reasons: list | None = None  # "stop" (end of sequence) or "length" (max_tokens), one per completion
+    prompt_len: int = 0
+
+    @property
+    def savings_at_peak(self) -> int:
+        """Blocks saved at the step of peak use: ``table_blocks_at_peak - peak_used_blocks``."""
+        return self.table_blocks_at_peak - self.peak_used_blocks
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(o) for o in self.outputs]
 
 
 def rollouts(make_llm, prompt, n: int, shared: bool, max_tokens: int = 24, seed: int = 1,
-             temperature: float = 0.8, use_tqdm: bool = False) -> SharingRun:
-    """``n`` sampled completions of one prompt, measured.
+             temperature: float = 0.8, use_tqdm: bool = False, ignore_eos: bool = True,
+             top_p: float = 1.0) -> SharingRun:
+    """``n`` sampled completions (rollouts) of one prompt, measured.
 
     ``shared=True``: one request with ``SamplingParams(n=n)``; its completions
     fork from the prompt's blocks. ``shared=False``: ``n`` separate requests on
     an engine with prefix caching off, so each computes and stores the prompt
-    itself. ``make_llm(enable_prefix_caching=...)`` builds a fresh engine.
+    itself; request ``k`` gets ``completion_seed(seed, k)``, the seed completion
+    ``k`` of the shared request uses, so both runs sample the same rollouts.
+    ``make_llm(enable_prefix_caching=...)`` builds a fresh engine.
+
+    ``ignore_eos=False`` lets each rollout end at the model's own end-of-sequence
+    token (a trained model), so rollouts have different lengths; ``max_tokens``
+    then only caps the longest, as a GRPO trainer's maximum completion length does.
     """
     llm = make_llm(enable_prefix_caching=shared)
     engine = llm.engine
@@ -60,28 +127,90 @@ def rollouts(make_llm, prompt, n: int, shared: bool, max_tokens: int = 24, seed:
     engine.add_observer(watcher)
     engine.keep_trace, engine.trace = True, []
     if shared:
-        params = SamplingParams(n=n, temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens,
+                                ignore_eos=ignore_eos)
         outs = llm.generate([prompt], params, use_tqdm=use_tqdm)
-        completions = [c.token_ids for c in outs[0].outputs]
+        completions = outs[0].outputs
     else:
-        params = [SamplingParams(temperature=temperature, seed=seed + k, max_tokens=max_tokens, ignore_eos=True)
-                  for k in range(n)]
+        params = [SamplingParams(temperature=temperature, top_p=top_p, seed=completion_seed(seed, k),
+                                 max_tokens=max_tokens, ignore_eos=ignore_eos) for k in range(n)]
         outs = llm.generate([prompt] * n, params, use_tqdm=use_tqdm)
-        completions = [o.outputs[0].token_ids for o in outs]
+        completions = [o.outputs[0] for o in outs]
     engine.remove_observer(watcher)
     trace = list(engine.trace)
     engine.keep_trace = False
-    return SharingRun(n, shared, watcher.peak_used_blocks, watcher.peak_table_blocks, watcher.peak_savings_blocks,
-                      engine.block_manager.stats().num_cow_copies, completions, trace)
+    return SharingRun(n, shared, watcher.peak_used_blocks, watcher.table_blocks_at_peak, watcher.peak_table_blocks,
+                      watcher.peak_savings_blocks, engine.block_manager.stats().num_cow_copies,
+                      [c.token_ids for c in completions], trace, [c.text for c in completions],
+                      [c.finish_reason for c in completions], len(outs[0].prompt_token_ids))
+
+
+@dataclass
+class PrefixRequest:
+    """One request of :func:`prefix_cache_run`: what the prefix cache served and what was computed."""
+
+    prompt_len: int
+    looked_up_tokens: int  # prompt tokens the cache was asked about (this request's share of prefix_query_tokens)
+    hit_tokens: int  # prompt tokens served from the cache
+    computed_tokens: int  # prompt tokens the model actually ran (prefill entries of the step records)
+    ttft_seconds: float  # time to first token: from arrival to the first sampled token
+    text: str  # what the model answered
+    stats: object  # the cumulative KVCacheStats after this request
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
+
+
+def prefix_cache_run(llm, prompts, params: SamplingParams | None = None) -> list[PrefixRequest]:
+    """Send ``prompts`` one after another, as chats arriving at a server; one :class:`PrefixRequest` each.
+
+    Each request runs to completion before the next arrives, so a later one can
+    find the earlier ones' full prompt blocks in the prefix cache (if the engine
+    has it on). Hits and lookups come from ``block_manager.stats()`` before and
+    after each request; computed tokens from the step records (what the model
+    ran); the time to first token from the request's own metrics. The default
+    ``params`` generate one greedy token: the time to first token is then the
+    prefill and nothing else.
+    """
+    params = SamplingParams(temperature=0.0, max_tokens=1) if params is None else params
+    engine = llm.engine
+    computed = []
+
+    def count(record) -> None:
+        computed.append(sum(e.num_tokens for e in record.scheduled if e.is_prefill))
+
+    engine.add_observer(count)
+    results = []
+    try:
+        before = engine.block_manager.stats()
+        for prompt in prompts:
+            computed.clear()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            after = engine.block_manager.stats()
+            results.append(PrefixRequest(
+                prompt_len=len(out.prompt_token_ids),
+                looked_up_tokens=after.prefix_query_tokens - before.prefix_query_tokens,
+                hit_tokens=after.prefix_hit_tokens - before.prefix_hit_tokens,
+                computed_tokens=sum(computed),
+                ttft_seconds=out.metrics.time_to_first_token,
+                text=out.outputs[0].text,
+                stats=after,
+            ))
+            before = after
+    finally:
+        engine.remove_observer(count)
+    return results
 
 
 def prefix_cache_demo(llm, system_len: int = 96, num_users: int = 6, question_len: int = 12, max_tokens: int = 8,
                       seed: int = 0, vocab: int = 4000):
-    """Requests sharing one system prompt, sent one after another; returns (prompts, stats after each).
+    """Random-token requests sharing one system prompt, sent one after another; returns (prompts, stats after each).
 
     The first request computes the system prompt; each later one finds its
     full blocks in the prefix cache. ``stats`` is the cumulative
     ``KVCacheStats`` after each request, so the hit rate can be followed.
+    (Any model: the prompts are token ids. :func:`prefix_cache_run` takes real prompts.)
     """
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(system_len)]
