@@ -45,11 +45,10 @@ def run(args) -> dict:
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        prepare_step_inputs(out, bm)
+        prepare_step_inputs(out)
         t2 = clock()
-        seqs, _ = sched.finish_compute(out)
-        k = steps % 2048
-        sched.append_tokens(seqs, tokens[k : k + len(seqs)] if k + len(seqs) <= 4096 else tokens[: len(seqs)], None)
+        n, k = len(out.samples), steps % 2048
+        sched.update(out, tokens[k : k + n] if k + n <= 4096 else tokens[:n])
         t3 = clock()
         t_sched += (t1 - t0) + (t3 - t2)
         t_prep += t2 - t1

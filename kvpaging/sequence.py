@@ -17,8 +17,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
@@ -46,7 +44,6 @@ class Sequence:
     request: Request
     index: int  # which of the request's n completions
     token_ids: list[int]  # prompt followed by generated tokens
-    generator: torch.Generator | None = None
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     output_logprobs: list[float] = field(default_factory=list)
@@ -65,6 +62,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.request.prompt_len :]
+
+    @property
+    def seed(self) -> int | None:
+        """This completion's own sampling seed: the request's for completion 0, one derived from
+        (seed, index) for the others, None when the request has no seed (the engine's generator)."""
+        seed = self.request.params.seed
+        if seed is None or self.index == 0:
+            return seed
+        return hash((seed, self.index)) & 0x7FFF_FFFF_FFFF_FFFF
 
     @property
     def detokenizer(self) -> IncrementalDetokenizer | None:

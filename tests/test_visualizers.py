@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from kvpaging.visualizers import (
     ARTICLE_OUTPUT_LENGTHS,
     ContiguousTraceSim,
@@ -58,14 +57,6 @@ RECORDED_EXTRAS = {"seq_num_tokens": {}, "forked": (), "sampled": (), "arrivals"
 def as_older_engine(records):
     present = {k: v for k, v in RECORDED_EXTRAS.items() if k in {f.name for f in dataclasses.fields(StepRecord)}}
     return [dataclasses.replace(r, **present) for r in records]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 # -- batching: the article's example -------------------------------------------------------------------
