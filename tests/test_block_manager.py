@@ -403,14 +403,16 @@ def test_invariant_checks_still_check_under_python_O():
         if not bm.allocate_sequence("a", 6):
             raise SystemExit("no room")
         bm.check_invariants()
-        bm.pool.blocks[0].ref_cnt += 1  # corrupt the books
-        for check in (bm.check_invariants, bm.pool.check_invariants):
+        for obj, name, check in ((bm.pool.blocks[0], "ref_cnt", bm.check_invariants),
+                                 (bm.pool, "num_filled_slots", bm.pool.check_invariants)):
+            setattr(obj, name, getattr(obj, name) + 1)  # corrupt the books
             try:
                 check()
             except InvariantError as error:
                 print("caught:", error)
             else:
                 raise SystemExit("not caught")
+            setattr(obj, name, getattr(obj, name) - 1)
         sched = Scheduler(bm)
         sched._unforked_extra_seats = 3
         try:
