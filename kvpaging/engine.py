@@ -9,9 +9,9 @@
 One step, one hand-off per stage::
 
     out = scheduler.schedule()            SchedulerOutput: who runs, which tokens, block tables, COW copies,
-                                          which logits row each sampled token reads, seeds
+                                          which sequences sample and from which logits row
     logits = runner.execute(out)          the model's forward over the paged cache (the runner reads `out` only)
-    sampled = sampler(...)                one token per SampleRow
+    sampled = sampler(...)                one token per sampling sequence (its params, its seed)
     result = scheduler.update(out, ...)   computed tokens, prefix cache, appended tokens, stops, freed blocks
     observers.emit(...)                   a StepRecord for the views, metrics and traces (only if someone listens)
 
@@ -254,10 +254,14 @@ class LLMEngine:
         samples = out.samples
         if not samples:
             return SamplerOutput(token_ids=[])
-        if len(samples) != logits.shape[0]:  # n > 1 forks: several completions read one row
-            logits = logits[[s.row for s in samples]]
-        generators = [None if s.seed is None else self._generator(s.seq.seq_id, s.seed) for s in samples]
-        return self.sampler(logits, [s.params for s in samples], generators, self.generator)
+        if out.sample_rows is not None:  # n > 1 forks: several completions read one row
+            logits = logits[out.sample_rows]
+        params = [seq.request.params for seq in samples]
+        generators = None
+        if any(p.seed is not None for p in params):
+            generators = [None if p.seed is None else self._generator(seq.seq_id, seq.seed)
+                          for seq, p in zip(samples, params)]
+        return self.sampler(logits, params, generators, self.generator)
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         """A seeded completion's own generator, made from its seed the first time it samples."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .attention import ATTN_NAME, AttentionMetadata, register_attention
@@ -215,37 +216,35 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     over their tokens (once, to compute slots).
     """
     bs = out.block_size
-    rows: list[int] = []
-    width = 0
+    table_array = out.table_array
+    # one-token sequences first: three appends each; their slots and lengths are computed with numpy
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
+    rows: list[int] = []
     last_index = [0] * len(out.scheduled)  # packed position of each scheduled sequence's last token
     chunks = []
     for k, s in enumerate(out.scheduled):
         if s.num_new_tokens != 1:
             chunks.append((k, s))
             continue
-        start = s.start
-        table = s.block_ids
         last_index[k] = len(input_ids)
-        input_ids.append(s.seq.token_ids[start])
-        positions.append(start)
-        slots.append(table[start // bs] * bs + start % bs)
-        seq_lens.append(start + 1)
+        input_ids.append(s.seq.token_ids[s.start])
+        positions.append(s.start)
         rows.append(s.table_row)
-        if len(table) > width:
-            width = len(table)
     num_decodes = len(input_ids)
+    pos = np.array(positions, dtype=np.int64)
+    # a one-token chunk's position lies in the last block of its table, so its table is pos // bs + 1 long
+    width = int(pos.max()) // bs + 1 if num_decodes else 0
+    slots_parts = [table_array[rows, pos // bs].astype(np.int64) * bs + pos % bs] if num_decodes else []
+    seq_lens = (pos + 1).tolist()
     cu_prefill = [0]
     for k, s in chunks:
         start, end = s.start, s.start + s.num_new_tokens
         table = s.block_ids
         input_ids.extend(s.seq.token_ids[start:end])
-        pos = range(start, end)
-        positions.extend(pos)
-        slots.extend([table[p // bs] * bs + p % bs for p in pos])
+        chunk_pos = range(start, end)
+        positions.extend(chunk_pos)
+        slots_parts.append(np.array([table[p // bs] * bs + p % bs for p in chunk_pos], dtype=np.int64))
         last_index[k] = len(input_ids) - 1
         cu_prefill.append(len(input_ids) - num_decodes)
         seq_lens.append(end)
@@ -253,12 +252,13 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
         if len(table) > width:
             width = len(table)
     logits_indices = [last_index[k] for k, s in enumerate(out.scheduled) if s.sample]
+    slots = np.concatenate(slots_parts) if slots_parts else np.zeros(0, dtype=np.int64)
     # the block manager keeps every table as a row of one array: the step takes its rows in one call
-    block_tables = out.table_array[rows, :width]
+    block_tables = table_array[rows, :width]
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0),
         positions=torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         block_tables=torch.from_numpy(block_tables).to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         prefill_cu_seqlens_q=torch.tensor(cu_prefill, dtype=torch.int32, device=device),

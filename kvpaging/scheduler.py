@@ -33,10 +33,9 @@ import numpy as np
 from .block_manager import BlockManager
 from .config import SCHEDULING, check_choice
 from .errors import InvariantError
-from .sampling_params import SamplingParams
 from .sequence import Request, Sequence, SequenceStatus
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "SampleRow", "UpdateResult"]
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "UpdateResult"]
 
 
 @dataclass(eq=False, slots=True)
@@ -57,16 +56,6 @@ class ScheduledSeq:
     table_row: int = -1
 
 
-@dataclass(eq=False, slots=True)
-class SampleRow:
-    """One token to sample this step: from which logits row, with which parameters and seed."""
-
-    seq: Sequence
-    row: int  # index into the logits of the sampling sequences (forked completions share their parent's)
-    params: SamplingParams
-    seed: int | None  # the completion's own seed (None: the engine's shared generator)
-
-
 @dataclass(eq=False)
 class SchedulerOutput:
     """Everything one step needs, handed from the scheduler to the model runner and the sampler."""
@@ -74,7 +63,12 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledSeq]
     blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs, copied before the forward
-    samples: list[SampleRow] = field(default_factory=list)
+    # the sequences that get a token this step, in order; each samples with its request's SamplingParams and
+    # its own seed (Sequence.seed, a number: None means the engine's shared generator)
+    samples: list[Sequence] = field(default_factory=list)
+    # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
+    # end); None when that is simply row k for sample k, i.e. when no request forked this step
+    sample_rows: list[int] | None = None
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
@@ -90,7 +84,7 @@ class SchedulerOutput:
 class UpdateResult:
     """What ``Scheduler.update`` did with a step's sampled tokens."""
 
-    sampled: list[Sequence]  # sequences that got a token, in sampling order
+    sampled: list[Sequence]  # sequences that got a token, in sampling order (the step's ``samples``)
     finished: list[Sequence]  # of those, the ones that are done (their blocks are freed)
     released_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # finished seq id -> its last table
 
@@ -183,6 +177,7 @@ class Scheduler:
                 n = min(len(seq.token_ids) - start, budget)
                 if not bm.allocate_sequence(seq.seq_id, n, hit):
                     break
+                seq.blocks = bm.get_sequence_blocks(seq.seq_id)
                 self.waiting.popleft()
                 seq.num_computed_tokens = start
                 seq.status = SequenceStatus.RUNNING
@@ -205,12 +200,13 @@ class Scheduler:
         end = start + n
         # A prompt or recompute chunk: it brings several tokens, yields no token, or still holds prompt
         # tokens (the last chunk of a prompt may be a single token; that is still prefill, not a decode).
-        is_prefill = n > 1 or end < len(seq.token_ids) or start < seq.prompt_len
-        table = self.bm.get_sequence_blocks(seq.seq_id)
-        return ScheduledSeq(seq, start, n, end == len(seq.token_ids), is_prefill, table.block_ids, table.row)
+        num_tokens = len(seq.token_ids)
+        is_prefill = n > 1 or end < num_tokens or start < seq.prompt_len
+        table = seq.blocks
+        return ScheduledSeq(seq, start, n, end == num_tokens, is_prefill, table.block_ids, table.row)
 
     def _plan_samples(self, out: SchedulerOutput) -> None:
-        """Which logits row each sampled token comes from, forking n > 1 requests whose prompt completes now.
+        """Which sequences sample a token, forking n > 1 requests whose prompt completes now.
 
         The n completions of a request share its prompt's blocks from the step that
         computes the prompt's last token: the children get the parent's block table
@@ -218,30 +214,39 @@ class Scheduler:
         running list at the end of the step's schedule, so nothing in this step can
         preempt them, and they are computed from the next step on.
         """
-        row = -1
         samples = out.samples
+        rows = None  # stays None while sample k reads row k
+        row = -1
         for s in out.scheduled:
             if not s.sample:
                 continue
-            row += 1
             seq = s.seq
-            samples.append(SampleRow(seq, row, seq.request.params, seq.seed))
+            row += 1
+            samples.append(seq)
+            if rows is not None:
+                rows.append(row)
             request = seq.request
             if request.params.n > 1 and not request.forked:
+                if rows is None:
+                    rows = list(range(len(samples)))
                 request.forked = True
                 self._unforked_extra_seats -= request.params.n - 1
                 for index in range(1, request.params.n):
                     child = self.new_sequence(request, index, list(seq.token_ids))
                     self.bm.fork(seq.seq_id, child.seq_id)
+                    child.blocks = self.bm.get_sequence_blocks(child.seq_id)
                     child.num_computed_tokens = len(seq.token_ids)  # true once this step's forward is done
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
                     out.forked.append((seq.seq_id, child.seq_id))
-                    samples.append(SampleRow(child, row, request.params, child.seed))
+                    samples.append(child)
+                    rows.append(row)
+        out.sample_rows = rows
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
         self.bm.free(seq.seq_id)
+        seq.blocks = None
         self._unforked_extra_seats -= _seats(seq) - 1
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -269,17 +274,16 @@ class Scheduler:
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, computed)
         bm.copies_made()
 
-        result = UpdateResult([], [])
+        result = UpdateResult(out.samples, [])
         finished = result.finished
         eos_ids = self.eos_token_ids
-        for j, sample in enumerate(out.samples):
-            seq = sample.seq
+        max_model_len = self.max_model_len
+        for j, seq in enumerate(out.samples):
             token = token_ids[j]
             seq.token_ids.append(token)
-            result.sampled.append(seq)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
-            params = sample.params
+            params = seq.request.params
             if token in eos_ids and not params.ignore_eos:
                 status = SequenceStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:
@@ -288,8 +292,7 @@ class Scheduler:
             elif params.stop and seq.detokenizer.update(seq.output_token_ids) is not None:
                 status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
                 seq.stop_reason = seq.detokenizer.stop_reason
-            elif len(seq.token_ids) - seq.request.prompt_len >= params.max_tokens or \
-                    len(seq.token_ids) >= self.max_model_len:
+            elif len(seq.token_ids) - seq.prompt_len >= params.max_tokens or len(seq.token_ids) >= max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             else:
                 continue
@@ -323,6 +326,7 @@ class Scheduler:
         seq.status = status
         if self.bm.has_sequence(seq.seq_id):
             self.bm.free(seq.seq_id)
+            seq.blocks = None
         if was is SequenceStatus.RUNNING:
             self._unforked_extra_seats -= _seats(seq) - 1
         if remove:

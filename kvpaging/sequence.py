@@ -49,19 +49,22 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    # the block manager's live record of this sequence's table (block ids, row in its table array) while it
+    # holds blocks: the scheduler reads it instead of looking the table up every step. Read only.
+    blocks: object | None = field(default=None, repr=False)
+    prompt_len: int = field(init=False)  # the request's, kept here: read in every step's hot loop
     _detokenizer: IncrementalDetokenizer | None = None
 
-    @property
-    def prompt_len(self) -> int:
-        return self.request.prompt_len
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.request.prompt_len
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.request.prompt_len :]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def seed(self) -> int | None:

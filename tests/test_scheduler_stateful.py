@@ -224,7 +224,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if failing is not None:  # the forward or the sampler raised: the engine fails the step
                 self._fail(out)
                 continue
-            seqs = [sample.seq for sample in out.samples]
+            seqs = list(out.samples)
             tokens = [rng.choice(SAMPLED_TOKENS) for _ in seqs]
             expected = set()
             for seq, token in zip(seqs, tokens):
@@ -251,13 +251,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Every sampled token reads the logits row of a sequence that reached its end; n > 1 requests
         whose prompt completes in this step fork now, their completions reading the parent's row."""
         sampling = [s.seq for s in out.scheduled if s.sample]
-        rows = [sample.row for sample in out.samples]
+        rows = list(range(len(out.samples))) if out.sample_rows is None else out.sample_rows
+        assert len(rows) == len(out.samples)
+        assert (out.sample_rows is None) == (not out.forked), "explicit rows exactly when a request forked"
         assert sorted(set(rows)) == list(range(len(sampling))), "every logits row is read"
         assert rows == sorted(rows)
-        for sample in out.samples:
-            assert sample.params is sample.seq.request.params and sample.seed == sample.seq.seed
         for row, parent in enumerate(sampling):
-            readers = [sample.seq for sample in out.samples if sample.row == row]
+            readers = [seq for seq, r in zip(out.samples, rows) if r == row]
             assert readers[0] is parent
             req = parent.request
             if before.get(req.request_id, 1) < req.params.n:  # forked in this very step
