@@ -5,8 +5,16 @@ serving; only the forward pass and sampler are replaced by random next tokens.
 Prints microseconds per sequence-step, split into scheduling/bookkeeping and
 input preparation.
 
+``--nano-vllm PATH`` also drives nano-vllm's Scheduler and BlockManager (from a
+checkout of https://github.com/GeeeekExplorer/nano-vllm at PATH; nothing of it is
+part of kvpaging) through the same workload in the same process, and prints the
+ratio. nano-vllm's input preparation builds CUDA tensors and cannot run on a CPU,
+so its figure is scheduler + block manager only, while kvpaging's is given both
+with and without input preparation. Its BlockManager needs ``pip install xxhash``.
+
     python benchmarks/host_overhead.py
     python benchmarks/host_overhead.py --block-size 256 --no-prefix-caching
+    python benchmarks/host_overhead.py --nano-vllm /path/to/nano-vllm
 """
 
 from __future__ import annotations
@@ -45,11 +53,10 @@ def run(args) -> dict:
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        prepare_step_inputs(out, bm)
+        prepare_step_inputs(out)
         t2 = clock()
-        seqs, _ = sched.finish_compute(out)
-        k = steps % 2048
-        sched.append_tokens(seqs, tokens[k : k + len(seqs)] if k + len(seqs) <= 4096 else tokens[: len(seqs)], None)
+        n, k = len(out.samples), steps % 2048
+        sched.update(out, tokens[k : k + n] if k + n <= 4096 else tokens[:n])
         t3 = clock()
         t_sched += (t1 - t0) + (t3 - t2)
         t_prep += t2 - t1
@@ -59,6 +66,50 @@ def run(args) -> dict:
     return {"steps": steps, "seq_steps": seq_steps, "sched_us": t_sched / seq_steps * 1e6,
             "prep_us": t_prep / seq_steps * 1e6, "preemptions": sched.num_preemptions,
             "hit_rate": bm.stats().prefix_cache_hit_rate}
+
+
+def run_nano_vllm(args, path: str) -> dict:
+    """nano-vllm's Scheduler + BlockManager on the same workload (sampled tokens replaced as for kvpaging).
+
+    Its package ``__init__`` imports the model code (CUDA, flash-attn), so the package
+    is registered by hand and only the engine modules are imported from ``path``."""
+    import sys
+    import types
+    from pathlib import Path
+
+    if "nanovllm" not in sys.modules:
+        package = types.ModuleType("nanovllm")
+        package.__path__ = [str(Path(path) / "nanovllm")]
+        sys.modules["nanovllm"] = package
+    from nanovllm.engine.scheduler import Scheduler as NanoScheduler
+    from nanovllm.engine.sequence import Sequence as NanoSequence
+    from nanovllm.sampling_params import SamplingParams as NanoParams
+
+    rng = random.Random(args.seed)
+    longest = 2 * 1024 + 1
+    NanoSequence.block_size = args.block_size
+    num_blocks = args.max_num_seqs * (-(-longest // args.block_size)) + 16
+    config = types.SimpleNamespace(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   eos=-1, kvcache_block_size=args.block_size, num_kvcache_blocks=num_blocks)
+    sched = NanoScheduler(config)
+    system = [rng.randrange(32000) for _ in range(args.shared_prefix)]
+    for _ in range(args.requests):  # the same draws, in the same order, as run()
+        p = rng.randint(100, 1024)
+        prompt = (system + [rng.randrange(32000) for _ in range(p)])[:p]
+        sched.add(NanoSequence(prompt, NanoParams(max_tokens=rng.randint(100, 1024), ignore_eos=True)))
+    tokens = [rng.randrange(32000) for _ in range(4096)]
+    t_sched = 0.0
+    seq_steps = steps = 0
+    clock = time.perf_counter
+    while not sched.is_finished():
+        t0 = clock()
+        seqs, is_prefill = sched.schedule()
+        n, k = len(seqs), steps % 2048
+        sched.postprocess(seqs, tokens[k : k + n] if k + n <= 4096 else tokens[:n], is_prefill)
+        t_sched += clock() - t0
+        seq_steps += len(seqs)
+        steps += 1
+    return {"steps": steps, "seq_steps": seq_steps, "sched_us": t_sched / seq_steps * 1e6}
 
 
 def main() -> None:
@@ -71,6 +122,7 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nano-vllm", default=None, metavar="PATH", help="a checkout of nano-vllm to compare with")
     args = ap.parse_args()
     runs = [run(args) for _ in range(args.repeats + 1)][1:]  # the first run warms up
     r = runs[0]
@@ -83,6 +135,13 @@ def main() -> None:
     print(f"scheduler + block manager: {sched:.3f} us per sequence-step")
     print(f"input preparation:         {prep:.3f} us per sequence-step")
     print(f"total host overhead:       {sched + prep:.3f} us per sequence-step (median of {args.repeats})")
+    if args.nano_vllm:
+        nano_runs = [run_nano_vllm(args, args.nano_vllm) for _ in range(args.repeats + 1)][1:]
+        nano = statistics.median(x["sched_us"] for x in nano_runs)
+        print(f"nano-vllm scheduler + block manager: {nano:.3f} us per sequence-step (median of {args.repeats}; "
+              f"steps={nano_runs[0]['steps']} sequence-steps={nano_runs[0]['seq_steps']})")
+        print(f"kvpaging / nano-vllm: {sched / nano:.2f}x without input preparation, "
+              f"{(sched + prep) / nano:.2f}x with it")
 
 
 if __name__ == "__main__":

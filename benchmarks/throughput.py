@@ -1,21 +1,24 @@
 """End-to-end throughput: kvpaging vs transformers' static generate() vs transformers' continuous batching.
 
-One process, one fixed workload (random prompt and output lengths, ignore_eos),
-the same random-weight model for all three (built three times from one seed, so
-each engine gets its own copy and none can change another's attention setup).
-Reports *useful* output tokens per second: static batching must run every
-member of a batch as long as its longest one, and the tokens it generates past
-a request's own length are not counted.
+One process, one fixed workload, the same model for all three (loaded once per
+engine from the same weights, so each engine gets its own copy). Reports *useful*
+output tokens per second: static batching runs every member of a batch until the
+batch's last one is done, and what it generates past a request's own end is not
+counted. All three engines run the model's own layers (``--cpu-fast-layers`` gives
+kvpaging and static generate() the same faster CPU layers), so the ratio measures
+scheduling and paging, not a different matrix library.
 
-On a CPU kvpaging runs the model's linear layers with oneDNN and its RMSNorms in
-one C pass during its steps (``kvpaging.cpu_layers``); transformers runs the
-model's own layers. ``--static-cpu-layers`` adds a run of static ``generate()``
-with the same layers, and ``--cpu-layers off`` runs kvpaging without them, so the
-part of the ratio that comes from faster layers can be read off apart from the
-part that comes from scheduling.
+Two workloads:
 
-    python benchmarks/throughput.py                 # CPU default: tiny Qwen3, 48 requests
-    python benchmarks/throughput.py --threads 1 --repeats 3 --static-cpu-layers
+* ``--model smollm2`` (what users run): the trained chat model answering real chat
+  prompts (``serving.make_chat_workload``), every request stopping at its own
+  ``<|im_end|>`` (natural lengths, no ignore_eos), greedy, so every engine produces
+  the same tokens;
+* ``--model tiny`` (default) or a shipped shape (``Qwen3-0.6B``): random weights,
+  random prompt and output lengths, ignore_eos.
+
+    python benchmarks/throughput.py --model smollm2 --requests 48 --repeats 3
+    python benchmarks/throughput.py --threads 1 --repeats 3             # tiny Qwen3, 48 requests
     python benchmarks/throughput.py --device cuda --model Qwen3-0.6B --requests 256 --dtype bfloat16
 """
 
@@ -25,7 +28,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 import transformers
@@ -33,7 +35,8 @@ import transformers
 import kvpaging
 from kvpaging.kernels.cpu.layers import onednn_usable
 from kvpaging.kernels import cpu_backend
-from kvpaging.models import real_shaped, tiny
+from kvpaging.models import load_trained_model, real_shaped, tiny
+from kvpaging.trained import trained_path
 from kvpaging.teach import serving
 from kvpaging.teach.serving import Workload
 
@@ -41,6 +44,9 @@ TINY = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention
 
 
 def build(args):
+    """The model for one engine: a fresh copy each time, identical weights."""
+    if args.model == "smollm2":
+        return load_trained_model("smollm2", dtype=getattr(torch, args.dtype), device=args.device)
     dtype = getattr(torch, args.dtype)
     if args.model == "tiny":
         model = tiny("qwen3", seed=0, dtype=dtype, **TINY)
@@ -66,7 +72,9 @@ def run_continuous_batching(model, work: Workload, args) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="'tiny' or a shipped config name, e.g. Qwen3-0.6B")
+    ap.add_argument("--model", default="tiny",
+                    help="'smollm2' (the trained chat model, real prompts, natural stopping), 'tiny', or a shipped "
+                         "config name, e.g. Qwen3-0.6B")
     ap.add_argument("--layers", type=int, default=None, help="truncate a real-shaped model to this many layers")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -104,13 +112,22 @@ def main() -> None:
     # one run each per round: a machine that speeds up or slows down during the benchmark
     # moves every engine alike instead of favouring whichever ran in the fast stretch
     models = {name: build(args) for name in engines}
-    work = serving.make_workload(args.requests, next(iter(models.values())).config.vocab_size,
-                                 (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), seed=args.seed)
+    if args.model == "smollm2":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(trained_path("smollm2"))
+        work = serving.make_chat_workload(tokenizer, args.requests, max_tokens=args.max_output)
+    else:
+        work = serving.make_workload(args.requests, next(iter(models.values())).config.vocab_size,
+                                     (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
+                                     seed=args.seed)
     rates = {name: [] for name in engines}
+    useful_tokens = {name: set() for name in engines}
     for _ in range(args.repeats):
         for name, fn in engines.items():
             elapsed, useful = fn(models[name], work, args)
             rates[name].append(useful / elapsed)
+            useful_tokens[name].add(useful)
     results = {name: statistics.median(r) for name, r in rates.items()}
     del models
 
@@ -125,14 +142,20 @@ def main() -> None:
     if args.cpu_fast_layers:
         layers = f"oneDNN linears: {onednn_usable()}, one-pass C RMSNorms: {cpu_backend.available()}"
     print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")
-    print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
-          f"({work.num_prompt_tokens} tokens), outputs {args.min_output}-{args.max_output} "
-          f"({work.num_output_tokens} useful tokens), "
-          f"model {args.model}")
+    if work.stop_at_eos:
+        print(f"workload: {args.requests} chat requests of the trained model, prompts "
+              f"{min(len(p) for p, _ in work.requests)}-{work.max_prompt} tokens ({work.num_prompt_tokens} in all), "
+              f"greedy, each stopping at its own EOS or after {args.max_output} tokens; model {args.model}")
+    else:
+        print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
+              f"({work.num_prompt_tokens} tokens), outputs {args.min_output}-{args.max_output} "
+              f"({work.num_output_tokens} useful tokens), model {args.model}")
     base = results.get("transformers generate() (static)")
     for name, rate in results.items():
         ratio = f"  ({rate / base:.2f}x static generate)" if base else ""
-        print(f"{name:36s} {rate:10.1f} useful tokens/s{ratio}")
+        runs = ", ".join(f"{r:.0f}" for r in rates[name])
+        tokens = "/".join(str(u) for u in sorted(useful_tokens[name]))
+        print(f"{name:36s} {rate:10.1f} useful tokens/s{ratio}   [{tokens} useful tokens; runs: {runs}]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "tokens_per_s": results}, f, indent=2)

@@ -23,7 +23,7 @@ from .engine import LLMEngine, StepRecord
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SamplerOutput, make_generator
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .config import EngineConfig
 from .errors import DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError
@@ -44,6 +44,7 @@ __all__ = [
     "EngineConfig",
     "RequestFailedError",
     "SamplingParams",
+    "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
     "RequestMetrics",

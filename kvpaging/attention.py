@@ -22,14 +22,13 @@ falls back to transformers' own SDPA attention, so the model keeps working as be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 ATTN_NAME = "kvpaging"
 CALIBRATION_KWARG = "kvpaging_calibration"  # a dict layer -> (k amax, v amax) per KV head, filled in place
 
-__all__ = ["AttentionMetadata", "register_attention", "get_backend", "ATTN_NAME"]
+__all__ = ["AttentionMetadata", "register_attention", "ATTN_NAME"]
 
 
 @dataclass(eq=False)
@@ -43,26 +42,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens each belong to a different one-token sequence
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer FP8 scales, or (None, None)
-    backend: ModuleType  # a module with store_kv / paged_decode_attention / paged_prefill_attention
-
-
-def get_backend(name: str) -> ModuleType:
-    """The module whose kernels serve attention: the torch reference or the Triton kernels."""
-    if name == "torch":
-        from .kernels import torch_backend
-
-        return torch_backend
-    if name == "cpu":
-        from .kernels import cpu_backend
-
-        if not cpu_backend.available():
-            raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_backend.unavailable_reason()}")
-        return cpu_backend
-    if name == "triton":
-        from . import kernels
-
-        return kernels
-    raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {name!r}")
+    backend: object  # an AttentionBackend (kernels/backends.py): store_kv, paged_*_attention, copy_blocks
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -17,8 +17,10 @@ The life of a sequence, as the scheduler drives it::
     bm.free(seq_id)                                 # finished, aborted or preempted
 
 Only this class changes block tables and reference counts. Copy-on-write copies
-it decides on are queued as ``(src, dst)`` block-id pairs; the model runner takes
-them with :meth:`take_blocks_to_copy` and copies the KV data before the forward.
+it decides on are queued as ``(src, dst)`` block-id pairs; the scheduler hands
+them to the model runner (:meth:`blocks_to_copy`), which copies the KV data before
+the forward, and reports them done after it (:meth:`copies_made`): until then a
+source block whose last owner let go is held out of the free queue.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .block_pool import BlockPool, KVBlock
-from .errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
+from .config import check_bool, check_int
+from .errors import DuplicateSequenceError, InvariantError, SequenceNotFoundError, SequenceTooLongError
 
 __all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "SequenceBlocks", "default_block_hash"]
 
@@ -157,8 +160,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_fn: Callable[[int | None, tuple[int, ...]], int] = default_block_hash,
     ) -> None:
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.num_blocks = num_blocks
@@ -294,7 +296,7 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise DuplicateSequenceError(f"sequence {seq_id!r} already holds blocks")
-        _check_count("num_new_tokens", num_new_tokens, minimum=1)
+        check_int("num_new_tokens", num_new_tokens, 1)
         pool = self.pool
         hit = prefix_hit.blocks
         for block, h in zip(hit, prefix_hit.block_hashes):
@@ -336,18 +338,16 @@ class BlockManager:
         last = st.blocks[-1] if st.blocks else None
         if num_new_tokens == 1 and n % bs and last is not None and last.ref_cnt == 1:
             # The common decode step: one more token in an unshared, unfilled last block.
-            last.num_filled += 1
-            self.pool.num_filled_slots += 1
+            self.pool.fill(last, 1)
             st.num_tokens = n + 1
             return True
-        _check_count("num_new_tokens", num_new_tokens, minimum=1)
+        check_int("num_new_tokens", num_new_tokens, 1)
         total = n + num_new_tokens
         self._check_fits(seq_id, total)
         cow = 1 if (n % bs and last is not None and last.ref_cnt > 1) else 0
         if self.num_blocks_for(total) - len(st.blocks) + cow > self.pool.free_queue.num_free_blocks:
             return False
         if cow:
-            assert last is not None
             self._copy_on_write(st, last)
         self._grow(st, num_new_tokens)
         return True
@@ -355,10 +355,9 @@ class BlockManager:
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
         copy = pool.get_new_block()
-        copy.num_filled = shared.num_filled
-        pool.num_filled_slots += copy.num_filled
+        pool.fill(copy, shared.num_filled)
         pool.free_block(shared)  # one owner fewer; it stays with the others
-        pool.hold_on_free.add(shared.block_id)  # until copied, it must not become another copy's destination
+        pool.hold_until_copied(shared)  # until copied, it must not be handed out again
         st.blocks[-1] = copy
         st.block_ids[-1] = copy.block_id
         self._tables.set(st.row, len(st.block_ids) - 1, copy.block_id)
@@ -373,13 +372,11 @@ class BlockManager:
         if st.num_tokens % bs:
             last = st.blocks[-1]
             room = min(bs - last.num_filled, remaining)
-            last.num_filled += room
-            pool.num_filled_slots += room
+            pool.fill(last, room)
             remaining -= room
         while remaining > 0:
             block = pool.get_new_block()
-            block.num_filled = min(bs, remaining)
-            pool.num_filled_slots += block.num_filled
+            pool.fill(block, min(bs, remaining))
             remaining -= block.num_filled
             st.blocks.append(block)
             st.block_ids.append(block.block_id)
@@ -416,11 +413,17 @@ class BlockManager:
         self._num_table_blocks -= len(st.blocks)
         self._tables.release_row(st.row, len(st.blocks))
 
-    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
-        """The copy-on-write (src, dst) pairs decided since the last call; the runner copies them."""
-        pairs, self._blocks_to_copy = self._blocks_to_copy, []
+    def blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) pairs decided since the last ``copies_made()``; changes nothing.
+
+        The model runner copies them before the forward pass that writes into the copies."""
+        return list(self._blocks_to_copy)
+
+    def copies_made(self) -> None:
+        """The pending copies are done (or their step failed): forget them, and let the sources
+        that were held back for them go to the free queue."""
+        self._blocks_to_copy.clear()
         self.pool.release_held()
-        return pairs
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
@@ -442,37 +445,33 @@ class BlockManager:
             )
 
     def check_invariants(self) -> None:
-        """Check every table against the pool (tests only: O(blocks + table entries))."""
+        """Check every table against the pool; raise InvariantError on any inconsistency (tests only)."""
         pool = self.pool
         pool.check_invariants()
         owners: dict[int, int] = {}
         for seq_id, st in self._seqs.items():
-            assert st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync"
+            _check(st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
             row = self._tables.array[st.row]
-            assert row[: len(st.block_ids)].tolist() == st.block_ids, f"{seq_id!r}: table_array row out of sync"
-            assert not row[len(st.block_ids) :].any(), f"{seq_id!r}: table_array row not zero-padded"
-            assert len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks"
-            assert len(st.block_hashes) <= st.num_tokens // self.block_size
+            _check(row[: len(st.block_ids)].tolist() == st.block_ids, f"{seq_id!r}: table_array row out of sync")
+            _check(not row[len(st.block_ids) :].any(), f"{seq_id!r}: table_array row not zero-padded")
+            _check(len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks")
+            _check(len(st.block_hashes) <= st.num_tokens // self.block_size, f"{seq_id!r}: hashes of unfilled blocks")
             for i, block in enumerate(st.blocks):
-                assert pool.blocks[block.block_id] is block
+                _check(pool.blocks[block.block_id] is block, f"{seq_id!r} block {i} is not the pool's")
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
                 expected_fill = min(self.block_size, st.num_tokens - i * self.block_size)
-                assert block.num_filled == expected_fill, (
-                    f"{seq_id!r} block {i} (id {block.block_id}) holds {block.num_filled}, expected {expected_fill}"
-                )
+                _check(block.num_filled == expected_fill,
+                       f"{seq_id!r} block {i} (id {block.block_id}) holds {block.num_filled}, expected {expected_fill}")
             if self.enable_prefix_caching:
                 for i, h in enumerate(st.block_hashes):
                     b = st.blocks[i]
-                    assert b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch"
+                    _check(b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch")
         for block in pool.blocks:
-            assert block.ref_cnt == owners.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables"
-            )
-        assert self._num_table_blocks == sum(len(st.blocks) for st in self._seqs.values())
+            _check(block.ref_cnt == owners.get(block.block_id, 0),
+                   f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
+        _check(self._num_table_blocks == sum(len(st.blocks) for st in self._seqs.values()), "table block count")
 
 
-def _check_count(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)

@@ -29,16 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .config import check_block_size as validate_block_size
+from .config import check_int
+from .errors import InvariantError
+
 __all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "validate_block_size"]
-
-
-def validate_block_size(block_size: object) -> int:
-    """Return ``block_size`` if it is a power of two from 1 to 256, else raise ValueError."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise ValueError(f"block_size must be an int, got {block_size!r}")
-    if not (1 <= block_size <= 256) or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
-    return block_size
 
 
 @dataclass(eq=False)
@@ -82,7 +77,6 @@ class FreeBlockQueue:
     def append(self, block: KVBlock) -> None:
         """Put a freed block at the tail: it will be reused last."""
         last = self._tail.prev_free
-        assert last is not None
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail
@@ -126,10 +120,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
-            raise ValueError(f"num_blocks must be an int, got {num_blocks!r}")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        check_int("num_blocks", num_blocks, 1)
         self.block_size = validate_block_size(block_size)
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -141,10 +132,10 @@ class BlockPool:
         self.num_cached_free_blocks = 0  # cached blocks sitting in the free queue
         self.num_filled_slots = 0  # slots holding a token, over blocks in use
         self.num_evictions = 0
-        # Copy sources the runner has not copied yet: if their last owner lets go in the
-        # same step (a preemption), they must not be handed out as another copy's
-        # destination before they are read. They wait in _held until release_held().
-        self.hold_on_free: set[int] = set()
+        # Copy sources the runner has not copied yet: if their last owner lets go before the
+        # copy is made (a preemption in the same step), they must not be handed out again
+        # before they are read. They wait in _held until release_held().
+        self._hold_on_free: set[int] = set()
         self._held: list[KVBlock] = []
 
     # -- figures -----------------------------------------------------------
@@ -172,10 +163,20 @@ class BlockPool:
         block.num_filled = 0
         return block
 
+    def fill(self, block: KVBlock, num_slots: int) -> None:
+        """``num_slots`` more of an owned block's slots now hold a token (the pool's fill counter follows)."""
+        block.num_filled += num_slots
+        self.num_filled_slots += num_slots
+
+    def hold_until_copied(self, block: KVBlock) -> None:
+        """``block`` is the source of a pending copy: should its last owner free it before the copy is
+        made, it waits outside the free queue until ``release_held()``."""
+        self._hold_on_free.add(block.block_id)
+
     def touch(self, block: KVBlock) -> None:
         """Add one owner to ``block``; a free (cached) block leaves the free queue."""
         if block.ref_cnt == 0:
-            if block.prev_free is None:  # held back for a pending copy (see hold_on_free)
+            if block.prev_free is None:  # held back for a pending copy (see hold_until_copied)
                 self._held.remove(block)
             else:
                 self.free_queue.remove(block)
@@ -191,7 +192,7 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self.num_filled_slots -= block.num_filled
-            if block.block_id in self.hold_on_free:
+            if block.block_id in self._hold_on_free:
                 self._held.append(block)
             else:
                 self._enqueue_free(block)
@@ -202,9 +203,9 @@ class BlockPool:
         self.free_queue.append(block)
 
     def release_held(self) -> None:
-        """Copies have been handed to the runner: blocks held back for them become free for real."""
+        """The pending copies are made: blocks held back for them become free for real."""
         held, self._held = self._held, []
-        self.hold_on_free.clear()
+        self._hold_on_free.clear()
         for block in held:
             self._enqueue_free(block)
 
@@ -251,7 +252,6 @@ class BlockPool:
         return True
 
     def _uncache(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
         del self.cached_blocks[block.block_hash]
         block.block_hash = None
         block.token_ids = None
@@ -268,23 +268,30 @@ class BlockPool:
 
     # -- checking ------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Scan everything and raise AssertionError on any inconsistency (tests only: O(num_blocks))."""
+        """Scan everything and raise InvariantError on any inconsistency (tests only: O(num_blocks))."""
         free_ids = [b.block_id for b in self.free_queue]
-        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt"
+        _check(len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt")
         free = set(free_ids) | {b.block_id for b in self._held}
         for block in self.blocks:
-            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            assert (block.ref_cnt == 0) == (block.block_id in free), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free}"
-            )
-            assert 0 <= block.num_filled <= self.block_size
+            _check(block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}")
+            _check((block.ref_cnt == 0) == (block.block_id in free),
+                   f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free}")
+            _check(0 <= block.num_filled <= self.block_size, f"block {block.block_id} holds {block.num_filled}")
             if block.block_hash is not None:
-                assert self.cached_blocks.get(block.block_hash) is block, f"block {block.block_id} hash not indexed"
-                assert block.token_ids is not None and len(block.token_ids) == self.block_size
-                assert block.num_filled == self.block_size
+                _check(self.cached_blocks.get(block.block_hash) is block, f"block {block.block_id} hash not indexed")
+                _check(block.token_ids is not None and len(block.token_ids) == self.block_size,
+                       f"cached block {block.block_id} does not hold a full block of tokens")
+                _check(block.num_filled == self.block_size, f"cached block {block.block_id} is not full")
         for h, block in self.cached_blocks.items():
-            assert block.block_hash == h
-        assert self.num_used_blocks + self.num_free_blocks == self.num_blocks
-        assert all(b.ref_cnt == 0 and b.block_id in self.hold_on_free for b in self._held)
-        assert self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None)
-        assert self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0)
+            _check(block.block_hash == h, f"block {block.block_id} indexed under another hash")
+        _check(self.num_used_blocks + self.num_free_blocks == self.num_blocks, "used + free != all blocks")
+        _check(all(b.ref_cnt == 0 and b.block_id in self._hold_on_free for b in self._held), "held block not held")
+        _check(self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None),
+               "num_cached_free_blocks out of step")
+        _check(self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0),
+               "num_filled_slots out of step")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)

@@ -26,7 +26,8 @@ from .kv_math import kv_bytes_per_token
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["EngineConfig", "check_int", "check_bool", "ATTENTION_BACKENDS", "DEFAULT_CPU_KV_CACHE_BYTES"]
+__all__ = ["EngineConfig", "check_int", "check_bool", "check_block_size", "check_choice", "ATTENTION_BACKENDS",
+           "DEFAULT_CPU_KV_CACHE_BYTES"]
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SCHEDULING = ("continuous", "static")
@@ -59,7 +60,7 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def _check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value, choices) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
 
@@ -111,9 +112,9 @@ class EngineConfig:
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        _check_choice("scheduling", self.scheduling, SCHEDULING)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("scheduling", self.scheduling, SCHEDULING)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_bool("enforce_eager", self.enforce_eager)
         check_int("seed", self.seed, 0)
         u = self.gpu_memory_utilization

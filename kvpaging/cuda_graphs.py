@@ -26,7 +26,6 @@ import logging
 
 import torch
 
-from .attention import ATTN_NAME, AttentionMetadata
 
 logger = logging.getLogger("kvpaging")
 
@@ -73,26 +72,9 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def _forward(self, size: int) -> torch.Tensor:
-        r = self.runner
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            prefill_cu_seqlens_q=self._no_prefill,
-            num_decodes=size,
-            kv_caches=r.kv_caches,
-            kv_scales=r.kv_scales,
-            backend=r.backend,
-        )
-        out = r.model(
-            input_ids=self.input_ids[:, :size],
-            position_ids=self.positions[:, :size],
-            attention_mask=r._placeholder_mask,
-            use_cache=False,
-            logits_to_keep=0,
-            **{ATTN_NAME: meta},
-        )
-        return out.logits
+        return self.runner.forward(self.input_ids[:, :size], self.positions[:, :size], self.slot_mapping[:size],
+                                   self.block_tables[:size], self.seq_lens[:size], self._no_prefill, size,
+                                   logits_to_keep=0)
 
     def padded_size(self, batch: int) -> int | None:
         """The smallest captured size that holds ``batch`` rows, or None if the batch is too large."""

@@ -1,6 +1,7 @@
 """Exceptions with names that say what went wrong. The ones about bad input are ValueErrors."""
 
-__all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError", "RequestFailedError"]
+__all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError", "RequestFailedError",
+           "InvariantError"]
 
 
 class SequenceNotFoundError(ValueError):
@@ -29,3 +30,11 @@ class RequestFailedError(RuntimeError):
         super().__init__(message)
         self.outputs = outputs
         self.failed = failed
+
+
+class InvariantError(AssertionError):
+    """The books disagree: a ``check_invariants()`` scan found an inconsistency (a bug in kvpaging).
+
+    Raised explicitly rather than with ``assert``, so the checks the tests rely on
+    still run under ``python -O``.
+    """

@@ -58,7 +58,10 @@ def teacher_forced_logits(llm, token_ids: list[int], chunk_size: int = 64) -> to
             ok = bm.allocate_sequence(seq.seq_id, n) if start == 0 else bm.append_slots(seq.seq_id, n)
             if not ok:
                 raise ValueError(f"the pool has no room for a {len(token_ids)}-token sequence")
-            out = SchedulerOutput(step=0, scheduled=[ScheduledSeq(seq, start, n, True)], blocks_to_copy=[])
+            table = bm.get_sequence_blocks(seq.seq_id)
+            chunk = ScheduledSeq(seq, start, n, True, True, table.block_ids, table.row)
+            out = SchedulerOutput(step=0, scheduled=[chunk], blocks_to_copy=[], table_array=bm.table_array,
+                                  block_size=bm.block_size)
             rows.append(runner.execute(out, all_positions=True))
     finally:
         if bm.has_sequence(seq.seq_id):

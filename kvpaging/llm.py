@@ -138,16 +138,19 @@ class LLM:
         """Run every prompt to completion and return their outputs in the order given.
 
         Every prompt is checked before any is queued: a bad one leaves the engine untouched.
+        The engine must be idle (no request added by hand still unfinished). If requests
+        failed in the model's forward pass, ``RequestFailedError`` is raised once the
+        batch is done, with every output attached (see ``LLMEngine.run_batch``).
         """
         prompts, params = normalize_batch(prompts, sampling_params)
-        request_ids = self.engine.add_requests(prompts, params, prefix="gen-")
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
         try:
-            return self.engine.run_to_completion(request_ids, on_finish=None if bar is None else lambda _: bar.update(1))
+            return self.engine.run_batch(prompts, params, prefix="gen-",
+                                         on_finish=None if bar is None else lambda _: bar.update(1))
         finally:
             if bar is not None:
                 bar.close()

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import ATTN_NAME, AttentionMetadata, get_backend, register_attention
-from .block_manager import BlockManager
+from .attention import ATTN_NAME, AttentionMetadata, register_attention
 from .config import EngineConfig
+from .kernels.backends import get_backend
 from .kernels.cpu.layers import FastLayers
 from .models import private_copy
 from .scheduler import SchedulerOutput
@@ -64,15 +64,13 @@ def check_model_supported(model) -> None:
 class ModelRunner:
     """Runs the engine's private copy of the model, one packed forward pass per step, over the paged KV cache."""
 
-    def __init__(self, model, block_manager: BlockManager, config: EngineConfig,
-                 calibration_tokens: list[list[int]] | None = None) -> None:
+    def __init__(self, model, config: EngineConfig, calibration_tokens: list[list[int]] | None = None) -> None:
         if not config.is_resolved:
             raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
         check_model_supported(model)
         self.model = private_copy(model).eval()
         model = self.model
-        self.bm = block_manager
-        self.block_size = block_manager.block_size
+        self.block_size = config.block_size
         config_hf = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -81,8 +79,8 @@ class ModelRunner:
         self.head_dim = getattr(config_hf, "head_dim", None) or config_hf.hidden_size // config_hf.num_attention_heads
         self.kv_cache_dtype = config.kv_torch_dtype
         self.backend_name = config.attention_backend
-        self.backend = get_backend(config.attention_backend)
-        shape = (block_manager.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.backend = get_backend(config.attention_backend)  # an AttentionBackend (kernels/backends.py)
+        shape = (config.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: masked-out positions are multiplied by a probability of 0, and 0 * NaN is NaN
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
@@ -151,40 +149,47 @@ class ModelRunner:
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
         self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
-    def attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        """Wrap a step's inputs with this runner's caches and kernels, for the attention function."""
-        return AttentionMetadata(
-            slot_mapping=inputs.slot_mapping,
-            block_tables=inputs.block_tables,
-            seq_lens=inputs.seq_lens,
-            prefill_cu_seqlens_q=inputs.prefill_cu_seqlens_q,
-            num_decodes=inputs.num_decodes,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, prefill_cu_seqlens_q: torch.Tensor,
+                num_decodes: int, logits_to_keep) -> torch.Tensor:
+        """One forward pass of the model over the paged cache: the only place the model is called
+        (eager steps and CUDA-graph captures both come here). Returns the model's logits ``[1, n, vocab]``."""
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            prefill_cu_seqlens_q=prefill_cu_seqlens_q,
+            num_decodes=num_decodes,
             kv_caches=self.kv_caches,
             kv_scales=self.kv_scales,
             backend=self.backend,
         )
+        return self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=self._placeholder_mask,  # a ready 4D mask: transformers builds none; we ignore it
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            **{ATTN_NAME: meta},
+        ).logits
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
         (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
         self.copy_blocks(out.blocks_to_copy)
-        inputs = prepare_step_inputs(out, self.bm, self.device)
+        inputs = prepare_step_inputs(out, self.device)
         num_tokens = inputs.input_ids.shape[1]
         if self.graphs is not None and not all_positions and inputs.num_decodes == num_tokens:
             size = self.graphs.padded_size(num_tokens)
             if size is not None:
                 return self.graphs.run(inputs, size)
-        logits_indices = 0 if all_positions else inputs.logits_indices  # 0: transformers' "keep every position"
-        result = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.positions,
-            attention_mask=self._placeholder_mask,
-            use_cache=False,
-            logits_to_keep=logits_indices,
-            **{ATTN_NAME: self.attention_metadata(inputs)},
+        logits = self.forward(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
+            inputs.prefill_cu_seqlens_q, inputs.num_decodes,
+            0 if all_positions else inputs.logits_indices,  # 0: transformers' "keep every position"
         )
-        return result.logits[0].float()
+        return logits[0].float()
 
 
 @dataclass(eq=False)
@@ -201,8 +206,8 @@ class StepInputs:
     num_decodes: int  # the first num_decodes tokens (and sequences) bring one token each
 
 
-def prepare_step_inputs(out: SchedulerOutput, bm: BlockManager, device: torch.device | str = "cpu") -> StepInputs:
-    """Build a step's input tensors from the scheduler's output: the host work measured by the benchmarks.
+def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu") -> StepInputs:
+    """Build a step's input tensors from the scheduler's output alone: the host work measured by the benchmarks.
 
     Sequences bringing one token (decodes, and one-token chunks) are packed
     first, multi-token prefill chunks after them, so attention can serve the
@@ -210,54 +215,50 @@ def prepare_step_inputs(out: SchedulerOutput, bm: BlockManager, device: torch.de
     A decode token costs a handful of list appends; only prefill chunks loop
     over their tokens (once, to compute slots).
     """
-    bs = bm.block_size
-    get_table = bm.get_sequence_blocks
-    rows: list[int] = []
-    width = 0
+    bs = out.block_size
+    table_array = out.table_array
+    # one-token sequences first: three appends each; their slots and lengths are computed with numpy
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
+    rows: list[int] = []
     last_index = [0] * len(out.scheduled)  # packed position of each scheduled sequence's last token
     chunks = []
     for k, s in enumerate(out.scheduled):
         if s.num_new_tokens != 1:
             chunks.append((k, s))
             continue
-        start = s.start
-        st = get_table(s.seq.seq_id)
-        table = st.block_ids
         last_index[k] = len(input_ids)
-        input_ids.append(s.seq.token_ids[start])
-        positions.append(start)
-        slots.append(table[start // bs] * bs + start % bs)
-        seq_lens.append(start + 1)
-        rows.append(st.row)
-        if len(table) > width:
-            width = len(table)
+        input_ids.append(s.seq.token_ids[s.start])
+        positions.append(s.start)
+        rows.append(s.table_row)
     num_decodes = len(input_ids)
+    pos = np.array(positions, dtype=np.int64)
+    # a one-token chunk's position lies in the last block of its table, so its table is pos // bs + 1 long
+    width = int(pos.max()) // bs + 1 if num_decodes else 0
+    slots_parts = [table_array[rows, pos // bs].astype(np.int64) * bs + pos % bs] if num_decodes else []
+    seq_lens = (pos + 1).tolist()
     cu_prefill = [0]
     for k, s in chunks:
         start, end = s.start, s.start + s.num_new_tokens
-        st = get_table(s.seq.seq_id)
-        table = st.block_ids
+        table = s.block_ids
         input_ids.extend(s.seq.token_ids[start:end])
-        pos = range(start, end)
-        positions.extend(pos)
-        slots.extend([table[p // bs] * bs + p % bs for p in pos])
+        chunk_pos = range(start, end)
+        positions.extend(chunk_pos)
+        slots_parts.append(np.array([table[p // bs] * bs + p % bs for p in chunk_pos], dtype=np.int64))
         last_index[k] = len(input_ids) - 1
         cu_prefill.append(len(input_ids) - num_decodes)
         seq_lens.append(end)
-        rows.append(st.row)
+        rows.append(s.table_row)
         if len(table) > width:
             width = len(table)
     logits_indices = [last_index[k] for k, s in enumerate(out.scheduled) if s.sample]
+    slots = np.concatenate(slots_parts) if slots_parts else np.zeros(0, dtype=np.int64)
     # the block manager keeps every table as a row of one array: the step takes its rows in one call
-    block_tables = bm.table_array[rows, :width]
+    block_tables = table_array[rows, :width]
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0),
         positions=torch.tensor(positions, dtype=torch.int64, device=device).unsqueeze(0),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         block_tables=torch.from_numpy(block_tables).to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         prefill_cu_seqlens_q=torch.tensor(cu_prefill, dtype=torch.int32, device=device),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics"]
+__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics", "request_output"]
 
 
 @dataclass
@@ -57,3 +58,27 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     error: BaseException | None = None  # set when the request failed inside the model's forward
+
+
+def request_output(req) -> RequestOutput:
+    """A request's state now, as vLLM shapes it: one CompletionOutput per completion, text included
+    (final once a completion finished; while it runs, its text so far, held back where a stop string
+    might still cut it)."""
+    completions = []
+    for seq in req.seqs:
+        lp = seq.output_logprobs if req.params.logprobs is not None else None
+        completions.append(
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text(),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=math.fsum(lp) if lp else None,
+                logprobs=list(lp) if lp is not None else None,
+                finish_reason=seq.status.value if seq.status.is_finished else None,
+                stop_reason=seq.stop_reason,
+            )
+        )
+    metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time,
+                             list(req.token_times))
+    return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                         outputs=completions, finished=req.is_finished, metrics=metrics, error=req.error)

@@ -30,6 +30,19 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2  # sampled, with the request's own generator seeded from ``seed``
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs ``LLMEngine.step()`` returns for a request (vLLM's names).
+
+    CUMULATIVE: after every step that advanced it, everything generated so far (the default).
+    FINAL_ONLY: only once, when it has finished (``LLM.generate`` asks for this).
+    vLLM also has DELTA (only what is new since the last output); kvpaging does not.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one request.
@@ -51,6 +64,8 @@ class SamplingParams:
     stop_token_ids: generation stops after any of these (kept in the output).
     include_stop_str_in_output: keep the stop string at the end of the text.
     skip_special_tokens: leave special tokens (``<|im_end|>``...) out of the text.
+    output_kind: CUMULATIVE (an output after every step) or FINAL_ONLY (only the
+        finished one; what ``LLM.generate`` uses).
     ignore_eos: keep going after the end-of-sequence token (for benchmarks).
     logprobs: None for none; k >= 0 to get the chosen token's log-probability
         plus those of the k most likely tokens.
@@ -74,6 +89,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -103,6 +119,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if not isinstance(self.output_kind, RequestOutputKind) or self.output_kind == RequestOutputKind.DELTA:
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
+                             " (kvpaging has no DELTA outputs)")
 
         # Normalise. The dataclass is frozen, so assignments go through object.__setattr__.
         normal = {"temperature": float(self.temperature), "top_p": float(self.top_p),

@@ -28,34 +28,65 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .block_manager import BlockManager
+from .config import SCHEDULING, check_choice
+from .errors import InvariantError
 from .sequence import Request, Sequence, SequenceStatus
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq"]
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "UpdateResult"]
 
 
 @dataclass(eq=False, slots=True)
 class ScheduledSeq:
-    """One sequence's share of a step: compute tokens ``[start, start + num_new_tokens)``."""
+    """One sequence's share of a step: compute tokens ``[start, start + num_new_tokens)``.
+
+    ``block_ids`` and ``table_row`` say where its whole context lives (its block
+    table, and that table's row in ``SchedulerOutput.table_array``), so the model
+    runner needs nothing from the block manager. Read them; never change them.
+    """
 
     seq: Sequence
     start: int
     num_new_tokens: int
     sample: bool  # the chunk reaches the end of the sequence, so its last position yields a token
+    is_prefill: bool  # prompt tokens (or recomputed ones) rather than one decode token: decided here only
+    block_ids: list[int] = field(default_factory=list)
+    table_row: int = -1
 
 
 @dataclass(eq=False)
 class SchedulerOutput:
+    """Everything one step needs, handed from the scheduler to the model runner and the sampler."""
+
     step: int
     scheduled: list[ScheduledSeq]
-    blocks_to_copy: list[tuple[int, int]]
+    blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs, copied before the forward
+    # the sequences that get a token this step, in order; each samples with its request's SamplingParams and
+    # its own seed (Sequence.seed, a number: None means the engine's shared generator)
+    samples: list[Sequence] = field(default_factory=list)
+    # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
+    # end); None when that is simply row k for sample k, i.e. when no request forked this step
+    sample_rows: list[int] | None = None
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
-    forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, filled by finish_compute
+    forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
+    table_array: np.ndarray | None = None  # every live block table, one row each (rows: ScheduledSeq.table_row)
+    block_size: int = 16
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(eq=False)
+class UpdateResult:
+    """What ``Scheduler.update`` did with a step's sampled tokens."""
+
+    sampled: list[Sequence]  # sequences that got a token, in sampling order (the step's ``samples``)
+    finished: list[Sequence]  # of those, the ones that are done (their blocks are freed)
+    released_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # finished seq id -> its last table
 
 
 class Scheduler:
@@ -67,22 +98,19 @@ class Scheduler:
         max_model_len: int = 4096,
         scheduling: str = "continuous",
         eos_token_ids: frozenset[int] = frozenset(),
-        make_generator=lambda params, index: None,
     ) -> None:
-        if scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
+        check_choice("scheduling", scheduling, SCHEDULING)
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.scheduling = scheduling
         self.eos_token_ids = eos_token_ids
-        self.make_generator = make_generator  # (SamplingParams, completion index) -> torch.Generator | None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        self._step = 0
+        self.num_steps = 0  # steps that scheduled something: the engine's one step counter
         self._static_admitting = True  # static mode: the batch is open until its first token is sampled
         self.num_preemptions = 0
         # seats held beyond one by running n > 1 requests that have not forked yet
@@ -90,7 +118,7 @@ class Scheduler:
 
     # -- queue changes from the engine ---------------------------------------------------
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(self._next_seq_id, request, index, token_ids, self.make_generator(request.params, index))
+        seq = Sequence(self._next_seq_id, request, index, token_ids)
         self._next_seq_id += 1
         request.seqs.append(seq)
         return seq
@@ -111,7 +139,6 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._step += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -131,7 +158,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, start, n, start + n == len(seq.token_ids)))
+                scheduled.append(self._scheduled(seq, start, n))
                 budget -= n
                 i += 1
 
@@ -150,26 +177,76 @@ class Scheduler:
                 n = min(len(seq.token_ids) - start, budget)
                 if not bm.allocate_sequence(seq.seq_id, n, hit):
                     break
+                seq.blocks = bm.get_sequence_blocks(seq.seq_id)
                 self.waiting.popleft()
                 seq.num_computed_tokens = start
                 seq.status = SequenceStatus.RUNNING
                 running.append(seq)
                 seats += need
                 self._unforked_extra_seats += need - 1
-                scheduled.append(ScheduledSeq(seq, start, n, start + n == len(seq.token_ids)))
+                scheduled.append(self._scheduled(seq, start, n))
                 budget -= n
 
-        return SchedulerOutput(
-            step=self._step,
-            scheduled=scheduled,
-            blocks_to_copy=bm.take_blocks_to_copy(),
-            preempted=preempted,
-            num_batched_tokens=self.max_num_batched_tokens - budget,
-        )
+        if not scheduled:
+            return SchedulerOutput(step=self.num_steps, scheduled=[], blocks_to_copy=[], preempted=preempted)
+        self.num_steps += 1
+        out = SchedulerOutput(step=self.num_steps, scheduled=scheduled, blocks_to_copy=bm.blocks_to_copy(),
+                              preempted=preempted, num_batched_tokens=self.max_num_batched_tokens - budget,
+                              table_array=bm.table_array, block_size=bm.block_size)
+        self._plan_samples(out)
+        return out
+
+    def _scheduled(self, seq: Sequence, start: int, n: int) -> ScheduledSeq:
+        end = start + n
+        # A prompt or recompute chunk: it brings several tokens, yields no token, or still holds prompt
+        # tokens (the last chunk of a prompt may be a single token; that is still prefill, not a decode).
+        num_tokens = len(seq.token_ids)
+        is_prefill = n > 1 or end < num_tokens or start < seq.prompt_len
+        table = seq.blocks
+        return ScheduledSeq(seq, start, n, end == num_tokens, is_prefill, table.block_ids, table.row)
+
+    def _plan_samples(self, out: SchedulerOutput) -> None:
+        """Which sequences sample a token, forking n > 1 requests whose prompt completes now.
+
+        The n completions of a request share its prompt's blocks from the step that
+        computes the prompt's last token: the children get the parent's block table
+        (no data copied) and sample from the parent's logits row. They join the
+        running list at the end of the step's schedule, so nothing in this step can
+        preempt them, and they are computed from the next step on.
+        """
+        samples = out.samples
+        rows = None  # stays None while sample k reads row k
+        row = -1
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            seq = s.seq
+            row += 1
+            samples.append(seq)
+            if rows is not None:
+                rows.append(row)
+            request = seq.request
+            if request.params.n > 1 and not request.forked:
+                if rows is None:
+                    rows = list(range(len(samples)))
+                request.forked = True
+                self._unforked_extra_seats -= request.params.n - 1
+                for index in range(1, request.params.n):
+                    child = self.new_sequence(request, index, list(seq.token_ids))
+                    self.bm.fork(seq.seq_id, child.seq_id)
+                    child.blocks = self.bm.get_sequence_blocks(child.seq_id)
+                    child.num_computed_tokens = len(seq.token_ids)  # true once this step's forward is done
+                    child.status = SequenceStatus.RUNNING
+                    self.running.append(child)
+                    out.forked.append((seq.seq_id, child.seq_id))
+                    samples.append(child)
+                    rows.append(row)
+        out.sample_rows = rows
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
         self.bm.free(seq.seq_id)
+        seq.blocks = None
         self._unforked_extra_seats -= _seats(seq) - 1
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -177,65 +254,37 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish_compute(self, out: SchedulerOutput) -> tuple[list[Sequence], list[int] | None]:
-        """After a successful forward: record computed tokens, cache full blocks, fork n > 1 requests.
+    def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None,
+               keep_tables: bool = False) -> UpdateResult:
+        """Take a successful step's results: one call per step, after the forward pass and the sampler.
 
-        Returns the sequences that sample a token now, and, when a fork made
-        several of them share one logits row, the row each one reads (else None:
-        one row each, in order). A request with n > 1 forks right after its
-        prompt is computed, so all n completions sample from the prompt's last
-        position and share its blocks.
+        Records the computed tokens and offers newly full blocks to the prefix cache,
+        lets go of copy-on-write sources, appends each sampled token (``token_ids[k]``
+        is the token of ``out.samples[k]``), and finishes sequences that are done
+        (EOS, a stop token or string, max_tokens, max_model_len), freeing their
+        blocks at once. With ``keep_tables``, each finished sequence's block table is
+        kept in the result just before its blocks go back (for step records).
         """
         bm = self.bm
         bs = bm.block_size
-        seqs: list[Sequence] = []
-        row_of: list[int] | None = None
-        row = -1  # the logits row of the current sampling sequence: one per sequence that reached its end
         for s in out.scheduled:
             seq = s.seq
-            n = s.num_new_tokens
-            computed = seq.num_computed_tokens = s.start + n
-            if n > 1 or computed % bs == 0:  # only then can a block have become full
+            computed = seq.num_computed_tokens = s.start + s.num_new_tokens
+            if s.num_new_tokens > 1 or computed % bs == 0:  # only then can a block have become full
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, computed)
-            if not s.sample:
-                continue
-            row += 1
-            seqs.append(seq)
-            if row_of is not None:
-                row_of.append(row)
-            request = seq.request
-            if request.params.n > 1 and not request.forked:
-                if row_of is None:
-                    row_of = list(range(len(seqs)))
-                request.forked = True
-                self._unforked_extra_seats -= request.params.n - 1
-                for index in range(1, request.params.n):
-                    child = self.new_sequence(request, index, list(seq.token_ids))
-                    bm.fork(seq.seq_id, child.seq_id)
-                    out.forked.append((seq.seq_id, child.seq_id))
-                    child.num_computed_tokens = computed
-                    child.status = SequenceStatus.RUNNING
-                    self.running.append(child)
-                    seqs.append(child)
-                    row_of.append(row)
-        if seqs and self.scheduling == "static":
-            self._static_admitting = False
-        return seqs, row_of
+        bm.copies_made()
 
-    def append_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float] | None,
-                      released_tables: dict[int, tuple[int, ...]] | None = None) -> list[Sequence]:
-        """Append each sampled token, finish sequences that are done and free their blocks. Returns the finished.
-
-        With a ``released_tables`` dict, each finished sequence's block table is stored there
-        just before its blocks go back to the pool (for step records; None costs nothing).
-        """
-        finished = []
-        for j, (seq, token) in enumerate(zip(seqs, token_ids)):
+        result = UpdateResult(out.samples, [])
+        finished = result.finished
+        eos_ids = self.eos_token_ids
+        max_model_len = self.max_model_len
+        for j, seq in enumerate(out.samples):
+            token = token_ids[j]
             seq.token_ids.append(token)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
             params = seq.request.params
-            if token in self.eos_token_ids and not params.ignore_eos:
+            if token in eos_ids and not params.ignore_eos:
                 status = SequenceStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
@@ -243,20 +292,24 @@ class Scheduler:
             elif params.stop and seq.detokenizer.update(seq.output_token_ids) is not None:
                 status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
                 seq.stop_reason = seq.detokenizer.stop_reason
-            elif len(seq.token_ids) - seq.request.prompt_len >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif len(seq.token_ids) - seq.prompt_len >= params.max_tokens or len(seq.token_ids) >= max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             else:
                 continue
-            if released_tables is not None:
-                released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
+            if keep_tables:
+                result.released_tables[seq.seq_id] = tuple(bm.get_block_table(seq.seq_id))
             self._finish(seq, status, remove=False)
             finished.append(seq)
         if finished:
             self.running = [s for s in self.running if not s.status.is_finished]
-        return finished
+        if out.samples and self.scheduling == "static":
+            self._static_admitting = False
+        return result
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> list[Sequence]:
-        """The forward raised: finish every sequence of the step with the error, free their blocks."""
+        """The forward (or the sampler) raised: finish every sequence of the step's requests with the
+        error, and free their blocks. Nothing the step computed is offered to the prefix cache."""
+        self.bm.copies_made()
         failed = []
         for s in out.scheduled:
             for seq in s.seq.request.seqs:
@@ -273,6 +326,7 @@ class Scheduler:
         seq.status = status
         if self.bm.has_sequence(seq.seq_id):
             self.bm.free(seq.seq_id)
+            seq.blocks = None
         if was is SequenceStatus.RUNNING:
             self._unforked_extra_seats -= _seats(seq) - 1
         if remove:
@@ -285,19 +339,26 @@ class Scheduler:
 
     # -- checking (tests) -------------------------------------------------------------------
     def check_invariants(self) -> None:
+        """Scan the queues against the block manager; raise InvariantError on any inconsistency (tests)."""
         running_ids = {id(s) for s in self.running}
-        assert len(running_ids) == len(self.running), "a sequence is running twice"
-        assert not running_ids & {id(s) for s in self.waiting}, "a sequence is both waiting and running"
+        _check(len(running_ids) == len(self.running), "a sequence is running twice")
+        _check(not running_ids & {id(s) for s in self.waiting}, "a sequence is both waiting and running")
         extra = sum(_seats(s) - 1 for s in self.running)
-        assert extra == self._unforked_extra_seats, f"seat count {self._unforked_extra_seats} != {extra}"
-        assert len(self.running) + extra <= self.max_num_seqs, "more sequences than max_num_seqs"
+        _check(extra == self._unforked_extra_seats, f"seat count {self._unforked_extra_seats} != {extra}")
+        _check(len(self.running) + extra <= self.max_num_seqs, "more sequences than max_num_seqs")
         for seq in self.running:
-            assert seq.status is SequenceStatus.RUNNING
-            assert self.bm.has_sequence(seq.seq_id), f"running sequence {seq.seq_id} holds no blocks"
-            assert self.bm.get_num_tokens(seq.seq_id) >= seq.num_computed_tokens
+            _check(seq.status is SequenceStatus.RUNNING, f"running sequence {seq.seq_id} is {seq.status}")
+            _check(self.bm.has_sequence(seq.seq_id), f"running sequence {seq.seq_id} holds no blocks")
+            _check(self.bm.get_num_tokens(seq.seq_id) >= seq.num_computed_tokens,
+                   f"sequence {seq.seq_id} has fewer slots than computed tokens")
         for seq in self.waiting:
-            assert seq.status is SequenceStatus.WAITING
-            assert not self.bm.has_sequence(seq.seq_id), f"waiting sequence {seq.seq_id} holds blocks"
+            _check(seq.status is SequenceStatus.WAITING, f"waiting sequence {seq.seq_id} is {seq.status}")
+            _check(not self.bm.has_sequence(seq.seq_id), f"waiting sequence {seq.seq_id} holds blocks")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)
 
 
 def _seats(seq: Sequence) -> int:

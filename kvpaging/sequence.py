@@ -17,8 +17,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
@@ -46,25 +44,36 @@ class Sequence:
     request: Request
     index: int  # which of the request's n completions
     token_ids: list[int]  # prompt followed by generated tokens
-    generator: torch.Generator | None = None
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     output_logprobs: list[float] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    # the block manager's live record of this sequence's table (block ids, row in its table array) while it
+    # holds blocks: the scheduler reads it instead of looking the table up every step. Read only.
+    blocks: object | None = field(default=None, repr=False)
+    prompt_len: int = field(init=False)  # the request's, kept here: read in every step's hot loop
     _detokenizer: IncrementalDetokenizer | None = None
 
-    @property
-    def prompt_len(self) -> int:
-        return self.request.prompt_len
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.request.prompt_len
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.request.prompt_len :]
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def seed(self) -> int | None:
+        """This completion's own sampling seed: the request's for completion 0, one derived from
+        (seed, index) for the others, None when the request has no seed (the engine's generator)."""
+        seed = self.request.params.seed
+        if seed is None or self.index == 0:
+            return seed
+        return hash((seed, self.index)) & 0x7FFF_FFFF_FFFF_FFFF
 
     @property
     def detokenizer(self) -> IncrementalDetokenizer | None:

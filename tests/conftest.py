@@ -10,8 +10,27 @@ not import Triton, and tests that never touch Triton are unaffected.
 """
 
 import os
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests import their shared helpers (engine_helpers.py)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one CPU thread.
+
+    The models here are so small that threads buy nothing, and on a shared 2-core
+    machine two busy-waiting OpenMP threads competing with other processes made
+    every forward pass some 50 times slower.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,6 @@ weights every time it is called, so "the same model" can be built twice.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvpaging import LLM, SamplingParams
@@ -18,20 +17,6 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 NUM_LAYERS = 2  # enough to test layer indexing; keeps every forward cheap on a 2-core CPU
 FIRST_ORDINARY_TOKEN = 3  # ids 0, 1, 2 are pad, bos and eos in every tiny model
 TIE_TOLERANCE = 1e-4  # two logits closer than this (float32) may be ordered either way
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Run a module's tests on one CPU thread.
-
-    The models here are so small that threads buy nothing, and on a shared 2-core
-    machine two busy-waiting OpenMP threads competing with other processes made
-    every forward pass some 50 times slower.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_model(arch: str = "qwen3", **overrides):

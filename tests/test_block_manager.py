@@ -200,16 +200,25 @@ def test_fork_shares_every_block_and_cow_copies_only_the_partial_last_block():
 
     assert bm.append_slots("c1", 1)  # writes into shared block 2 -> copy first
     assert bm.get_block_table("c1") == [0, 1, 3]
-    assert bm.take_blocks_to_copy() == [(2, 3)]
+    assert take_copies(bm) == [(2, 3)]
     assert bm.append_slots("c2", 1)
     assert bm.get_block_table("c2") == [0, 1, 4]
-    assert bm.take_blocks_to_copy() == [(2, 4)]
+    assert take_copies(bm) == [(2, 4)]
     assert bm.append_slots("p", 1)  # the last owner writes in place: no copy
     assert bm.get_block_table("p") == [0, 1, 2]
-    assert bm.take_blocks_to_copy() == []
+    assert take_copies(bm) == []
     assert refcounts(bm)[:5] == [3, 3, 1, 1, 1]
     assert bm.stats().num_cow_copies == 2
     bm.check_invariants()
+
+
+def take_copies(bm):
+    """What the scheduler and runner do with the pending copies: read them, copy, report them made."""
+    pairs = bm.blocks_to_copy()
+    assert bm.blocks_to_copy() == pairs, "reading the pending copies changes nothing"
+    bm.copies_made()
+    assert bm.blocks_to_copy() == []
+    return pairs
 
 
 def test_full_shared_blocks_are_never_copied():
@@ -218,7 +227,7 @@ def test_full_shared_blocks_are_never_copied():
     bm.fork("p", "c")
     assert bm.append_slots("c", 1)
     assert bm.append_slots("p", 1)
-    assert bm.take_blocks_to_copy() == []
+    assert take_copies(bm) == []
     assert bm.get_block_table("c") == [0, 1, 2]
     assert bm.get_block_table("p") == [0, 1, 3]
     bm.free("p")
@@ -234,7 +243,7 @@ def test_cow_needs_a_free_block_and_changes_nothing_without_one():
     assert bm.allocate_sequence("x", 1)  # takes the last free block
     assert not bm.append_slots("c", 1)
     assert bm.get_block_table("c") == [0, 1]
-    assert bm.take_blocks_to_copy() == []
+    assert take_copies(bm) == []
     bm.check_invariants()
 
 
@@ -250,7 +259,7 @@ def test_grpo_sixteen_rollouts_share_the_prompt():
     for i in range(16):
         assert bm.append_slots(f"r{i}", 1)
     # 15 copies of the partial block; the last writer keeps the original
-    assert len(bm.take_blocks_to_copy()) == 15
+    assert len(take_copies(bm)) == 15
     assert bm.stats().num_used_blocks == 6 + 16
     for i in range(16):
         bm.free(f"r{i}")
@@ -376,3 +385,43 @@ def test_stale_prefix_hit_is_refused():
         bm.allocate_sequence("b", 1, hit)
     assert not bm.has_sequence("b")
     bm.check_invariants()
+
+
+def test_invariant_checks_still_check_under_python_O():
+    """The scans the tests rely on raise InvariantError themselves, so `python -O` (which strips
+    `assert` statements) cannot turn them into no-ops."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        from kvpaging.block_manager import BlockManager
+        from kvpaging.errors import InvariantError
+        from kvpaging.scheduler import Scheduler
+        assert False, "this assert is stripped under -O"
+        bm = BlockManager(8, 4)
+        if not bm.allocate_sequence("a", 6):
+            raise SystemExit("no room")
+        bm.check_invariants()
+        for obj, name, check in ((bm.pool.blocks[0], "ref_cnt", bm.check_invariants),
+                                 (bm.pool, "num_filled_slots", bm.pool.check_invariants)):
+            setattr(obj, name, getattr(obj, name) + 1)  # corrupt the books
+            try:
+                check()
+            except InvariantError as error:
+                print("caught:", error)
+            else:
+                raise SystemExit("not caught")
+            setattr(obj, name, getattr(obj, name) - 1)
+        sched = Scheduler(bm)
+        sched._unforked_extra_seats = 3
+        try:
+            sched.check_invariants()
+        except InvariantError as error:
+            print("caught:", error)
+        else:
+            raise SystemExit("not caught")
+    """)
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("caught:") == 3, done.stdout

@@ -37,9 +37,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- helpers replaying the engine's writes on the model ---------------------------
     def _apply_copies(self):
-        for src, dst in self.bm.take_blocks_to_copy():
+        for src, dst in self.bm.blocks_to_copy():
             assert self.bm.pool.blocks[dst].ref_cnt == 1
             self.content[dst] = self.content[src]
+        self.bm.copies_made()
 
     def _write(self, seq, start, end):
         """Positions [start, end) of ``seq`` are computed and stored in its blocks."""

@@ -14,13 +14,12 @@ model it was given as it was (still on transformers' own attention).
 from __future__ import annotations
 
 import pytest
-from engine_helpers import (  # noqa: F401 - one_thread is a fixture
+from engine_helpers import (
     Reference,
     assert_pool_clean,
     build_llm,
     greedy_params,
     make_model,
-    one_thread,
     random_prompt,
     run_engine,
 )

@@ -13,14 +13,13 @@ import math
 
 import pytest
 import torch
-from engine_helpers import (  # noqa: F401 - one_thread is a fixture
+from engine_helpers import (
     Reference,
     assert_consistent,
     assert_pool_clean,
     build_llm,
     greedy_params,
     make_model,
-    one_thread,
     random_prompt,
     run_engine,
 )
@@ -508,21 +507,42 @@ def test_a_failing_sampler_fails_only_its_step(ref, error):
     assert_pool_clean(llm)
 
 
-def test_generate_keeps_the_results_of_requests_it_did_not_add(ref):
-    """A request added through engine.add_request that finishes while LLM.generate drives the
-    engine is not lost: the caller's next step() hands over its final output, once."""
+def test_generate_refuses_a_busy_engine_and_leaves_its_requests_alone(ref):
+    """LLM.generate runs a batch on an idle engine: a request added by hand and still unfinished is
+    not mixed into its loop (its outputs would be taken from its owner). The refusal comes before
+    anything is queued, and the hand-added request goes on as if nothing happened."""
     mine, theirs = prompts_of(7, 9, seed=40)
     llm = build_llm(make_model(ARCH))
     engine = llm.engine
     engine.add_request("mine", mine, greedy_params(3))
-    engine.step()  # prefill: "mine" is running when generate() starts
-    outs = llm.generate([theirs], greedy_params(12), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [12]
-    assert engine.scheduler.requests == {} and engine.has_unfinished_requests()
-    handed = []
+    engine.step()  # prefill: "mine" is running
+    steps = engine.num_steps
+    with pytest.raises(RuntimeError, match=r"the engine is not idle: 1 request\(s\) added with add_request are "
+                                           r"unfinished \(mine\)"):
+        llm.generate([theirs], greedy_params(12), use_tqdm=False)
+    assert list(engine.scheduler.requests) == ["mine"] and engine.num_steps == steps
+    finals = run_engine(engine, check=True)
+    assert set(finals) == {"mine"}
+    ref.assert_greedy(mine, finals["mine"].outputs[0].token_ids, 3)
+    outs = llm.generate([theirs], greedy_params(12), use_tqdm=False)  # idle again: served
+    ref.assert_greedy(theirs, outs[0].outputs[0].token_ids, 12)
+    assert_pool_clean(llm)
+
+
+def test_step_outputs_follow_each_requests_output_kind(ref):
+    """CUMULATIVE requests report after every step that advanced them, FINAL_ONLY ones once, when done."""
+    from kvpaging.sampling_params import RequestOutputKind
+
+    pa, pb = prompts_of(5, 6, seed=41)
+    llm = build_llm(make_model(ARCH))
+    engine = llm.engine
+    engine.add_request("every", pa, greedy_params(4))
+    engine.add_request("final", pb, greedy_params(4, output_kind=RequestOutputKind.FINAL_ONLY))
+    seen = []
     while engine.has_unfinished_requests():
-        handed.extend(engine.step())
-    assert [(o.request_id, o.finished) for o in handed] == [("mine", True)]
-    ref.assert_greedy(mine, handed[0].outputs[0].token_ids, 3)
-    assert engine.step() == [] and not engine.has_unfinished_requests()
+        seen.append([(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in engine.step()])
+    assert seen == [[("every", k, k == 4), ("final", 4, True)] if k == 4 else [("every", k, False)]
+                    for k in range(1, 5)]
+    with pytest.raises(ValueError, match="no DELTA outputs"):
+        greedy_params(4, output_kind=RequestOutputKind.DELTA)
     assert_pool_clean(llm)

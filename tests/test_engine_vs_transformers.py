@@ -22,14 +22,13 @@ After every run the engine must hold no requests and every block must be free.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import (  # noqa: F401 - one_thread is a fixture
+from engine_helpers import (
     ARCHS,
     Reference,
     assert_pool_clean,
     build_llm,
     greedy_params,
     make_model,
-    one_thread,
     random_prompt,
 )
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import (  # noqa: F401 - one_thread is a fixture
+from engine_helpers import (
     FIRST_ORDINARY_TOKEN,
     assert_consistent,
     assert_pool_clean,
     build_llm,
     make_model,
-    one_thread,
 )
 
 from kvpaging import SamplingParams

@@ -2,9 +2,9 @@
 
 Rules add requests (prompts from a three-token vocabulary, so prefixes repeat
 and the prefix cache gets hits; ``n`` from 1 to 3), run scheduler steps
-(``schedule`` -> "forward" -> ``finish_compute`` -> ``append_tokens`` with random
-next tokens, EOS among them), fail steps the way the engine fails them (the
-forward raises, or the sampler raises after the forks), and abort random live
+(``schedule`` -> "forward" -> ``update`` with random next tokens, EOS among
+them), fail steps the way the engine fails them (the forward or the sampler
+raises, after the forks), and abort random live
 requests. Pools are small, so preemption is routine; token budgets are small,
 so prompts are cut into chunks.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
@@ -98,7 +97,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _check_output(self, out) -> None:
         """A SchedulerOutput, right after schedule(): limits, chunks, preemptions, where its writes go."""
         sched, bm = self.sched, self.bm
-        assert out.step > self.last_step
+        if out.is_empty:  # steps are counted only when they run something
+            assert out.step == self.last_step == sched.num_steps
+        else:
+            assert out.step == self.last_step + 1 == sched.num_steps
         self.last_step = out.step
         if sched.has_unfinished():
             assert out.scheduled, "requests are waiting or running, yet nothing was scheduled"
@@ -131,9 +133,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(destinations)) == len(destinations), f"two copies into one block: {out.blocks_to_copy}"
         assert not set(sources) & set(destinations), f"a block is copied from and into in one step: {out.blocks_to_copy}"
         slots = set()
+        children: dict[int, int] = {}  # writer seq id -> completions forked from it in this step
+        for parent, _ in out.forked:
+            children[parent] = children.get(parent, 0) + 1
         for block_id, slot, p, seq in self._written_slots(out):
             block = bm.pool.blocks[block_id]
-            assert block.ref_cnt == 1, f"seq {seq.seq_id} writes position {p} into shared block {block_id}"
+            # a written block is the writer's alone, but for the completions forked from it in this very
+            # step: they share its prompt, so the keys and values it writes are theirs too
+            assert block.ref_cnt == 1 + children.get(seq.seq_id, 0), (
+                f"seq {seq.seq_id} writes position {p} into shared block {block_id}")
             assert block.block_hash is None, f"seq {seq.seq_id} writes position {p} into cached block {block_id}"
             assert (block_id, slot) not in slots, f"two tokens of one step write slot {slot} of block {block_id}"
             slots.add((block_id, slot))
@@ -201,6 +209,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for k in range(steps):
             sched = self.sched
             hits_before = self.bm.stats().prefix_hit_tokens
+            before = {rid: len(req.seqs) for rid, req in sched.requests.items()}
             out = sched.schedule()
             COUNTS["prefix_hit_tokens"] += self.bm.stats().prefix_hit_tokens - hits_before
             self._check_output(out)
@@ -209,25 +218,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             if out.is_empty:
                 self._check_books()
                 continue
+            self._check_samples(out, before)
             failing = fault if k == steps - 1 else None
             self._forward(out, ok=failing != "forward")
-            if failing == "forward":
+            if failing is not None:  # the forward or the sampler raised: the engine fails the step
                 self._fail(out)
                 continue
-            before = {s.seq.request.request_id: len(s.seq.request.seqs) for s in out.scheduled}
-            seqs, row_of = sched.finish_compute(out)
-            self._check_finish_compute(out, seqs, row_of, before)
-            if failing == "sampler":
-                self._fail(out)
-                continue
+            seqs = list(out.samples)
             tokens = [rng.choice(SAMPLED_TOKENS) for _ in seqs]
             expected = set()
             for seq, token in zip(seqs, tokens):
                 self.expected_tokens[seq.seq_id].append(token)
                 if self._expect_finished(seq, token):
                     expected.add(seq.seq_id)
-            finished = sched.append_tokens(seqs, tokens, None)
-            assert {s.seq_id for s in finished} == expected
+            result = sched.update(out, tokens, None, keep_tables=True)
+            for s in out.scheduled:
+                assert s.seq.num_computed_tokens == s.start + s.num_new_tokens
+            assert result.sampled == seqs
+            finished = result.finished
+            assert {s.seq_id for s in finished} == expected == set(result.released_tables)
             for seq in seqs:
                 assert seq.token_ids == self.expected_tokens[seq.seq_id]
             for seq in finished:
@@ -238,27 +247,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             COUNTS["finished"] += len(finished)
             self._check_books()
 
-    def _check_finish_compute(self, out, seqs, row_of, before) -> None:
+    def _check_samples(self, out, before) -> None:
+        """Every sampled token reads the logits row of a sequence that reached its end; n > 1 requests
+        whose prompt completes in this step fork now, their completions reading the parent's row."""
         sampling = [s.seq for s in out.scheduled if s.sample]
-        for s in out.scheduled:
-            assert s.seq.num_computed_tokens == s.start + s.num_new_tokens
-        if row_of is None:
-            assert seqs == sampling, "without forks, one sampling sequence per row, in scheduled order"
-            return
-        assert len(row_of) == len(seqs)
-        assert sorted(set(row_of)) == list(range(len(sampling))), "every logits row is read"
-        assert row_of == sorted(row_of)
+        rows = list(range(len(out.samples))) if out.sample_rows is None else out.sample_rows
+        assert len(rows) == len(out.samples)
+        assert (out.sample_rows is None) == (not out.forked), "explicit rows exactly when a request forked"
+        assert sorted(set(rows)) == list(range(len(sampling))), "every logits row is read"
+        assert rows == sorted(rows)
         for row, parent in enumerate(sampling):
-            readers = [seq for seq, r in zip(seqs, row_of) if r == row]
+            readers = [seq for seq, r in zip(out.samples, rows) if r == row]
             assert readers[0] is parent
             req = parent.request
-            if before[req.request_id] < req.params.n:  # forked in this very step
+            if before.get(req.request_id, 1) < req.params.n:  # forked in this very step
                 COUNTS["forks"] += 1
                 assert len(req.seqs) == req.params.n == len(readers)
                 assert [c.index for c in req.seqs] == list(range(req.params.n))
+                assert sum(1 for p, _ in out.forked if p == parent.seq_id) == req.params.n - 1
                 for child in readers[1:]:
                     assert child.request is req and child.token_ids == parent.token_ids
                     assert child.token_ids is not parent.token_ids
+                    assert child.status is SequenceStatus.RUNNING and child in self.sched.running
                     assert self.bm.get_block_table(child.seq_id) == self.bm.get_block_table(parent.seq_id)
                     self.expected_tokens[child.seq_id] = list(self.expected_tokens[parent.seq_id])
             else:
@@ -392,9 +402,8 @@ def test_a_copy_source_freed_in_a_step_is_not_a_copy_destination_in_it():
     params = SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
     sched.add_request(Request("a", [3, 4, 5, 6, 7], params, arrival_time=0.0))
     sched.add_request(Request("b", [8, 9, 10, 11, 12], params, arrival_time=1.0))
-    out = sched.schedule()  # both prompts: 2 blocks each, 2 blocks left
-    seqs, _ = sched.finish_compute(out)
-    sched.append_tokens(seqs, [20] * len(seqs), None)
+    out = sched.schedule()  # both prompts: 2 blocks each, 2 blocks left; both fork
+    sched.update(out, [20] * len(out.samples))
     order = [f"{s.request.request_id}{s.index}" for s in sched.running]  # a0 b0 a1 a2 b1 b2
     out = sched.schedule()
     preempted = [f"{s.request.request_id}{s.index}" for s in out.preempted]  # b2 b1

@@ -26,13 +26,12 @@ import socket
 
 import pytest
 import torch
-from engine_helpers import (  # noqa: F401 - one_thread is a fixture
+from engine_helpers import (
     Reference,
     assert_pool_clean,
     build_llm,
     greedy_params,
     make_model,
-    one_thread,
     random_prompt,
 )
 

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_helpers import one_thread  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

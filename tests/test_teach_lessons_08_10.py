@@ -231,6 +231,10 @@ def test_token_positions_count_what_each_approach_computes():
     llm.generate([p for p, _ in work.requests], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work.requests],
                  use_tqdm=False)
     assert sum(r.num_batched_tokens for r in llm.engine.trace) == 14
+    # with natural stopping, the counts follow what each request really produced
+    assert serving.token_positions(work, batch_size=2, output_lengths=[1, 2, 1]) == (10 + 0 + 1 + 0, 2 * 6 + 2)
+    with pytest.raises(ValueError, match="2 output lengths for 3 requests"):
+        serving.token_positions(work, batch_size=2, output_lengths=[1, 2])
 
 
 def test_time_breakdown_profiles_a_full_recomputation():

@@ -329,3 +329,21 @@ def test_the_served_model_is_unchanged_for_its_user(smollm2):
 
     torch.save(clone, io.BytesIO())
     torch.save(model, io.BytesIO())
+
+
+def test_the_throughput_runners_serve_real_chats_with_natural_stopping(smollm2):
+    """benchmarks/throughput.py --model smollm2: every engine stops each request at its own EOS, and the
+    useful tokens (each request's own, EOS included, none past its budget) agree between kvpaging and
+    transformers' static generate(), which produce the same greedy tokens."""
+    from kvpaging.teach import serving
+
+    model, tok = smollm2
+    work = serving.make_chat_workload(tok, num_requests=6, max_tokens=24)
+    assert work.stop_at_eos and len({tuple(p) for p, _ in work.requests}) == 6
+    _, ours = serving.run_kvpaging(model, work)
+    _, static = serving.run_static_generate(model, work, batch_size=3)
+    assert ours == static
+    outs = LLM(model, tok, num_blocks=128, max_model_len=512).generate(
+        [{"prompt_token_ids": p} for p, _ in work.requests], greedy(24), use_tqdm=False)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert sum(lengths) == ours < 6 * 24, "some answers end before their budget: natural stopping"

@@ -16,7 +16,7 @@ import io
 
 import pytest
 import torch
-from engine_helpers import Reference, assert_pool_clean, greedy_params, make_model, one_thread, random_prompt  # noqa: F401
+from engine_helpers import Reference, assert_pool_clean, greedy_params, make_model, random_prompt
 
 from kvpaging import LLM, EngineConfig, LLMEngine, RequestFailedError
 

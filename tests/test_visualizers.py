@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from kvpaging.visualizers import (
     ARTICLE_OUTPUT_LENGTHS,
     ContiguousTraceSim,
@@ -58,14 +57,6 @@ RECORDED_EXTRAS = {"seq_num_tokens": {}, "forked": (), "sampled": (), "arrivals"
 def as_older_engine(records):
     present = {k: v for k, v in RECORDED_EXTRAS.items() if k in {f.name for f in dataclasses.fields(StepRecord)}}
     return [dataclasses.replace(r, **present) for r in records]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 # -- batching: the article's example -------------------------------------------------------------------
@@ -505,3 +496,10 @@ def test_chrome_trace_of_an_engine_run_shows_queueing(one_thread):
         assert waiting == []
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert sorted(names.values()) == ["engine steps", "request gen-0", "request gen-1"]
+
+
+def test_titles_say_ordinals_in_english():
+    from kvpaging.visualizers.bubbles import ordinal
+
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th", "112th"]

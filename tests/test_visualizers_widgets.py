@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from kvpaging.visualizers import (
     BlockTableView,
     BubbleTimeline,
@@ -35,14 +34,6 @@ from kvpaging import LLM, SamplingParams, simulate_contiguous
 from kvpaging.models import tiny
 
 pytest.importorskip("anywidget", reason="plotly's FigureWidget needs anywidget (pip install -e '.[notebook]')")
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_llm(**kwargs):
@@ -206,7 +197,7 @@ def test_observer_only_queues_and_one_frame_shows_the_newest_step(one_thread):
     assert f"step {steps}" in fig.layout.title.text
     assert not feed.tick(force=True)  # nothing new: nothing drawn
     view.detach()
-    assert feed.observe not in llm.engine._observers
+    assert feed.observe not in llm.engine.observers.observers
 
 
 def test_live_feed_throttles_to_fps():

@@ -70,7 +70,7 @@ def bubble_frame(timeline: SlotTimeline, upto: int | None = None, *, name: str |
     util = busy / capacity if capacity else 0.0
     title = f"{name or timeline.policy}: {util:.1%} utilised ({busy:,} / {capacity:,} slot-iterations)"
     if every > 1 or rows_every > 1:
-        title += f" · every {every}th iteration" + (f", every {rows_every}th slot" if rows_every > 1 else "")
+        title += f" · every {ordinal(every)} iteration" + (f", every {ordinal(rows_every)} slot" if rows_every > 1 else "")
     return BubbleFrame(z, customdata, x, busy, capacity, every, title)
 
 
@@ -204,3 +204,9 @@ class BubbleTimeline(View):
                 row = t.occupancy[slot, :80]
                 lines.append("    " + "".join("." if r == IDLE else chr(ord("a") + r % 26) for r in row))
         return "\n".join(lines)
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st, 22nd, ..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -165,16 +165,17 @@ class Dashboard(DisplaysAsWidget):
             from IPython.display import display as ipy_display
 
             ipy_display(self)
-        ids = engine.add_requests(prompts, params, prefix="r")  # all checked before any is queued
-        if isinstance(self._reserve, dict):  # the contiguous baseline's worst case: prompt + max_tokens
-            for rid, sp in zip(ids, params):
-                self._reserve[rid] = engine.scheduler.requests[rid].prompt_len + sp.max_tokens
         was_attached = self._feed is not None
         self.detach()  # one feed at a time, or every record would arrive twice
         feed = LiveFeed(self.replay, [self], fps=self.fps)
         feed.attach(engine, background=False)
         try:
-            outputs = engine.run_to_completion(ids, on_step=feed.tick)
+            def reserve(request_ids):  # the contiguous baseline's worst case: prompt + max_tokens
+                if isinstance(self._reserve, dict):
+                    for rid, sp in zip(request_ids, params):
+                        self._reserve[rid] = engine.scheduler.requests[rid].prompt_len + sp.max_tokens
+
+            outputs = engine.run_batch(prompts, params, prefix="r", on_step=feed.tick, on_added=reserve)
         finally:
             feed.detach()
             if was_attached:

@@ -31,6 +31,7 @@ from ..kernels import cpu_backend
 __all__ = [
     "Workload",
     "make_workload",
+    "make_chat_workload",
     "warmup_requests",
     "kvpaging_llm",
     "run_kvpaging",
@@ -51,7 +52,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Workload:
-    requests: list[tuple[list[int], int]]  # (prompt token ids, output tokens wanted)
+    """Prompts and output budgets. With ``stop_at_eos`` every engine stops each request at the model's
+    end-of-sequence token (real answers, natural lengths), else each runs exactly its budget (ignore_eos)."""
+
+    requests: list[tuple[list[int], int]]  # (prompt token ids, output tokens wanted, or at most with stop_at_eos)
+    stop_at_eos: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,6 +86,17 @@ def make_workload(num_requests: int, vocab_size: int, prompt_range=(16, 128), ou
     return Workload(reqs)
 
 
+def make_chat_workload(tokenizer, num_requests: int = 48, max_tokens: int = 256) -> Workload:
+    """Real chat requests for the trained model, stopping at its own ``<|im_end|>``: the 16 questions of
+    ``kvpaging.teach.text``, asked plainly, with the library-assistant system prompt, and with a short one
+    (so 48 distinct prompts; more requests repeat them), each allowed up to ``max_tokens`` tokens."""
+    from .text import QUESTIONS, SYSTEM_PROMPT, chat_ids
+
+    systems = (None, SYSTEM_PROMPT, "You are a concise assistant. Answer in one or two sentences.")
+    prompts = [chat_ids(tokenizer, q, s) for s in systems for q in QUESTIONS]
+    return Workload([(prompts[i % len(prompts)], max_tokens) for i in range(num_requests)], stop_at_eos=True)
+
+
 def _sync(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -96,20 +112,20 @@ def warmup_requests(work: Workload, k: int) -> list[tuple[list[int], int]]:
     return [([1] * len(p), n) for p, n in work.requests[:k]]
 
 
-def kvpaging_llm(model, work: Workload, **llm_kwargs):
+def kvpaging_llm(model, work: Workload, tokenizer=None, **llm_kwargs):
     """The ``LLM`` the race runs ``work`` on: room for every request at once, vLLM's default step budget."""
     from ..llm import LLM
 
     kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=work.max_prompt + work.max_output + 1)
     kw.update(llm_kwargs)
-    return LLM(model, **kw)
+    return LLM(model, tokenizer, **kw)
 
 
-def _greedy(requests: list[tuple[list[int], int]]) -> tuple[list[list[int]], list]:
-    """Prompts and greedy, ignore_eos sampling parameters for (prompt, output length) pairs."""
+def _greedy(requests: list[tuple[list[int], int]], stop_at_eos: bool = False) -> tuple[list[list[int]], list]:
+    """Prompts and greedy sampling parameters for (prompt, output length) pairs (ignore_eos unless ``stop_at_eos``)."""
     from ..sampling_params import SamplingParams
 
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=not stop_at_eos) for _, n in requests]
     return [p for p, _ in requests], params
 
 
@@ -117,10 +133,10 @@ def _warm_up(llm, work: Workload, k: int) -> None:
     llm.generate(*_greedy(warmup_requests(work, k)), use_tqdm=False)
 
 
-def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
+def run_kvpaging(model, work: Workload, tokenizer=None, **llm_kwargs) -> tuple[float, int]:
     """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
-    llm = kvpaging_llm(model, work, **llm_kwargs)
-    prompts, params = _greedy(work.requests)
+    llm = kvpaging_llm(model, work, tokenizer=tokenizer, **llm_kwargs)
+    prompts, params = _greedy(work.requests, work.stop_at_eos)
     _warm_up(llm, work, 4)
     _sync(_device(model))
     t0 = time.perf_counter()
@@ -128,7 +144,7 @@ def run_kvpaging(model, work: Workload, **llm_kwargs) -> tuple[float, int]:
     _sync(_device(model))
     elapsed = time.perf_counter() - t0
     useful = sum(len(o.outputs[0].token_ids) for o in outs)
-    if useful != work.num_output_tokens:
+    if not work.stop_at_eos and useful != work.num_output_tokens:
         raise RuntimeError(f"kvpaging produced {useful} tokens, {work.num_output_tokens} were asked for")
     return elapsed, useful
 
@@ -155,22 +171,37 @@ def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_la
 def _run_static_generate(model, work: Workload, batch_size: int) -> tuple[float, int]:
     device = _device(model)
     pad = 0
+    eos = _eos_ids(model)
 
-    def batch_generate(batch):
+    def batch_generate(batch) -> int:
+        """Generate for one left-padded batch; returns the useful tokens (each request's own, EOS included)."""
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
         longest = max(n for _, n in batch)
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                       min_new_tokens=longest, pad_token_id=pad)
+        if not work.stop_at_eos:
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                           min_new_tokens=longest, pad_token_id=pad)
+            return sum(n for _, n in batch)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                             pad_token_id=pad)
+        useful = 0
+        for row, (_, n) in zip(out[:, width:].tolist(), batch):
+            end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            useful += min(end, n)  # past its own budget a request's tokens are waste
+        return useful
 
     batch_generate(warmup_requests(work, 2))  # warm-up
     _sync(device)
     t0 = time.perf_counter()
-    for i in range(0, len(work.requests), batch_size):
-        batch_generate(work.requests[i : i + batch_size])
+    useful = sum(batch_generate(work.requests[i : i + batch_size]) for i in range(0, len(work.requests), batch_size))
     _sync(device)
-    return time.perf_counter() - t0, work.num_output_tokens
+    return time.perf_counter() - t0, useful
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
 
 
 def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tuple[float, int]:
@@ -178,12 +209,13 @@ def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tup
     from transformers import GenerationConfig
 
     device = _device(model)
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=work.max_output, eos_token_id=-1, pad_token_id=0)
+    eos = -1 if not work.stop_at_eos else model.generation_config.eos_token_id  # -1: never stop early
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=work.max_output, eos_token_id=eos, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=cfg)
     manager.start()
     try:
         def serve(batch) -> int:
-            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in batch]
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=eos) for p, n in batch]
             done = produced = 0
             while done < len(ids):
                 result = manager.get_result(timeout=timeout)
@@ -279,7 +311,7 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
     """
     if warm_up:
         _warm_up(llm, work, 2)
-    prompts, params = _greedy(work.requests)
+    prompts, params = _greedy(work.requests, work.stop_at_eos)
     walls = []
     for _ in range(repeats):
         llm.reset_prefix_cache()
@@ -304,19 +336,23 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
                          max(0.0, wall - linear - attention - other))
 
 
-def token_positions(work: Workload, batch_size: int) -> tuple[int, int]:
+def token_positions(work: Workload, batch_size: int, output_lengths: list[int] | None = None) -> tuple[int, int]:
     """Token positions each approach pushes through the model's layers for ``work``: (continuous, static).
 
     Continuous batching computes every prompt token once and feeds back every output token
     but the last (the last one is sampled, never computed on). Static ``generate()`` in
     fixed batches pads every prompt to its batch's longest and runs every row as many
-    steps as the batch's longest output.
+    steps as the batch's longest output. ``output_lengths`` are the tokens each request
+    really produced (with natural stopping, from a run's outputs); by default, its budget.
     """
-    continuous = work.num_prompt_tokens + work.num_output_tokens - len(work.requests)
+    lengths = [n for _, n in work.requests] if output_lengths is None else list(output_lengths)
+    if len(lengths) != len(work.requests):
+        raise ValueError(f"{len(lengths)} output lengths for {len(work.requests)} requests")
+    continuous = work.num_prompt_tokens + sum(lengths) - len(work.requests)
     static = 0
     for i in range(0, len(work.requests), batch_size):
         batch = work.requests[i : i + batch_size]
-        static += len(batch) * (max(len(p) for p, _ in batch) + max(n for _, n in batch) - 1)
+        static += len(batch) * (max(len(p) for p, _ in batch) + max(lengths[i : i + batch_size]) - 1)
     return continuous, static
 
 
@@ -370,7 +406,7 @@ def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, 
 VLLM_NAMES: list[tuple[str, str, str, str]] = [
     ("tokens per KV block", "LLM(block_size=16)", "block_size (--block-size)", "kvpaging.llm:LLM.__init__"),
     ("blocks in the KV pool", "LLM(num_blocks=...), llm.engine.config.num_blocks",
-     "num_gpu_blocks (cache_config.num_gpu_blocks, num_gpu_blocks_override)", "kvpaging.engine:EngineConfig"),
+     "num_gpu_blocks (cache_config.num_gpu_blocks, num_gpu_blocks_override)", "kvpaging.config:EngineConfig"),
     ("a sequence's logical -> physical block list", "BlockManager.get_block_table(seq_id)",
      "block table (KVCacheManager / BlockTable)", "kvpaging.block_manager:BlockManager.get_block_table"),
     ("cache slot of every new token", "StepInputs.slot_mapping (prepare_step_inputs)",
@@ -390,8 +426,11 @@ VLLM_NAMES: list[tuple[str, str, str, str]] = [
      "kvpaging.llm:LLM.__init__"),
     ("fixed KV byte budget", "LLM(kv_cache_memory_bytes=...)", "kv_cache_memory_bytes",
      "kvpaging.llm:LLM.__init__"),
-    ("how to sample", "SamplingParams(n, temperature, top_p, top_k, min_p, seed, max_tokens, stop_token_ids, "
-     "ignore_eos, logprobs)", "SamplingParams (same field names)", "kvpaging.sampling_params:SamplingParams"),
+    ("how to sample", "SamplingParams(n, temperature, top_p, top_k, min_p, seed, max_tokens, stop, stop_token_ids, "
+     "include_stop_str_in_output, ignore_eos, logprobs, skip_special_tokens)", "SamplingParams (same field names)",
+     "kvpaging.sampling_params:SamplingParams"),
+    ("answer a conversation with the model's chat template", "LLM.chat(messages, params)",
+     "LLM.chat(messages, sampling_params)", "kvpaging.llm:LLM.chat"),
     ("a request's result", "RequestOutput / CompletionOutput", "RequestOutput / CompletionOutput",
      "kvpaging.outputs:RequestOutput"),
     ("online serving loop", "LLMEngine.add_request / step / abort_request", "LLMEngine.add_request / step / "
