@@ -54,7 +54,6 @@ class LLMEngine:
         """
         config = (config if config is not None else EngineConfig()).resolve(model)
         self.config = config
-        self.tokenizer = tokenizer
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, config)
         self.model = self.runner.model  # the private copy the engine runs
@@ -76,6 +75,15 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}  # seq id -> generator, for seeded completions
         self.observers = StepObservers()
         self._batch_ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        """The tokenizer requests are tokenized and detokenized with (None: token ids only)."""
+        return self.inputs.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.inputs.tokenizer = tokenizer
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(

@@ -81,4 +81,5 @@ def request_output(req) -> RequestOutput:
     metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time,
                              list(req.token_times))
     return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                         outputs=completions, finished=req.is_finished, metrics=metrics, error=req.error)
+                         outputs=completions, finished=req.is_finished, metrics=metrics,
+                         num_cached_tokens=req.num_cached_tokens, error=req.error)

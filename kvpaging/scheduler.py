@@ -72,6 +72,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
+    children: list[Sequence] = field(default_factory=list)  # the completions forked this step
     table_array: np.ndarray | None = None  # every live block table, one row each (rows: ScheduledSeq.table_row)
     block_size: int = 16
 
@@ -180,6 +181,8 @@ class Scheduler:
                 seq.blocks = bm.get_sequence_blocks(seq.seq_id)
                 self.waiting.popleft()
                 seq.num_computed_tokens = start
+                if seq.index == 0 and seq.num_preemptions == 0:
+                    seq.request.num_cached_tokens = start  # prompt tokens served by the prefix cache (vLLM's name)
                 seq.status = SequenceStatus.RUNNING
                 running.append(seq)
                 seats += need
@@ -239,6 +242,7 @@ class Scheduler:
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
                     out.forked.append((seq.seq_id, child.seq_id))
+                    out.children.append(child)
                     samples.append(child)
                     rows.append(row)
         out.sample_rows = rows
@@ -272,6 +276,10 @@ class Scheduler:
             computed = seq.num_computed_tokens = s.start + s.num_new_tokens
             if s.num_new_tokens > 1 or computed % bs == 0:  # only then can a block have become full
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, computed)
+        for child in out.children:
+            # A child took its parent's table before the forward; when the parent just switched a full block
+            # for an identical cached one (two requests computed one prefix at once), the child follows.
+            bm.cache_full_blocks(child.seq_id, child.token_ids, child.num_computed_tokens)
         bm.copies_made()
 
         result = UpdateResult(out.samples, [])

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
-__all__ = ["SequenceStatus", "Sequence", "Request"]
+__all__ = ["SequenceStatus", "Sequence", "Request", "completion_seed"]
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request with ``SamplingParams(n=..., seed=seed)``: ``seed`` itself for
+    completion 0, one derived from ``(seed, index)`` for the others (Python hashes a tuple of ints the same in every
+    process). Separate requests given these seeds sample the very same tokens as the n completions."""
+    return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class SequenceStatus(enum.Enum):
@@ -71,9 +78,7 @@ class Sequence:
         """This completion's own sampling seed: the request's for completion 0, one derived from
         (seed, index) for the others, None when the request has no seed (the engine's generator)."""
         seed = self.request.params.seed
-        if seed is None or self.index == 0:
-            return seed
-        return hash((seed, self.index)) & 0x7FFF_FFFF_FFFF_FFFF
+        return None if seed is None else completion_seed(seed, self.index)
 
     @property
     def detokenizer(self) -> IncrementalDetokenizer | None:
@@ -117,6 +122,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # when each output step of completion 0 ended
     error: BaseException | None = None
     tokenizer: object | None = None  # turns the completions' tokens into text; None: token ids only
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was first admitted
 
     @property
     def prompt_len(self) -> int:

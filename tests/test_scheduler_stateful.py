@@ -234,6 +234,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             result = sched.update(out, tokens, None, keep_tables=True)
             for s in out.scheduled:
                 assert s.seq.num_computed_tokens == s.start + s.num_new_tokens
+            for parent, child in out.forked:  # still one table, even if the parent switched to cached twins
+                if self.bm.has_sequence(parent) and self.bm.has_sequence(child):
+                    assert self.bm.get_block_table(child) == self.bm.get_block_table(parent)
             assert result.sampled == seqs
             finished = result.finished
             assert {s.seq_id for s in finished} == expected == set(result.released_tables)

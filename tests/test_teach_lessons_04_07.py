@@ -89,10 +89,15 @@ def test_rollouts_natural_stopping_and_same_rollouts_unshared(chatty):
 
 
 def test_completion_seed_matches_engine(chatty):
+    """n completions of one seeded request sample what n separate requests seeded with completion_seed do."""
     llm = _make(chatty)
-    params = SamplingParams(n=3, temperature=1.0, seed=11)
-    assert [llm.engine._make_generator(params, k).initial_seed() for k in range(3)] == \
-        [completion_seed(11, k) for k in range(3)]
+    prompt = [3, 4, 5, 6, 7]
+    shared = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0]
+    alone = llm.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=completion_seed(11, k), max_tokens=6,
+                                                       ignore_eos=True) for k in range(3)], use_tqdm=False)
+    assert [c.token_ids for c in shared.outputs] == [a.outputs[0].token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in shared.outputs}) > 1
 
 
 def test_peak_watcher_reads_one_step(chatty):

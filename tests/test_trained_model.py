@@ -96,6 +96,8 @@ def test_greedy_tokens_equal_generate(smollm2, chat_prompts, reference, how):
         if run == 1:  # the second run finds every full block of the prompts in the prefix cache
             full_blocks = sum(len(p) // 16 for p in chat_prompts)
             assert llm.engine.block_manager.stats().prefix_hit_tokens - hits_before >= full_blocks * 16
+            # (all but the block of the last prompt token, which is always computed)
+            assert [o.num_cached_tokens for o in outputs] == [(len(p) - 1) // 16 * 16 for p in chat_prompts]
     if how == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     assert_pool_clean(llm)

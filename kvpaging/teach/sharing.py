@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 
 from ..sampling_params import SamplingParams
+from ..sequence import completion_seed
 
 __all__ = [
     "ref_counts",
@@ -33,17 +34,6 @@ def preview(text: str, width: int = 80) -> str:
     return line if len(line) <= width else line[: width - 3].rstrip() + "..."
 
 
-def completion_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of a request with ``SamplingParams(n=..., seed=seed)``.
-
-    The engine gives each completion of a seeded request its own random stream
-    (``LLMEngine._make_generator``): completion 0 uses ``seed`` itself, the
-    others a seed derived from ``(seed, index)``. Separate requests given these
-    seeds sample the very same rollouts, so that shared and unshared runs can be
-    compared token for token. (Python hashes tuples of ints the same in every
-    process, unlike strings.)
-    """
-    return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class PeakWatcher:
