@@ -55,18 +55,18 @@ def build(args):
     return model.to(args.device).eval()
 
 
-def run_kvpaging(model, work: Workload, args) -> tuple[float, int]:
+def run_kvpaging(model, work: Workload, args) -> serving.Run:
     return serving.run_kvpaging(model, work, max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                                 attention_backend=args.attention_backend, cpu_fast_layers=args.cpu_fast_layers)
 
 
-def run_static_generate(model, work: Workload, args) -> tuple[float, int]:
+def run_static_generate(model, work: Workload, args) -> serving.Run:
     return serving.run_static_generate(model, work, batch_size=args.hf_batch_size,
                                        cpu_fast_layers=args.cpu_fast_layers)
 
 
-def run_continuous_batching(model, work: Workload, args) -> tuple[float, int]:
+def run_continuous_batching(model, work: Workload, args) -> serving.Run:
     return serving.run_continuous_batching(model, work)
 
 
@@ -125,9 +125,9 @@ def main() -> None:
     useful_tokens = {name: set() for name in engines}
     for _ in range(args.repeats):
         for name, fn in engines.items():
-            elapsed, useful = fn(models[name], work, args)
-            rates[name].append(useful / elapsed)
-            useful_tokens[name].add(useful)
+            run = fn(models[name], work, args)
+            rates[name].append(run.useful_tokens / run.seconds)
+            useful_tokens[name].add(run.useful_tokens)
     results = {name: statistics.median(r) for name, r in rates.items()}
     del models
 

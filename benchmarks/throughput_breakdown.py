@@ -92,7 +92,7 @@ def main() -> None:
           f"{args.hf_batch_size}: {static:,} ({static / cont:.2f}x)")
     if args.static:
         static_model = build(build_args)
-        static_s = statistics.median(serving.run_static_generate(static_model, work, batch_size=args.hf_batch_size)[0]
+        static_s = statistics.median(serving.run_static_generate(static_model, work, batch_size=args.hf_batch_size).seconds
                                      for _ in range(args.repeats))
         rate = useful / static_s
         budget = useful / (args.ratio * rate)

@@ -342,10 +342,10 @@ def test_the_throughput_runners_serve_real_chats_with_natural_stopping(smollm2):
     model, tok = smollm2
     work = serving.make_chat_workload(tok, num_requests=6, max_tokens=24)
     assert work.stop_at_eos and len({tuple(p) for p, _ in work.requests}) == 6
-    _, ours = serving.run_kvpaging(model, work)
-    _, static = serving.run_static_generate(model, work, batch_size=3)
+    ours = serving.run_kvpaging(model, work).output_lengths
+    static = serving.run_static_generate(model, work, batch_size=3).output_lengths
     assert ours == static
     outs = LLM(model, tok, num_blocks=128, max_model_len=512).generate(
         [{"prompt_token_ids": p} for p, _ in work.requests], greedy(24), use_tqdm=False)
     lengths = [len(o.outputs[0].token_ids) for o in outs]
-    assert sum(lengths) == ours < 6 * 24, "some answers end before their budget: natural stopping"
+    assert tuple(lengths) == ours and sum(lengths) < 6 * 24, "some answers end before their budget: natural stopping"

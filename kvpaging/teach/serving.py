@@ -38,6 +38,7 @@ __all__ = [
     "run_static_generate",
     "run_continuous_batching",
     "EngineResult",
+    "Run",
     "TimeBreakdown",
     "time_breakdown",
     "token_positions",
@@ -108,8 +109,10 @@ def _device(model):
 
 def warmup_requests(work: Workload, k: int) -> list[tuple[list[int], int]]:
     """k requests shaped like the workload's first ones but made of token id 1, which the workload never uses
-    (its ids start at 3): a warm-up that leaves nothing in a prefix cache for the timed run to reuse."""
-    return [([1] * len(p), n) for p, n in work.requests[:k]]
+    (its ids start at 3; a chat prompt has it only at the start of each turn): a warm-up that leaves nothing
+    in a prefix cache for the timed run to reuse. Each runs at most 8 steps: enough to reach every code
+    path (prefill, batched decode, sampling) without spending on the warm-up what the race measures."""
+    return [([1] * len(p), min(n, 8)) for p, n in work.requests[:k]]
 
 
 def kvpaging_llm(model, work: Workload, tokenizer=None, **llm_kwargs):
@@ -133,8 +136,20 @@ def _warm_up(llm, work: Workload, k: int) -> None:
     llm.generate(*_greedy(warmup_requests(work, k)), use_tqdm=False)
 
 
-def run_kvpaging(model, work: Workload, tokenizer=None, **llm_kwargs) -> tuple[float, int]:
-    """Seconds and useful tokens for ``LLM.generate`` over the whole workload at once (after a warm-up)."""
+@dataclass(frozen=True)
+class Run:
+    """One timed run of a workload on one engine."""
+
+    seconds: float
+    output_lengths: tuple[int, ...]  # each request's useful tokens, in workload order
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.output_lengths)
+
+
+def run_kvpaging(model, work: Workload, tokenizer=None, **llm_kwargs) -> Run:
+    """``LLM.generate`` over the whole workload at once (after a warm-up), timed."""
     llm = kvpaging_llm(model, work, tokenizer=tokenizer, **llm_kwargs)
     prompts, params = _greedy(work.requests, work.stop_at_eos)
     _warm_up(llm, work, 4)
@@ -143,15 +158,15 @@ def run_kvpaging(model, work: Workload, tokenizer=None, **llm_kwargs) -> tuple[f
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(_device(model))
     elapsed = time.perf_counter() - t0
-    useful = sum(len(o.outputs[0].token_ids) for o in outs)
-    if not work.stop_at_eos and useful != work.num_output_tokens:
-        raise RuntimeError(f"kvpaging produced {useful} tokens, {work.num_output_tokens} were asked for")
-    return elapsed, useful
+    run = Run(elapsed, tuple(len(o.outputs[0].token_ids) for o in outs))
+    if not work.stop_at_eos and run.useful_tokens != work.num_output_tokens:
+        raise RuntimeError(f"kvpaging produced {run.useful_tokens} tokens, {work.num_output_tokens} were asked for")
+    return run
 
 
 @torch.inference_mode()
-def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_layers: bool = False) -> tuple[float, int]:
-    """Seconds and useful tokens for transformers' ``model.generate`` on fixed batches, left-padded.
+def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_layers: bool = False) -> Run:
+    """transformers' ``model.generate`` on fixed batches, left-padded, timed.
 
     Each batch runs until its longest request is done (``min_new_tokens`` keeps every
     row going, like ``ignore_eos``); only each request's own tokens count as useful.
@@ -168,13 +183,13 @@ def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_la
     return _run_static_generate(model, work, batch_size)
 
 
-def _run_static_generate(model, work: Workload, batch_size: int) -> tuple[float, int]:
+def _run_static_generate(model, work: Workload, batch_size: int) -> Run:
     device = _device(model)
     pad = 0
     eos = _eos_ids(model)
 
-    def batch_generate(batch) -> int:
-        """Generate for one left-padded batch; returns the useful tokens (each request's own, EOS included)."""
+    def batch_generate(batch) -> list[int]:
+        """Generate for one left-padded batch; returns each request's useful tokens (its own, EOS included)."""
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
@@ -182,21 +197,21 @@ def _run_static_generate(model, work: Workload, batch_size: int) -> tuple[float,
         if not work.stop_at_eos:
             model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
                            min_new_tokens=longest, pad_token_id=pad)
-            return sum(n for _, n in batch)
+            return [n for _, n in batch]
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
                              pad_token_id=pad)
-        useful = 0
+        useful = []
         for row, (_, n) in zip(out[:, width:].tolist(), batch):
             end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            useful += min(end, n)  # past its own budget a request's tokens are waste
+            useful.append(min(end, n))  # past its own budget a request's tokens are waste
         return useful
 
     batch_generate(warmup_requests(work, 2))  # warm-up
     _sync(device)
     t0 = time.perf_counter()
-    useful = sum(batch_generate(work.requests[i : i + batch_size]) for i in range(0, len(work.requests), batch_size))
+    useful = [n for i in range(0, len(work.requests), batch_size) for n in batch_generate(work.requests[i : i + batch_size])]
     _sync(device)
-    return time.perf_counter() - t0, useful
+    return Run(time.perf_counter() - t0, tuple(useful))
 
 
 def _eos_ids(model) -> set[int]:
@@ -204,27 +219,35 @@ def _eos_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
 
 
-def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tuple[float, int]:
-    """Seconds and useful tokens for transformers' own continuous batching (``init_continuous_batching``)."""
+def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> Run:
+    """transformers' own continuous batching (``init_continuous_batching``), timed.
+
+    Its paged cache is sized for the workload (room for every request at once) and its step budget is
+    kvpaging's (2,048 tokens), as ``kvpaging_llm`` sizes kvpaging's: left to its defaults on a CPU it
+    sizes the cache from the machine's memory, and setting that up took 15 s of a 20 s run here.
+    """
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     device = _device(model)
     eos = -1 if not work.stop_at_eos else model.generation_config.eos_token_id  # -1: never stop early
     cfg = GenerationConfig(do_sample=False, max_new_tokens=work.max_output, eos_token_id=eos, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=cfg)
+    page = 256  # ContinuousBatchingConfig's default page size, in tokens
+    pages = -(-(work.num_prompt_tokens + len(work.requests) * work.max_output) // page) + len(work.requests)
+    cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=max(pages, 16), max_batch_tokens=2048)
+    manager = model.init_continuous_batching(generation_config=cfg, continuous_batching_config=cb_config)
     manager.start()
     try:
-        def serve(batch) -> int:
+        def serve(batch) -> list[int]:
             ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=eos) for p, n in batch]
-            done = produced = 0
-            while done < len(ids):
+            produced = {}
+            while len(produced) < len(ids):
                 result = manager.get_result(timeout=timeout)
                 if result is None:
                     raise RuntimeError("transformers continuous batching stalled")
                 if result.is_finished():
-                    done += 1
-                    produced += len(result.generated_tokens)
-            return produced
+                    produced[result.request_id] = len(result.generated_tokens)
+            return [produced[i] for i in ids]
 
         serve(warmup_requests(work, 2))  # warm-up
         _sync(device)
@@ -234,7 +257,7 @@ def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> tup
         elapsed = time.perf_counter() - t0
     finally:
         manager.stop(block=True)
-    return elapsed, produced
+    return Run(elapsed, tuple(produced))
 
 
 @dataclass(frozen=True)
@@ -242,6 +265,7 @@ class EngineResult:
     name: str
     seconds: float  # median over repeats
     useful_tokens: int
+    output_lengths: tuple[int, ...] = ()  # each request's useful tokens (from the last repeat)
 
     @property
     def tokens_per_s(self) -> float:
@@ -302,6 +326,30 @@ def _native_stderr_silenced():
         os.close(saved)
 
 
+def _self_seconds(prof) -> dict[str, float]:
+    """Self CPU seconds per op name (an op's time minus the ops it called), as ``key_averages()`` reports.
+
+    ``key_averages()`` first builds a Python object per event, which for a run of a 30-layer model
+    (about 200,000 events) took 15 s here; the profiler's raw events and one sweep per thread over
+    them take under a second. Falls back to ``key_averages()`` where the raw events are not offered.
+    """
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is None:
+        return {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    events = sorted(((e.start_thread_id(), e.start_ns(), -e.duration_ns(), e.name()) for e in raw.events()
+                     if e.device_type() == torch.autograd.DeviceType.CPU))  # a parent sorts before its children
+    self_ns: dict[str, int] = {}
+    stack: list[tuple[int, int, str]] = []  # (thread, end, name) of the ops enclosing the current one
+    for thread, start, neg_dur, name in events:
+        while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
+            stack.pop()
+        if stack:  # the enclosing op's self time excludes this one
+            self_ns[stack[-1][2]] -= -neg_dur
+        self_ns[name] = self_ns.get(name, 0) - neg_dur
+        stack.append((thread, start - neg_dur, name))
+    return {name: ns / 1e9 for name, ns in self_ns.items()}
+
+
 def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) -> TimeBreakdown:
     """Run ``work`` through ``llm`` plainly for the wall time (the median of ``repeats`` runs), then
     once under the torch profiler (prefix cache reset before each run), and split the time by kind
@@ -324,13 +372,12 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
     with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     linear = attention = other = 0.0
-    for evt in prof.key_averages():
-        seconds = evt.self_cpu_time_total / 1e6
-        if evt.key in _LINEAR_OPS:
+    for key, seconds in _self_seconds(prof).items():
+        if key in _LINEAR_OPS:
             linear += seconds
-        elif evt.key in _ATTENTION_OPS:
+        elif key in _ATTENTION_OPS:
             attention += seconds
-        elif evt.key.startswith("aten::") or evt.key == cpu_backend.RMS_NORM_PROFILER_NAME:  # cpu_fast_layers
+        elif key.startswith("aten::") or key == cpu_backend.RMS_NORM_PROFILER_NAME:  # cpu_fast_layers
             other += seconds
     return TimeBreakdown(wall, llm.engine.num_steps - steps0, linear, attention, other,
                          max(0.0, wall - linear - attention - other))
@@ -382,17 +429,17 @@ def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, 
         for name in names:
             fn = ENGINES[name]
             times = []
-            useful = 0
+            run = None
             for _ in range(repeats):
                 model = build_model()
                 if bar is not None:
                     bar.set_postfix_str(name)
-                seconds, useful = fn(model, work, **options.get(name, {}))
-                times.append(seconds)
+                run = fn(model, work, **options.get(name, {}))
+                times.append(run.seconds)
                 del model
                 if bar is not None:
                     bar.update(1)
-            results.append(EngineResult(name, statistics.median(times), useful))
+            results.append(EngineResult(name, statistics.median(times), run.useful_tokens, run.output_lengths))
     finally:
         if bar is not None:
             bar.close()
