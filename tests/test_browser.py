@@ -205,6 +205,20 @@ def wait_for_title_change(page, old: str, what: str) -> str:
     pytest.fail(f"{what}: the block-table plot did not change within {CLICK_TIMEOUT} s (still {old!r})")
 
 
+def wait_until_still(page, what: str, still_ms: int = 1000) -> str:
+    """The block-table title once it has not changed for ``still_ms``."""
+    deadline = time.monotonic() + CLICK_TIMEOUT
+    title, since = block_table_title(page), time.monotonic()
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(200)
+        now = block_table_title(page)
+        if now != title:
+            title, since = now, time.monotonic()
+        elif time.monotonic() - since >= still_ms / 1000:
+            return title
+    pytest.fail(f"{what}: the block-table plot kept changing for {CLICK_TIMEOUT} s (now {title!r})")
+
+
 KERNEL_READY = """() => {
     const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
     const kernel = panel && panel.sessionContext && panel.sessionContext.session
@@ -280,10 +294,14 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
             after_play = wait_for_title_change(page, after_step, "after Play")
             assert step_number(after_play) > 2, after_play
             play_button.click()  # pause
-            page.wait_for_timeout(500)
-            paused_at = block_table_title(page)
+            # frames the kernel drew before the click may still arrive (a loaded machine lags): wait until the
+            # title holds still, then check that it stays, and that playing stopped before the last step
+            paused_at = wait_until_still(page, "after Pause")
             page.wait_for_timeout(1000)
             assert block_table_title(page) == paused_at, "the dashboard kept moving after Pause"
+            ran = page.locator(".jp-OutputArea-output", has_text="browser-check: ran").first.text_content()
+            num_steps = int(ran.split("browser-check: ran")[1].split()[0])
+            assert step_number(paused_at) < num_steps, f"Play reached the end ({paused_at}) before Pause was tested"
             page.wait_for_timeout(300)
             plot.screenshot(path=str(artifacts / "3-after-play.png"))
             page.screenshot(path=str(artifacts / "3-dashboard.png"), full_page=True)
