@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -219,9 +220,34 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+@dataclass(frozen=True)
+class CompileOnlyTarget:
+    """A GPU the kernels are compiled for, on a machine that does not have it.
+
+    ``kvpaging.kernels.compile_check`` sets :data:`compile_only_target` while it
+    drives the real wrappers with CPU tensors and a stand-in Triton driver whose
+    "launch" compiles the kernel and records it instead of running it.
+    """
+
+    name: str  # e.g. "H100/H200 (sm_90)"
+    arch: int  # compute capability as one number: 90 for 9.0
+    num_sms: int  # streaming multiprocessors: choose_num_splits sizes its grid from them
+    max_shared_bytes: int  # shared memory one block may use
+
+
+# None except inside ``compile_check.compile_only(...)``.
+compile_only_target: CompileOnlyTarget | None = None
+
+
 def check_triton_device(device: torch.device, cache_dtype: torch.dtype) -> None:
-    """Triton kernels run on a CUDA (or ROCm) GPU, or on the CPU under the interpreter."""
+    """Triton kernels run on a CUDA (or ROCm) GPU, or on the CPU under the interpreter
+    (or, compiled but never launched, under ``compile_check``'s stand-in GPU)."""
     if device.type == "cpu":
+        target = compile_only_target
+        if target is not None:
+            if is_fp8(cache_dtype) and target.arch < 89:
+                raise ValueError(f"an FP8 (e4m3) KV cache needs compute capability 8.9+, not {target.name}")
+            return
         if not interpreter_enabled():
             raise ValueError(
                 "the Triton kernels got CPU tensors; use kvpaging.kernels.reference on a CPU, "
