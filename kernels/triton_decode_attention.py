@@ -68,6 +68,7 @@ from .triton_utils import (
     multiprocessor_count,
     padded_head_dim,
     scale_pointer_and_stride,
+    unit_stride,
 )
 from .validation import check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device
 
@@ -176,7 +177,7 @@ def _decode_split_kernel(
     # Both partial tensors are contiguous: [batch, num_heads, num_splits] for
     # the LSE, with a trailing HEAD_DIM for the output.
     num_heads = tl.num_programs(1) * GROUP
-    partial_rows = (batch * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
+    partial_rows = (batch * num_heads + heads).to(tl.int64) * tl.num_programs(2) + split  # [GROUP_PAD]
     tl.store(partial_lse_ptr + partial_rows, lse, mask=row_mask)
     tl.store(
         partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
@@ -210,8 +211,9 @@ def _decode_merge_kernel(
     dim_mask = dims < HEAD_DIM
 
     # One row of the contiguous partial tensors: every split's result for this
-    # (sequence, head), num_splits * HEAD_DIM floats in a row.
-    row = (batch * NUM_HEADS + head) * num_splits
+    # (sequence, head), num_splits * HEAD_DIM floats in a row. int64: a big batch
+    # times heads times splits times HEAD_DIM passes 2**31.
+    row = (batch * NUM_HEADS + head).to(tl.int64) * num_splits
     lse = tl.load(partial_lse_ptr + row + splits, mask=split_mask, other=float("-inf"))
     partial = tl.load(
         partial_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
@@ -276,7 +278,8 @@ def paged_decode_attention(
 
     Same arguments and result as the reference. ``num_splits`` slices each
     context across programs (None: chosen from shapes, see
-    :func:`choose_num_splits`); any value gives the same answer up to rounding.
+    :func:`choose_num_splits`; an explicit value is capped at ``MAX_SPLITS``);
+    any value gives the same answer up to rounding.
     """
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     check_triton_device(query.device, k_cache.dtype)
@@ -284,6 +287,9 @@ def paged_decode_attention(
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+
+    # The kernel steps through a block table row and the lengths one element at a time.
+    block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
 
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -294,6 +300,9 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_blocks, block_size, query.device)
+    # An explicit count is capped too: the merge holds every split's partial result of
+    # one head in registers, and more slices than MAX_SPLITS only add empty programs.
+    num_splits = min(num_splits, MAX_SPLITS)
 
     head_dim_pad = padded_head_dim(head_dim)
     dot = dot_dtype(query.dtype, k_cache.dtype)

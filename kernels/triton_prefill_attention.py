@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride
+from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, unit_stride
 from .validation import check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device
 
 LOG2_E = math.log2(math.e)
@@ -234,6 +234,9 @@ def paged_prefill_attention(
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+
+    # The kernel steps through a block table row, the lengths and the query starts one element at a time.
+    block_tables, seq_lens, cu_seqlens_q = unit_stride(block_tables), unit_stride(seq_lens), unit_stride(cu_seqlens_q)
 
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

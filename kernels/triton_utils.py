@@ -85,6 +85,19 @@ def matmul(a, b):
         return tl.dot(a, b)
 
 
+def unit_stride(index: torch.Tensor) -> torch.Tensor:
+    """``index`` itself when its last dimension has stride 1, else a contiguous copy.
+
+    The kernels read index tensors (block table rows, lengths, slots, query
+    starts) as ``pointer + i``. A view with another stride, say a column of a
+    bigger table, would be read wrongly and silently; copying these few numbers
+    costs nothing next to attention.
+    """
+    if index.dim() == 0 or index.shape[-1] <= 1 or index.stride(-1) == 1:
+        return index
+    return index.contiguous()
+
+
 def bit_copy_dtype(element_size: int) -> torch.dtype:
     """An integer dtype as wide as one cache element: copying bits instead of
     numbers works for every cache dtype, FP8 included, and changes nothing."""
