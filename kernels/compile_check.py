@@ -182,7 +182,7 @@ def full_matrix() -> list[Config]:
 
 def subset() -> list[Config]:
     """Every model shape, every dtype pair, block sizes from 1 to 256, batches 1 to 256, splits 1 to 64,
-    head dims 32 to 256 and GQA groups 1 to 8 (7 included), each a few times; about 40 compiles."""
+    head dims 32 to 256 and GQA groups 1 to 8 (7 included), each a few times: 45 calls, 47 compiles."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     c = []
     # decode: the engine's shapes, the split count the wrapper picks at batch 1 / 8 / 64 / 256

@@ -236,17 +236,23 @@ def _decode_merge_kernel(
     )
 
 
-def decode_tiles(head_dim_pad: int, dot) -> tuple[int, int]:
+def decode_tiles(head_dim_pad: int, dot, fp8: bool) -> tuple[int, int]:
     """``(TILE_N, num_warps)`` of the split kernel: keys per inner step, and warps.
 
-    Chosen from the Hopper compile report (``python -m kvpaging.kernels.compile_check``):
-    16-bit products run on tensor cores with 4 warps; float32 products run
-    without them, each thread holding whole rows of its operands, and with 4
-    warps head dim 256 spilled about 5 KB per thread. 8 warps halve each
-    thread's share: no spills at any head dim.
+    Chosen from the Hopper compile report (``python -m kvpaging.kernels.compile_check``),
+    with triton 3.9 and 3.6 alike:
+
+    * 16-bit products run on tensor cores: 64 keys a step (32 at head dim 256), 4 warps.
+    * float32 products run without them, each thread holding whole rows of its
+      operands: with 64 keys and 4 warps head dim 256 spilled about 5 KB per
+      thread. Half the keys and 8 warps: no spills, under 80 registers.
+    * an FP8 cache adds the conversion of every key and value: with 4 warps ptxas
+      stopped at 128 registers and spilled (block size 1, head dim 128). 8 warps:
+      no spills, at most 128 registers, in the whole matrix.
     """
-    tile_n = 64 if head_dim_pad <= 128 else 32
-    return tile_n, (8 if dot == tl.float32 else 4)
+    if dot == tl.float32:
+        return (32 if head_dim_pad <= 128 else 16), 8
+    return (64 if head_dim_pad <= 128 else 32), (8 if fp8 else 4)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
@@ -306,7 +312,7 @@ def paged_decode_attention(
 
     head_dim_pad = padded_head_dim(head_dim)
     dot = dot_dtype(query.dtype, k_cache.dtype)
-    tile_n, num_warps = decode_tiles(head_dim_pad, dot)
+    tile_n, num_warps = decode_tiles(head_dim_pad, dot, is_fp8(k_cache.dtype))
     # Slices are whole tiles long, so only the last tile of a sequence is partial.
     tokens_per_split = triton.cdiv(triton.cdiv(max(1, max_blocks * block_size), num_splits), tile_n) * tile_n
 
