@@ -22,6 +22,8 @@ Four operations, each in two versions with the same signature:
 
 ``fp8`` holds the FP8 (e4m3) helpers: per-KV-head scales, quantize, dequantize.
 ``testing`` builds random paged caches (for tests, the benchmark and notebooks).
+``compile_check`` compiles the Triton kernels for Hopper (sm_90) on a machine without a
+GPU and reports registers, spills and shared memory (``make test`` runs it).
 
 Why the Triton entry points are loaded lazily
 ---------------------------------------------

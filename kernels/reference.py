@@ -264,7 +264,9 @@ def copy_blocks(
         k_caches, v_caches: one cache tensor per layer.
         block_mapping: int64 ``[num_pairs, 2]`` rows of ``(src, dst)`` block ids.
             A block may not be both a source and a destination in one call, and
-            destinations must be distinct (copy-on-write copies into fresh blocks).
+            destinations must be distinct (copy-on-write copies into fresh blocks);
+            a mapping that breaks this raises ``ValueError`` naming the block, before
+            anything is copied (``validation.check_block_mapping``).
     """
     check_copy_blocks_args(k_caches, v_caches, block_mapping)
     src, dst = block_mapping[:, 0], block_mapping[:, 1]

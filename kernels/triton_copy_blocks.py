@@ -76,7 +76,8 @@ def copy_blocks(
 
     All caches must share shape, dtype, strides and device, and each block must
     be contiguous in memory. A block may not be both a source and a
-    destination in one call (programs run in parallel).
+    destination in one call, and destinations must be distinct (programs run
+    in parallel): such a mapping raises ``ValueError`` before anything is copied.
     """
     check_copy_blocks_args(k_caches, v_caches, block_mapping)
     caches = [*k_caches, *v_caches]

@@ -62,7 +62,14 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride
+from .triton_utils import (
+    dot_dtype,
+    matmul,
+    multiprocessor_count,
+    padded_head_dim,
+    scale_pointer_and_stride,
+    unit_stride,
+)
 from .validation import check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device
 
 LOG2_E = math.log2(math.e)
@@ -170,7 +177,7 @@ def _decode_split_kernel(
     # Both partial tensors are contiguous: [batch, num_heads, num_splits] for
     # the LSE, with a trailing HEAD_DIM for the output.
     num_heads = tl.num_programs(1) * GROUP
-    partial_rows = (batch * num_heads + heads) * tl.num_programs(2) + split  # [GROUP_PAD]
+    partial_rows = (batch * num_heads + heads).to(tl.int64) * tl.num_programs(2) + split  # [GROUP_PAD]
     tl.store(partial_lse_ptr + partial_rows, lse, mask=row_mask)
     tl.store(
         partial_out_ptr + partial_rows[:, None] * HEAD_DIM + dims[None, :],
@@ -179,15 +186,19 @@ def _decode_split_kernel(
     )
 
 
-@triton.jit
+# num_splits is an ordinary argument, not a constexpr, and Triton is told not to
+# specialise on its value (is it 1? divisible by 16?): eager decode changes the
+# split count as the block table widens, and each new value would otherwise
+# compile a new merge kernel. Only its power-of-two bucket, SPLITS_PAD, is compiled in.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
     out_stride_batch,
     out_stride_head,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -196,15 +207,16 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dim_mask = dims < HEAD_DIM
 
     # One row of the contiguous partial tensors: every split's result for this
-    # (sequence, head), NUM_SPLITS * HEAD_DIM floats in a row.
-    row = batch * NUM_HEADS + head
-    lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=float("-inf"))
+    # (sequence, head), num_splits * HEAD_DIM floats in a row. int64: a big batch
+    # times heads times splits times HEAD_DIM passes 2**31.
+    row = (batch * NUM_HEADS + head).to(tl.int64) * num_splits
+    lse = tl.load(partial_lse_ptr + row + splits, mask=split_mask, other=float("-inf"))
     partial = tl.load(
-        partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+        partial_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
@@ -224,6 +236,25 @@ def _decode_merge_kernel(
     )
 
 
+def decode_tiles(head_dim_pad: int, dot, fp8: bool) -> tuple[int, int]:
+    """``(TILE_N, num_warps)`` of the split kernel: keys per inner step, and warps.
+
+    Chosen from the Hopper compile report (``python -m kvpaging.kernels.compile_check``),
+    with triton 3.9 and 3.6 alike:
+
+    * 16-bit products run on tensor cores: 64 keys a step (32 at head dim 256), 4 warps.
+    * float32 products run without them, each thread holding whole rows of its
+      operands: with 64 keys and 4 warps head dim 256 spilled about 5 KB per
+      thread. Half the keys and 8 warps: no spills, under 80 registers.
+    * an FP8 cache adds the conversion of every key and value: with 4 warps ptxas
+      stopped at 128 registers and spilled (block size 1, head dim 128). 8 warps:
+      no spills, at most 128 registers, in the whole matrix.
+    """
+    if dot == tl.float32:
+        return (32 if head_dim_pad <= 128 else 16), 8
+    return (64 if head_dim_pad <= 128 else 32), (8 if fp8 else 4)
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
     """How many slices to cut each context into, from shapes only.
 
@@ -232,10 +263,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     tokens of the table's capacity. Sequence lengths are never consulted, so
     the answer (and the grid) is the same at every replay of a CUDA graph.
     """
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        num_sms = 4  # the CPU interpreter: a few splits, to exercise the merge
+    num_sms = multiprocessor_count(device)
     wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     most_useful = triton.cdiv(max_blocks * block_size, MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, most_useful, MAX_SPLITS))
@@ -256,7 +284,8 @@ def paged_decode_attention(
 
     Same arguments and result as the reference. ``num_splits`` slices each
     context across programs (None: chosen from shapes, see
-    :func:`choose_num_splits`); any value gives the same answer up to rounding.
+    :func:`choose_num_splits`; an explicit value is capped at ``MAX_SPLITS``);
+    any value gives the same answer up to rounding.
     """
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     check_triton_device(query.device, k_cache.dtype)
@@ -264,6 +293,9 @@ def paged_decode_attention(
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+
+    # The kernel steps through a block table row and the lengths one element at a time.
+    block_tables, seq_lens = unit_stride(block_tables), unit_stride(seq_lens)
 
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -274,9 +306,13 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_blocks, block_size, query.device)
+    # An explicit count is capped too: the merge holds every split's partial result of
+    # one head in registers, and more slices than MAX_SPLITS only add empty programs.
+    num_splits = min(num_splits, MAX_SPLITS)
 
     head_dim_pad = padded_head_dim(head_dim)
-    tile_n = 64 if head_dim_pad <= 128 else 32
+    dot = dot_dtype(query.dtype, k_cache.dtype)
+    tile_n, num_warps = decode_tiles(head_dim_pad, dot, is_fp8(k_cache.dtype))
     # Slices are whole tiles long, so only the last tile of a sequence is partial.
     tokens_per_split = triton.cdiv(triton.cdiv(max(1, max_blocks * block_size), num_splits), tile_n) * tile_n
 
@@ -301,15 +337,15 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         FP8=is_fp8(k_cache.dtype),
-        DOT_DTYPE=dot_dtype(query.dtype),
-        num_warps=4,
+        DOT_DTYPE=dot,
+        num_warps=num_warps,
     )
     _decode_merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out,
         out.stride(0), out.stride(1),
+        num_splits,
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),  # 1, 2, 4, ... 64: at most 7 merge kernels
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         num_warps=4,

@@ -43,12 +43,32 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride
+from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, unit_stride
 from .validation import check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device
 
 LOG2_E = math.log2(math.e)
-BLOCK_M = 64  # query rows (token, head) per program
-BLOCK_N = 64  # keys per inner-loop step
+
+
+def prefill_tiles(head_dim_pad: int, group_pad: int, dot) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)``: query rows per program, keys per inner step, warps.
+
+    Chosen from the Hopper compile report (``python -m kvpaging.kernels.compile_check``),
+    which fails on any spill:
+
+    * 16-bit products (tensor cores): 64 x 64 tiles with 4 warps up to head dim
+      128. At 256 the accumulator alone is 64 x 256 floats: with 4 warps the
+      kernel sat at the 255-register limit, so 8 warps share it and keys come
+      32 at a time.
+    * float32 products run without tensor cores, and each thread holds whole
+      rows of both operands: 64 x 64 tiles spilled 8-11 KB per thread (even the
+      tiny test model's head dim 32 hit 255 registers). 32 keys at a time and 8
+      warps fit up to head dim 128; head dim 256 takes 32 query rows and 16 keys.
+    """
+    if dot == tl.float32:
+        block_m, block_n, num_warps = (64, 32, 8) if head_dim_pad <= 128 else (32, 16, 8)
+    else:
+        block_m, block_n, num_warps = (64, 64, 4) if head_dim_pad <= 128 else (64, 32, 8)
+    return max(block_m, group_pad), block_n, num_warps  # at least one whole GQA group per tile
 
 
 @triton.jit
@@ -215,11 +235,16 @@ def paged_prefill_attention(
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
 
+    # The kernel steps through a block table row, the lengths and the query starts one element at a time.
+    block_tables, seq_lens, cu_seqlens_q = unit_stride(block_tables), unit_stride(seq_lens), unit_stride(cu_seqlens_q)
+
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_m = max(BLOCK_M, group_pad)  # at least one whole group per tile
+    head_dim_pad = padded_head_dim(head_dim)
+    dot = dot_dtype(query.dtype, k_cache.dtype)
+    block_m, block_n, num_warps = prefill_tiles(head_dim_pad, group_pad, dot)
     out = torch.zeros_like(query)
 
     # The lengths come to the host once (prefill runs eagerly, this sync is
@@ -234,7 +259,6 @@ def paged_prefill_attention(
 
     k_scale_arg, k_scale_stride = scale_pointer_and_stride(k_scale, placeholder=query)
     v_scale_arg, v_scale_stride = scale_pointer_and_stride(v_scale, placeholder=query)
-    head_dim_pad = padded_head_dim(head_dim)
 
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
@@ -252,9 +276,9 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         QUERIES_PER_TILE=queries_per_tile,
-        BLOCK_N=BLOCK_N if head_dim_pad <= 128 else 32,
+        BLOCK_N=block_n,
         FP8=is_fp8(k_cache.dtype),
-        DOT_DTYPE=dot_dtype(query.dtype),
-        num_warps=4,
+        DOT_DTYPE=dot,
+        num_warps=num_warps,
     )
     return out

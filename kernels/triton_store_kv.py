@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_MAX, is_fp8
-from .triton_utils import scale_pointer_and_stride
+from .triton_utils import scale_pointer_and_stride, unit_stride
 from .validation import (
     check_head_dim,
     check_last_dim_contiguous,
@@ -134,6 +134,7 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    slot_mapping = unit_stride(slot_mapping)  # read as slot_mapping_ptr + token
     fp8 = is_fp8(k_cache.dtype)
     k_scale_arg, k_scale_stride = scale_pointer_and_stride(k_scale, placeholder=key)
     v_scale_arg, v_scale_stride = scale_pointer_and_stride(v_scale, placeholder=key)

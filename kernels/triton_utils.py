@@ -10,12 +10,25 @@ import torch
 import triton
 import triton.language as tl
 
+from . import validation
 from .validation import interpreter_enabled
 
 
 def padded_head_dim(head_dim: int) -> int:
     """Next power of two, at least 16: the smallest K dimension ``tl.dot`` accepts."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU the kernels run on (or are compiled for).
+
+    The CPU interpreter gets 4: a few decode splits, enough to exercise the merge.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if validation.compile_only_target is not None:
+        return validation.compile_only_target.num_sms
+    return 4
 
 
 def scale_pointer_and_stride(scale: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -31,12 +44,20 @@ def scale_pointer_and_stride(scale: torch.Tensor | None, placeholder: torch.Tens
     return scale, (scale.stride(0) if scale.numel() > 1 else 0)
 
 
-def dot_dtype(query_dtype: torch.dtype):
+def dot_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
     """The dtype the attention kernels feed to ``tl.dot``.
 
     * float16 / bfloat16 queries: that dtype, so the products run on tensor cores
       (FP8 keys and values are converted to it after loading).
-    * float32 queries: float32, multiplied exactly (see :func:`matmul`).
+    * float32 queries over a float32 cache: float32, multiplied exactly (see
+      :func:`matmul`), without tensor cores; the kernels take smaller tiles for it.
+    * float32 queries over an FP8 cache: float16. Every e4m3 number is exact in
+      float16 (3 mantissa bits of 10), so the keys and values lose nothing; the
+      queries and probabilities are rounded to 11 significant bits, far finer than
+      the cache's 4. In float32 these products needed a few KB of spilled registers
+      per thread (``python -m kvpaging.kernels.compile_check``); in float16 they run on
+      tensor cores with none. A query above 65,504 would overflow, far beyond any
+      model's attention queries.
     * Under the CPU interpreter, bfloat16 is fed as float32: the interpreter keeps
       bfloat16 as raw 16-bit integers and its ``tl.dot`` would multiply the bit
       patterns (seen with triton 3.9). GPU runs are unaffected.
@@ -45,6 +66,8 @@ def dot_dtype(query_dtype: torch.dtype):
         return tl.float16
     if query_dtype == torch.bfloat16 and not interpreter_enabled():
         return tl.bfloat16
+    if query_dtype == torch.float32 and cache_dtype == torch.float8_e4m3fn:
+        return tl.float16
     return tl.float32
 
 
@@ -60,6 +83,19 @@ def matmul(a, b):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+def unit_stride(index: torch.Tensor) -> torch.Tensor:
+    """``index`` itself when its last dimension has stride 1, else a contiguous copy.
+
+    The kernels read index tensors (block table rows, lengths, slots, query
+    starts) as ``pointer + i``. A view with another stride, say a column of a
+    bigger table, would be read wrongly and silently; copying these few numbers
+    costs nothing next to attention.
+    """
+    if index.dim() == 0 or index.shape[-1] <= 1 or index.stride(-1) == 1:
+        return index
+    return index.contiguous()
 
 
 def bit_copy_dtype(element_size: int) -> torch.dtype:

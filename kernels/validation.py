@@ -5,13 +5,17 @@ memory and returns garbage, or crashes the process. So every entry point checks
 shapes, dtypes and devices first and raises ``ValueError`` naming the bad value.
 
 These checks only look at shapes, dtypes and devices, never at tensor contents,
-so they cost no GPU synchronisation and are safe inside CUDA-graph capture.
+so they cost no GPU synchronisation and are safe inside CUDA-graph capture. The
+one exception is ``copy_blocks``' block mapping, whose few numbers are read on
+the host (:func:`check_block_mapping`): copy-on-write runs eagerly, never inside
+a graph, and a bad pair would overwrite a block another sequence still reads.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -200,6 +204,43 @@ def check_copy_blocks_args(
         )
     check_index("block_mapping", block_mapping, torch.int64, (None, 2))
     check_same_device(k_cache=first, block_mapping=block_mapping)
+    check_block_mapping(block_mapping, num_blocks=first.shape[0])
+
+
+def check_block_mapping(block_mapping: torch.Tensor, num_blocks: int) -> None:
+    """Every ``(src, dst)`` pair names blocks of the cache; destinations are distinct; no block
+    is both a source and a destination.
+
+    The Triton kernel copies all pairs at once, in parallel programs. If one
+    pair's destination were another pair's source (a chain ``a -> b``, ``b -> c``),
+    or a block were copied onto itself, whether a program read the old or the
+    new contents would depend on timing; two pairs with one destination would
+    race to write it. The torch reference would give one definite answer, so
+    the backends would disagree, silently. Copy-on-write only ever copies into
+    fresh blocks, so none of this is needed; all of it is refused, naming the
+    block, before anything is copied.
+    """
+    pairs = block_mapping.tolist()
+    for row, (src, dst) in enumerate(pairs):
+        for side, block in (("source", src), ("destination", dst)):
+            _require(
+                0 <= block < num_blocks,
+                f"block_mapping row {row}: {side} block {block} is outside the cache's blocks 0..{num_blocks - 1}",
+            )
+    destination_row: dict[int, int] = {}
+    for row, (_, dst) in enumerate(pairs):
+        _require(
+            dst not in destination_row,
+            f"block_mapping: destination block {dst} appears twice (rows {destination_row.get(dst)} and {row}); "
+            "each block may be written once per call",
+        )
+        destination_row[dst] = row
+    for row, (src, _) in enumerate(pairs):
+        _require(
+            src not in destination_row,
+            f"block_mapping: block {src} is the source of row {row} and the destination of row "
+            f"{destination_row.get(src)}; a block may not be both in one call (the copies run in parallel)",
+        )
 
 
 # --- checks specific to the Triton kernels ----------------------------------
@@ -219,9 +260,34 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+@dataclass(frozen=True)
+class CompileOnlyTarget:
+    """A GPU the kernels are compiled for, on a machine that does not have it.
+
+    ``kvpaging.kernels.compile_check`` sets :data:`compile_only_target` while it
+    drives the real wrappers with CPU tensors and a stand-in Triton driver whose
+    "launch" compiles the kernel and records it instead of running it.
+    """
+
+    name: str  # e.g. "H100/H200 (sm_90)"
+    arch: int  # compute capability as one number: 90 for 9.0
+    num_sms: int  # streaming multiprocessors: choose_num_splits sizes its grid from them
+    max_shared_bytes: int  # shared memory one block may use
+
+
+# None except inside ``compile_check.compile_only(...)``.
+compile_only_target: CompileOnlyTarget | None = None
+
+
 def check_triton_device(device: torch.device, cache_dtype: torch.dtype) -> None:
-    """Triton kernels run on a CUDA (or ROCm) GPU, or on the CPU under the interpreter."""
+    """Triton kernels run on a CUDA (or ROCm) GPU, or on the CPU under the interpreter
+    (or, compiled but never launched, under ``compile_check``'s stand-in GPU)."""
     if device.type == "cpu":
+        target = compile_only_target
+        if target is not None:
+            if is_fp8(cache_dtype) and target.arch < 89:
+                raise ValueError(f"an FP8 (e4m3) KV cache needs compute capability 8.9+, not {target.name}")
+            return
         if not interpreter_enabled():
             raise ValueError(
                 "the Triton kernels got CPU tensors; use kvpaging.kernels.reference on a CPU, "

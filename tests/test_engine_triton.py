@@ -1,4 +1,10 @@
-"""The whole engine on the Triton backend (under the interpreter on a CPU) gives the torch backend's tokens."""
+"""The whole engine on the Triton backend gives the torch backend's tokens.
+
+On a CUDA machine the model (and so the KV cache) goes to the GPU and the kernels are
+compiled; on a CPU they run under the interpreter (``conftest.py``). A model left on
+the CPU of a CUDA machine would make every step fail: the Triton kernels refuse CPU
+tensors when the interpreter is off.
+"""
 
 import pytest
 import torch
@@ -8,13 +14,20 @@ from kvpaging.models import tiny
 
 pytestmark = pytest.mark.interpreter
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_TOKENS = 4
+
 
 def run(backend: str, prompts, **kw):
-    llm = LLM(tiny("qwen3", seed=0, num_hidden_layers=2), num_blocks=32, block_size=16, max_model_len=256,
-              attention_backend=backend, **kw)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    model = tiny("qwen3", seed=0, num_hidden_layers=2).to(DEVICE)
+    llm = LLM(model, num_blocks=32, block_size=16, max_model_len=256, attention_backend=backend, **kw)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
     assert llm.engine.block_manager.stats().num_used_blocks == 0
-    return [o.outputs[0].token_ids for o in outs], llm
+    tokens = [o.outputs[0].token_ids for o in outs]
+    # every request served in full: an engine whose steps failed would hand back fewer tokens
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(prompts), f"{backend}: {tokens}"
+    return tokens, llm
 
 
 def test_triton_backend_matches_torch_backend():
@@ -25,4 +38,5 @@ def test_triton_backend_matches_torch_backend():
     expected, _ = run("torch", prompts, max_num_batched_tokens=24)
     got, llm = run("triton", prompts, max_num_batched_tokens=24)
     assert llm.engine.runner.backend_name == "triton"
+    assert llm.engine.runner.device.type == DEVICE
     assert got == expected

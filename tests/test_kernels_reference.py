@@ -350,6 +350,25 @@ def test_copy_blocks_rejects_mismatched_layers():
         reference.copy_blocks([torch.zeros(4, 2, 1, 8)], [torch.zeros(4, 2, 1, 8)], torch.tensor([[0, 1]]).int())
 
 
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ([[1, 5], [2, 5]], "destination block 5 appears twice"),
+        ([[1, 5], [5, 6]], "block 5 is the source of row 1 and the destination of row 0"),  # a chain
+        ([[3, 3]], "block 3 is the source of row 0 and the destination of row 0"),  # onto itself
+        ([[1, 8]], "destination block 8 is outside the cache's blocks 0..7"),
+        ([[-1, 2]], "source block -1 is outside"),
+    ],
+)
+def test_copy_blocks_refuses_racing_or_out_of_range_pairs(mapping, message):
+    """The reference gives the Triton kernel's errors (there, parallel copies would race on these)."""
+    k_caches, v_caches = [torch.randn(8, 4, 2, 16)], [torch.randn(8, 4, 2, 16)]
+    before = [k_caches[0].clone(), v_caches[0].clone()]
+    with pytest.raises(ValueError, match=message):
+        reference.copy_blocks(k_caches, v_caches, torch.tensor(mapping))
+    assert torch.equal(k_caches[0], before[0]) and torch.equal(v_caches[0], before[1])
+
+
 def test_slot_formula_example_from_the_docstring():
     """block_size 4, block table [7, 2]: token 5 has slot 2 * 4 + 1 = 9."""
     assert slots_of(torch.tensor([7, 2]), 4, 6) == [28, 29, 30, 31, 8, 9]

@@ -315,6 +315,85 @@ def test_copy_blocks_is_exact(gen, dtype, one_allocation):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ([[1, 5], [2, 5]], "destination block 5 appears twice"),
+        ([[1, 5], [5, 6]], "block 5 is the source of row 1 and the destination of row 0"),  # a chain
+        ([[3, 3]], "block 3 is the source of row 0 and the destination of row 0"),  # onto itself
+        ([[1, 8]], "destination block 8 is outside the cache's blocks 0..7"),
+    ],
+)
+def test_copy_blocks_refuses_racing_or_out_of_range_pairs(gen, mapping, message):
+    """Parallel programs would race on these (or write past the cache); each is refused, naming
+    the block, before anything is copied. (The reference's twin is in test_kernels_reference.py.)"""
+    k_caches = [randn(8, 4, 2, 16, gen=gen) for _ in range(2)]
+    v_caches = [randn(8, 4, 2, 16, gen=gen) for _ in range(2)]
+    before = [c.clone() for c in k_caches + v_caches]
+    with pytest.raises(ValueError, match=message):
+        kernels.copy_blocks(k_caches, v_caches, torch.tensor(mapping, device=DEVICE))
+    for got, want in zip(k_caches + v_caches, before):
+        assert torch.equal(got, want), "nothing may change before the error"
+
+
+def strided(index: torch.Tensor) -> torch.Tensor:
+    """The same numbers in a view whose last dimension has stride 2 (a column of a wider tensor).
+
+    Each number sits twice in memory, so a kernel that assumed stride 1 would read
+    wrong but in-range values (a wrong answer, not a crash).
+    """
+    return torch.stack([index, index], dim=-1)[..., 0]
+
+
+@pytest.mark.interpreter
+def test_kernels_read_index_tensors_of_any_stride(gen):
+    """block_tables, seq_lens, slot_mapping and cu_seqlens_q as views with stride 2: same answers."""
+    kv, query = decode_case(gen, 16, 32, 2, 2, torch.float32, lens=[0, 5, 40])
+    tables, lens = strided(kv.block_tables), strided(kv.seq_lens)
+    assert tables.stride(-1) == 2 and lens.stride(0) == 2
+    args = (kv.k_cache, kv.v_cache)
+    expected = reference.paged_decode_attention(query, *args, kv.block_tables, kv.seq_lens, 0.2)
+    torch.testing.assert_close(kernels.paged_decode_attention(query, *args, tables, lens, 0.2, num_splits=2),
+                               expected, **tolerance(torch.float32))
+
+    kv, cu, query = prefill_case(gen, 8, 32, 1, 2, torch.float32, sequences=[(9, 9), (30, 7)])
+    expected = reference.paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.2)
+    got = kernels.paged_prefill_attention(query, kv.k_cache, kv.v_cache, strided(kv.block_tables), strided(cu),
+                                          strided(kv.seq_lens), 0.2)
+    torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+
+    k_cache, v_cache = randn(4, 8, 2, 16, gen=gen), randn(4, 8, 2, 16, gen=gen)
+    key, value = randn(3, 2, 16, gen=gen), randn(3, 2, 16, gen=gen)
+    slots = torch.tensor([5, 17, 30], device=DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    kernels.store_kv(key, value, k_cache, v_cache, strided(slots))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.interpreter
+def test_an_explicit_huge_num_splits_is_capped(gen, monkeypatch):
+    """num_splits=100_000 launches at most MAX_SPLITS slices (a grid, partial tensors and a merge
+    tile sized by it would be huge, and their int32 offsets would overflow) and gives the same answer."""
+    from kvpaging.kernels import triton_decode_attention as decode
+
+    kv, query = decode_case(gen, 16, 32, 1, 2, torch.float32, lens=[3, 70])
+    grids = []
+    real_kernel = decode._decode_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            assert grid[2] <= decode.MAX_SPLITS, f"launched {grid[2]} splits"
+            return real_kernel[grid]
+
+    monkeypatch.setattr(decode, "_decode_split_kernel", Spy())
+    out = run_decode(kernels.paged_decode_attention, query, kv, 100_000)
+    assert grids == [(2, 1, decode.MAX_SPLITS)]
+    torch.testing.assert_close(out, run_decode(reference.paged_decode_attention, query, kv), **tolerance(torch.float32))
+
+
 # --- argument checks and availability (no kernel launch) -----------------------
 
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -43,8 +44,9 @@ RUNS = {
                                max_num_batched_tokens=256, enable_prefix_caching=False),
     "static": soak.SoakConfig(requests=1000, seed=2, scheduling="static", solo_checks=20),
     "fp8-kv-cache": soak.SoakConfig(requests=2000, seed=3, kv_cache_dtype="fp8"),
-    # the Triton kernels (interpreted on a CPU, so few requests; compiled on a GPU by benchmarks/gpu_check.sh)
-    "triton-backend": soak.SoakConfig(requests=60, seed=4, solo_checks=4, attention_backend="triton"),
+    # the Triton kernels (interpreted on a CPU, so few requests; compiled on a GPU, where the model must go)
+    "triton-backend": soak.SoakConfig(requests=60, seed=4, solo_checks=4, attention_backend="triton",
+                                      device="cuda" if torch.cuda.is_available() else None),
 }
 
 
