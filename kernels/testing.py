@@ -106,3 +106,14 @@ def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.
     for n in lengths:
         starts.append(starts[-1] + n)
     return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+#: ``copy_blocks`` mappings every backend must refuse before copying anything, with the message each
+#: error carries, for a cache of 8 blocks: parallel copies would race on the first three (a destination
+#: written twice, a block both read and written), and the last points outside the cache.
+BAD_COPY_MAPPINGS: list[tuple[list[list[int]], str]] = [
+    ([[1, 5], [2, 5]], "destination block 5 appears twice"),
+    ([[1, 5], [5, 6]], "block 5 is the source of row 1 and the destination of row 0"),  # a chain
+    ([[3, 3]], "block 3 is the source of row 0 and the destination of row 0"),  # onto itself
+    ([[1, 8]], "destination block 8 is outside the cache's blocks 0..7"),
+]

@@ -8,7 +8,7 @@
 
 One step, one hand-off per stage::
 
-    out = scheduler.schedule()            SchedulerOutput: who runs, which tokens, block tables, COW copies,
+    out = scheduler.schedule(now)          SchedulerOutput: who runs, which tokens, block tables, COW copies,
                                           which sequences sample and from which logits row
     logits = runner.execute(out)          the model's forward over the paged cache (the runner reads `out` only)
     sampled = sampler(...)                one token per sampling sequence (its params, its seed)
@@ -219,7 +219,7 @@ class LLMEngine:
         oldest first (a FINAL_ONLY request's only when it finished)."""
         start = time.perf_counter()
         sched = self.scheduler
-        out = sched.schedule()
+        out = sched.schedule(now=start)
         if out.is_empty:
             return []
         try:
@@ -248,9 +248,6 @@ class LLMEngine:
             if seq.request.is_finished:
                 seq.request.finished_time = now
         self._forget_generators(result.finished)
-        for s in out.scheduled:
-            if s.seq.request.first_scheduled_time is None:
-                s.seq.request.first_scheduled_time = start
         if listening:
             self.observers.emit(out, start, sched, self.block_manager, result.finished, result.sampled,
                                 result.released_tables)

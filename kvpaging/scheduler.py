@@ -139,7 +139,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Decide this step's batch. ``now`` (the engine's step start) becomes the
+        ``first_scheduled_time`` of each request admitted for the first time."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -181,8 +183,9 @@ class Scheduler:
                 seq.blocks = bm.get_sequence_blocks(seq.seq_id)
                 self.waiting.popleft()
                 seq.num_computed_tokens = start
-                if seq.index == 0 and seq.num_preemptions == 0:
+                if seq.index == 0 and seq.num_preemptions == 0:  # the request's first admission
                     seq.request.num_cached_tokens = start  # prompt tokens served by the prefix cache (vLLM's name)
+                    seq.request.first_scheduled_time = now
                 seq.status = SequenceStatus.RUNNING
                 running.append(seq)
                 seats += need

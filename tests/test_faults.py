@@ -115,8 +115,8 @@ def run_with_faults(seed: int, kind: str, num_faults: int, solo) -> dict:
     schedules = []  # every step's SchedulerOutput, read from outside: which requests each step ran
     real_schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = real_schedule()
+    def recording_schedule(*args, **kwargs):
+        out = real_schedule(*args, **kwargs)
         schedules.append(out)
         return out
 

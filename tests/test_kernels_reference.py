@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvpaging.kernels import fp8, reference
-from kvpaging.kernels.testing import cu_seqlens, random_paged_kv
+from kvpaging.kernels.testing import BAD_COPY_MAPPINGS, cu_seqlens, random_paged_kv
 
 @pytest.fixture
 def gen():
@@ -350,16 +350,7 @@ def test_copy_blocks_rejects_mismatched_layers():
         reference.copy_blocks([torch.zeros(4, 2, 1, 8)], [torch.zeros(4, 2, 1, 8)], torch.tensor([[0, 1]]).int())
 
 
-@pytest.mark.parametrize(
-    "mapping, message",
-    [
-        ([[1, 5], [2, 5]], "destination block 5 appears twice"),
-        ([[1, 5], [5, 6]], "block 5 is the source of row 1 and the destination of row 0"),  # a chain
-        ([[3, 3]], "block 3 is the source of row 0 and the destination of row 0"),  # onto itself
-        ([[1, 8]], "destination block 8 is outside the cache's blocks 0..7"),
-        ([[-1, 2]], "source block -1 is outside"),
-    ],
-)
+@pytest.mark.parametrize("mapping, message", BAD_COPY_MAPPINGS + [([[-1, 2]], "source block -1 is outside")])
 def test_copy_blocks_refuses_racing_or_out_of_range_pairs(mapping, message):
     """The reference gives the Triton kernel's errors (there, parallel copies would race on these)."""
     k_caches, v_caches = [torch.randn(8, 4, 2, 16)], [torch.randn(8, 4, 2, 16)]

@@ -19,7 +19,7 @@ import torch
 
 import kvpaging.kernels as kernels
 from kvpaging.kernels import fp8, reference, validation
-from kvpaging.kernels.testing import cu_seqlens, random_paged_kv
+from kvpaging.kernels.testing import BAD_COPY_MAPPINGS, cu_seqlens, random_paged_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -316,15 +316,7 @@ def test_copy_blocks_is_exact(gen, dtype, one_allocation):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize(
-    "mapping, message",
-    [
-        ([[1, 5], [2, 5]], "destination block 5 appears twice"),
-        ([[1, 5], [5, 6]], "block 5 is the source of row 1 and the destination of row 0"),  # a chain
-        ([[3, 3]], "block 3 is the source of row 0 and the destination of row 0"),  # onto itself
-        ([[1, 8]], "destination block 8 is outside the cache's blocks 0..7"),
-    ],
-)
+@pytest.mark.parametrize("mapping, message", BAD_COPY_MAPPINGS)
 def test_copy_blocks_refuses_racing_or_out_of_range_pairs(gen, mapping, message):
     """Parallel programs would race on these (or write past the cache); each is refused, naming
     the block, before anything is copied. (The reference's twin is in test_kernels_reference.py.)"""
