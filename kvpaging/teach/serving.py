@@ -264,8 +264,11 @@ def run_continuous_batching(model, work: Workload, timeout: float = 60.0) -> Run
 class EngineResult:
     name: str
     seconds: float  # median over repeats
-    useful_tokens: int
-    output_lengths: tuple[int, ...] = ()  # each request's useful tokens (from the last repeat)
+    output_lengths: tuple[int, ...]  # each request's useful tokens (the same in every repeat: greedy)
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.output_lengths)
 
     @property
     def tokens_per_s(self) -> float:
@@ -341,12 +344,13 @@ def _self_seconds(prof) -> dict[str, float]:
     self_ns: dict[str, int] = {}
     stack: list[tuple[int, int, str]] = []  # (thread, end, name) of the ops enclosing the current one
     for thread, start, neg_dur, name in events:
+        dur = -neg_dur
         while stack and (stack[-1][0] != thread or stack[-1][1] <= start):
             stack.pop()
         if stack:  # the enclosing op's self time excludes this one
-            self_ns[stack[-1][2]] -= -neg_dur
-        self_ns[name] = self_ns.get(name, 0) - neg_dur
-        stack.append((thread, start - neg_dur, name))
+            self_ns[stack[-1][2]] -= dur
+        self_ns[name] = self_ns.get(name, 0) + dur
+        stack.append((thread, start + dur, name))
     return {name: ns / 1e9 for name, ns in self_ns.items()}
 
 
@@ -439,7 +443,7 @@ def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, 
                 del model
                 if bar is not None:
                     bar.update(1)
-            results.append(EngineResult(name, statistics.median(times), run.useful_tokens, run.output_lengths))
+            results.append(EngineResult(name, statistics.median(times), run.output_lengths))
     finally:
         if bar is not None:
             bar.close()
