@@ -111,6 +111,7 @@ class SequenceBlocks:
     num_tokens: int  # token slots assigned
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
     row: int = -1  # this table's row in BlockManager.table_array
+    seq_id: Hashable = None  # whose table it is
 
 
 class _TableArray:
@@ -315,6 +316,7 @@ class BlockManager:
             pool.touch(block)
         st = SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
         st.row = self._tables.take_row()
+        st.seq_id = seq_id
         self._tables.set_prefix(st.row, st.block_ids)
         self._seqs[seq_id] = st
         self._num_table_blocks += len(hit)
@@ -351,6 +353,42 @@ class BlockManager:
             self._copy_on_write(st, last)
         self._grow(st, num_new_tokens)
         return True
+
+    def append_decode_slots(self, tables: list[SequenceBlocks], rows: list[int], positions: list[int]) -> int:
+        """One more slot for each of ``tables`` (one decode token each), in order, as ``append_slots(seq, 1)``
+        would give it. Stops at the first sequence the pool has no block for; returns how many got theirs.
+        Appends each served table's row (in ``table_array``) to ``rows`` and the new slot's position to
+        ``positions``: the model runner's inputs, gathered in the same pass.
+
+        The scheduler's every-step call for its decoding sequences: one call per step, not one per
+        sequence. Most decodes land in an unshared, unfilled last block and cost a few attribute
+        updates; a full or shared last block takes the general path (a new block, or a copy-on-write).
+        """
+        bs = self.block_size
+        filled = 0
+        for k, st in enumerate(tables):
+            n = st.num_tokens
+            if n % bs:
+                last = st.blocks[-1]
+                if last.ref_cnt == 1:
+                    last.num_filled += 1
+                    st.num_tokens = n + 1
+                    filled += 1
+                    rows.append(st.row)
+                    positions.append(n)
+                    continue
+            # a full last block (or none) needs a new block; a shared, partly filled one needs its copy
+            self._check_fits(st.seq_id, n + 1)
+            if not self.pool.free_queue.num_free_blocks:
+                self.pool.num_filled_slots += filled
+                return k
+            if n % bs:
+                self._copy_on_write(st, st.blocks[-1])
+            self._grow(st, 1)
+            rows.append(st.row)
+            positions.append(n)
+        self.pool.num_filled_slots += filled  # the fast path's fills, counted once (BlockPool.fill's counter)
+        return len(tables)
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
@@ -393,6 +431,7 @@ class BlockManager:
             self.pool.touch(block)
         child = SequenceBlocks(list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes))
         child.row = self._tables.take_row()
+        child.seq_id = child_id
         self._tables.set_prefix(child.row, child.block_ids)
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks)

@@ -75,6 +75,7 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}  # seq id -> generator, for seeded completions
         self.observers = StepObservers()
         self._batch_ids = itertools.count()
+        self._streaming: set[str] = set()  # unfinished requests that report every step (not FINAL_ONLY)
 
     @property
     def tokenizer(self):
@@ -101,6 +102,8 @@ class LLMEngine:
             raise DuplicateSequenceError(f"request_id {request_id!r} is already in use by an unfinished request")
         text, token_ids = self.inputs.check(prompt, params)
         self.scheduler.add_request(self.inputs.make_request(request_id, text, token_ids, params, arrival_time))
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            self._streaming.add(request_id)
 
     def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-") -> list[str]:
         """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued."""
@@ -111,6 +114,8 @@ class LLMEngine:
             while request_id in self.scheduler.requests:
                 request_id = f"{prefix}{next(self._batch_ids)}"
             self.scheduler.add_request(self.inputs.make_request(request_id, text, token_ids, sp, None))
+            if sp.output_kind != RequestOutputKind.FINAL_ONLY:
+                self._streaming.add(request_id)
             ids.append(request_id)
         return ids
 
@@ -174,6 +179,7 @@ class LLMEngine:
         if request_id not in self.scheduler.requests:
             raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
         request = self.scheduler.abort_request(request_id)
+        self._streaming.discard(request_id)
         self._forget_generators(request.seqs)
 
     def has_unfinished_requests(self) -> bool:
@@ -234,16 +240,16 @@ class LLMEngine:
             if not isinstance(error, Exception):
                 raise
             self.observers.emit(out, start, sched, self.block_manager, finished=failed)
-            return self._outputs({s.request for s in failed})
+            return self._outputs(failed, failed)
         listening = self.observers.listening
         result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening)
         now = time.perf_counter()
         for seq in result.sampled:
-            if seq.index == 0:
-                req = seq.request
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                req.token_times.append(now)
+            if seq.index == 0:  # completion 0's token times: time to first token, inter-token latency
+                times = seq.request.token_times
+                if not times:
+                    seq.request.first_token_time = now
+                times.append(now)
         for seq in result.finished:
             if seq.request.is_finished:
                 seq.request.finished_time = now
@@ -251,7 +257,7 @@ class LLMEngine:
         if listening:
             self.observers.emit(out, start, sched, self.block_manager, result.finished, result.sampled,
                                 result.released_tables)
-        return self._outputs({s.request for s in result.sampled})
+        return self._outputs(result.sampled, result.finished)
 
     def _forward_and_sample(self, out: SchedulerOutput):
         """Run the model and sample: the part of a step that may fail."""
@@ -280,10 +286,17 @@ class LLMEngine:
             for seq in seqs:
                 self._generators.pop(seq.seq_id, None)
 
-    def _outputs(self, requests) -> list[RequestOutput]:
-        return [request_output(req) for req in sorted(requests, key=lambda r: r.arrival_time)
-                if req.is_finished or req.params.output_kind != RequestOutputKind.FINAL_ONLY]
-
+    def _outputs(self, advanced: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests whose sequences ``advanced`` this step, oldest first: every
+        streaming request's (DELTA, CUMULATIVE), and a FINAL_ONLY request's once it is finished.
+        A batch run (all FINAL_ONLY) looks only at the sequences that finished."""
+        requests = {seq.request for seq in finished if seq.request.is_finished}
+        if self._streaming:
+            requests.update(seq.request for seq in advanced if seq.request.request_id in self._streaming)
+            for req in requests:
+                if req.is_finished:
+                    self._streaming.discard(req.request_id)
+        return [request_output(req) for req in sorted(requests, key=lambda r: r.arrival_time)]
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()

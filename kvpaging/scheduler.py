@@ -26,6 +26,7 @@ changes block tables.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,33 +53,60 @@ class ScheduledSeq:
     num_new_tokens: int
     sample: bool  # the chunk reaches the end of the sequence, so its last position yields a token
     is_prefill: bool  # prompt tokens (or recomputed ones) rather than one decode token: decided here only
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] | None = None  # None for a decode (the runner reads its row of table_array)
     table_row: int = -1
 
 
 @dataclass(eq=False)
 class SchedulerOutput:
-    """Everything one step needs, handed from the scheduler to the model runner and the sampler."""
+    """Everything one step needs, handed from the scheduler to the model runner and the sampler.
+
+    A step's sequences come in two groups, and are packed into the forward pass in this order:
+
+    * ``decodes``: sequences computing exactly one token, their last one (a decode, or a prompt
+      whose last chunk is one token). Each samples. They are most of every busy step, so they are
+      kept as plain lists and arrays (no object per sequence), and their block tables are rows of
+      ``table_array``: the runner builds their inputs with a few numpy operations.
+    * ``chunks``: everything else (prefill chunks, recomputation after preemption), one
+      ``ScheduledSeq`` each.
+
+    ``scheduled`` lists both groups, decodes first, as ``ScheduledSeq``s (built on demand).
+    """
 
     step: int
-    scheduled: list[ScheduledSeq]
-    blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs, copied before the forward
-    # the sequences that get a token this step, in order; each samples with its request's SamplingParams and
-    # its own seed (Sequence.seed, a number: None means the engine's shared generator)
+    decodes: list[Sequence] = field(default_factory=list)
+    decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their table_array rows
+    decode_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the token computed
+    chunks: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
+    # the sequences that get a token this step, in order: the decodes, then the chunks that reach their end,
+    # then completions forked this step; each samples with its request's SamplingParams and its own seed
+    # (Sequence.seed, a number: None means the engine's shared generator)
     samples: list[Sequence] = field(default_factory=list)
     # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
-    # end); None when that is simply row k for sample k, i.e. when no request forked this step
+    # end, decodes first); None when that is simply row k for sample k, i.e. when no request forked this step
     sample_rows: list[int] | None = None
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
     children: list[Sequence] = field(default_factory=list)  # the completions forked this step
-    table_array: np.ndarray | None = None  # every live block table, one row each (rows: ScheduledSeq.table_row)
+    table_array: np.ndarray | None = None  # every live block table, one row each
     block_size: int = 16
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.decodes or self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.chunks)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Every sequence of the step, decodes first (made on each call: for records and tests, not the hot path)."""
+        decodes = [ScheduledSeq(seq, start, 1, True, start < seq.prompt_len, None, row) for seq, start, row in
+                   zip(self.decodes, self.decode_positions.tolist(), self.decode_rows.tolist())]
+        return decodes + self.chunks
 
 
 @dataclass(eq=False)
@@ -120,6 +148,9 @@ class Scheduler:
     # -- queue changes from the engine ---------------------------------------------------
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, request, index, token_ids)
+        if not request.params.ignore_eos:
+            seq.stop_ids |= self.eos_token_ids
+        seq.max_len = min(seq.max_len, self.max_model_len)
         self._next_seq_id += 1
         request.seqs.append(seq)
         return seq
@@ -143,7 +174,10 @@ class Scheduler:
         """Decide this step's batch. ``now`` (the engine's step start) becomes the
         ``first_scheduled_time`` of each request admitted for the first time."""
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
+        decodes: list[Sequence] = []
+        decode_rows: list[int] = []  # each decode's table row and position, filled in by the block manager
+        decode_positions: list[int] = []
+        chunks: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         bm = self.bm
         running = self.running
@@ -153,7 +187,24 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             start = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - start, budget)
+            n = len(seq.token_ids) - start
+            if n == 1:
+                # A run of decoding sequences (most of a busy step): their slots in one call.
+                run = []
+                for other in islice(running, i, min(len(running), i + budget)):
+                    if len(other.token_ids) - other.num_computed_tokens != 1:
+                        break
+                    run.append(other)
+                done = bm.append_decode_slots([s.blocks for s in run], decode_rows, decode_positions)
+                decodes += run[:done] if done < len(run) else run
+                budget -= done
+                i += done
+                if done == len(run):
+                    continue
+                seq = running[i]  # the pool had no block for it: preempt as for any other sequence
+                start = seq.num_computed_tokens
+            else:
+                n = min(n, budget)
             while not bm.append_slots(seq.seq_id, n):
                 victim = running.pop()
                 self._preempt(victim)
@@ -161,7 +212,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(self._scheduled(seq, start, n))
+                self._add(seq, start, n, decodes, decode_rows, decode_positions, chunks)
                 budget -= n
                 i += 1
 
@@ -190,26 +241,42 @@ class Scheduler:
                 running.append(seq)
                 seats += need
                 self._unforked_extra_seats += need - 1
-                scheduled.append(self._scheduled(seq, start, n))
+                self._add(seq, start, n, decodes, decode_rows, decode_positions, chunks)
                 budget -= n
 
-        if not scheduled:
-            return SchedulerOutput(step=self.num_steps, scheduled=[], blocks_to_copy=[], preempted=preempted)
+        if not (decodes or chunks):
+            return SchedulerOutput(step=self.num_steps, preempted=preempted)
         self.num_steps += 1
-        out = SchedulerOutput(step=self.num_steps, scheduled=scheduled, blocks_to_copy=bm.blocks_to_copy(),
-                              preempted=preempted, num_batched_tokens=self.max_num_batched_tokens - budget,
-                              table_array=bm.table_array, block_size=bm.block_size)
+        out = SchedulerOutput(
+            step=self.num_steps,
+            decodes=decodes,
+            decode_rows=np.array(decode_rows, dtype=np.int64),
+            decode_positions=np.array(decode_positions, dtype=np.int64),
+            chunks=chunks,
+            blocks_to_copy=bm.blocks_to_copy(),
+            preempted=preempted,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            table_array=bm.table_array,
+            block_size=bm.block_size,
+        )
         self._plan_samples(out)
         return out
 
-    def _scheduled(self, seq: Sequence, start: int, n: int) -> ScheduledSeq:
+    @staticmethod
+    def _add(seq: Sequence, start: int, n: int, decodes: list[Sequence], decode_rows: list[int],
+             decode_positions: list[int], chunks: list[ScheduledSeq]) -> None:
+        """File a scheduled sequence under decodes (one token, its last) or chunks (anything else)."""
         end = start + n
+        num_tokens = len(seq.token_ids)
+        if n == 1 and end == num_tokens:
+            decodes.append(seq)
+            decode_rows.append(seq.blocks.row)
+            decode_positions.append(start)
+            return
         # A prompt or recompute chunk: it brings several tokens, yields no token, or still holds prompt
         # tokens (the last chunk of a prompt may be a single token; that is still prefill, not a decode).
-        num_tokens = len(seq.token_ids)
-        is_prefill = n > 1 or end < num_tokens or start < seq.prompt_len
         table = seq.blocks
-        return ScheduledSeq(seq, start, n, end == num_tokens, is_prefill, table.block_ids, table.row)
+        chunks.append(ScheduledSeq(seq, start, n, end == num_tokens, True, table.block_ids, table.row))
 
     def _plan_samples(self, out: SchedulerOutput) -> None:
         """Which sequences sample a token, forking n > 1 requests whose prompt completes now.
@@ -220,35 +287,33 @@ class Scheduler:
         running list at the end of the step's schedule, so nothing in this step can
         preempt them, and they are computed from the next step on.
         """
-        samples = out.samples
-        rows = None  # stays None while sample k reads row k
-        row = -1
-        for s in out.scheduled:
-            if not s.sample:
-                continue
-            seq = s.seq
-            row += 1
-            samples.append(seq)
-            if rows is not None:
-                rows.append(row)
+        samples = out.samples = out.decodes + [c.seq for c in out.chunks if c.sample]
+        if not self._unforked_extra_seats:  # no running n > 1 request is waiting to fork: nothing to look at
+            return
+        rows: list[int] = []
+        with_children: list[Sequence] = []
+        for row, seq in enumerate(samples):
+            with_children.append(seq)
+            rows.append(row)
             request = seq.request
-            if request.params.n > 1 and not request.forked:
-                if rows is None:
-                    rows = list(range(len(samples)))
-                request.forked = True
-                self._unforked_extra_seats -= request.params.n - 1
-                for index in range(1, request.params.n):
-                    child = self.new_sequence(request, index, list(seq.token_ids))
-                    self.bm.fork(seq.seq_id, child.seq_id)
-                    child.blocks = self.bm.get_sequence_blocks(child.seq_id)
-                    child.num_computed_tokens = len(seq.token_ids)  # true once this step's forward is done
-                    child.status = SequenceStatus.RUNNING
-                    self.running.append(child)
-                    out.forked.append((seq.seq_id, child.seq_id))
-                    out.children.append(child)
-                    samples.append(child)
-                    rows.append(row)
-        out.sample_rows = rows
+            if request.params.n == 1 or request.forked:
+                continue
+            request.forked = True
+            self._unforked_extra_seats -= request.params.n - 1
+            for index in range(1, request.params.n):
+                child = self.new_sequence(request, index, list(seq.token_ids))
+                self.bm.fork(seq.seq_id, child.seq_id)
+                child.blocks = self.bm.get_sequence_blocks(child.seq_id)
+                child.num_computed_tokens = len(seq.token_ids)  # true once this step's forward is done
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                out.forked.append((seq.seq_id, child.seq_id))
+                out.children.append(child)
+                with_children.append(child)
+                rows.append(row)
+        if out.children:
+            out.samples = with_children
+            out.sample_rows = rows
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
@@ -274,11 +339,17 @@ class Scheduler:
         """
         bm = self.bm
         bs = bm.block_size
-        for s in out.scheduled:
+        decodes = out.decodes
+        for seq in decodes:
+            seq.num_computed_tokens += 1
+        if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
+            for k in np.flatnonzero(out.decode_positions % bs == bs - 1).tolist():
+                seq = decodes[k]
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for s in out.chunks:
             seq = s.seq
-            computed = seq.num_computed_tokens = s.start + s.num_new_tokens
-            if s.num_new_tokens > 1 or computed % bs == 0:  # only then can a block have become full
-                bm.cache_full_blocks(seq.seq_id, seq.token_ids, computed)
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         for child in out.children:
             # A child took its parent's table before the forward; when the parent just switched a full block
             # for an identical cached one (two requests computed one prefix at once), the child follows.
@@ -287,23 +358,20 @@ class Scheduler:
 
         result = UpdateResult(out.samples, [])
         finished = result.finished
-        eos_ids = self.eos_token_ids
-        max_model_len = self.max_model_len
-        for j, seq in enumerate(out.samples):
-            token = token_ids[j]
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs[j])
-            params = seq.request.params
-            if token in eos_ids and not params.ignore_eos:
+        if logprobs is not None:
+            for seq, logprob in zip(out.samples, logprobs):
+                seq.output_logprobs.append(logprob)
+        for seq, token in zip(out.samples, token_ids):
+            tokens = seq.token_ids
+            tokens.append(token)
+            if token in seq.stop_ids:  # EOS or one of the request's stop tokens
                 status = SequenceStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = token
-            elif params.stop and seq.detokenizer.update(seq.output_token_ids) is not None:
+                # EOS ends it with no stop_reason (vLLM's meaning), a stop token with that token
+                seq.stop_reason = None if token in self.eos_token_ids and not seq.request.params.ignore_eos else token
+            elif seq.has_stop_strings and seq.detokenizer.update(seq.output_token_ids) is not None:
                 status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
                 seq.stop_reason = seq.detokenizer.stop_reason
-            elif len(seq.token_ids) - seq.prompt_len >= params.max_tokens or len(seq.token_ids) >= max_model_len:
+            elif len(tokens) >= seq.max_len:  # max_tokens, or max_model_len
                 status = SequenceStatus.FINISHED_LENGTH
             else:
                 continue
@@ -312,7 +380,7 @@ class Scheduler:
             self._finish(seq, status, remove=False)
             finished.append(seq)
         if finished:
-            self.running = [s for s in self.running if not s.status.is_finished]
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         if out.samples and self.scheduling == "static":
             self._static_admitting = False
         return result
@@ -322,8 +390,8 @@ class Scheduler:
         error, and free their blocks. Nothing the step computed is offered to the prefix cache."""
         self.bm.copies_made()
         failed = []
-        for s in out.scheduled:
-            for seq in s.seq.request.seqs:
+        for step_seq in out.decodes + [c.seq for c in out.chunks]:
+            for seq in step_seq.request.seqs:
                 if not seq.status.is_finished:
                     seq.request.error = error
                     self._finish(seq, SequenceStatus.FINISHED_ERROR, remove=True)

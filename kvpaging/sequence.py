@@ -60,10 +60,18 @@ class Sequence:
     # holds blocks: the scheduler reads it instead of looking the table up every step. Read only.
     blocks: object | None = field(default=None, repr=False)
     prompt_len: int = field(init=False)  # the request's, kept here: read in every step's hot loop
+    # What ends it, checked after every sampled token (the scheduler adds EOS and max_model_len when it makes it):
+    stop_ids: frozenset[int] = field(init=False)  # stop tokens: the request's stop_token_ids, and EOS
+    max_len: int = field(init=False)  # its length when it is done: prompt + max_tokens (or max_model_len)
+    has_stop_strings: bool = field(init=False)  # the request has stop strings (its text is checked)
     _detokenizer: IncrementalDetokenizer | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)
+        params = self.request.params
+        self.stop_ids = frozenset(params.stop_token_ids or ())
+        self.max_len = self.prompt_len + params.max_tokens
+        self.has_stop_strings = bool(params.stop)
 
     @property
     def num_output_tokens(self) -> int:
