@@ -168,7 +168,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nano-vllm", default=None, metavar="PATH", help="a checkout of nano-vllm to compare with")
     args = ap.parse_args()
-    runs = [run(args) for _ in range(args.repeats + 1)][1:]  # the first run warms up
+    # With --nano-vllm the two engines take turns (kvpaging, nano-vllm, kvpaging, ...), so that both meet
+    # the same machine; the first run of each warms up. Ratios are the median of the per-turn ratios.
+    runs, nano_runs = [], []
+    for k in range(args.repeats + 1):
+        runs.append(run(args))
+        if args.nano_vllm:
+            nano_runs.append(run_nano_vllm(args, args.nano_vllm))
+    runs, nano_runs = runs[1:], nano_runs[1:]
     r = runs[0]
     sched = statistics.median(x["sched_us"] for x in runs)
     prep = statistics.median(x["prep_us"] for x in runs)
@@ -180,7 +187,6 @@ def main() -> None:
     print(f"input preparation:         {prep:.3f} us per sequence-step")
     print(f"total host overhead:       {sched + prep:.3f} us per sequence-step (median of {args.repeats})")
     if args.nano_vllm:
-        nano_runs = [run_nano_vllm(args, args.nano_vllm) for _ in range(args.repeats + 1)][1:]
         nano = statistics.median(x["sched_us"] for x in nano_runs)
         nano_prep = statistics.median(x["prep_us"] for x in nano_runs)
         print(f"nano-vllm (median of {args.repeats}; steps={nano_runs[0]['steps']} "
@@ -188,9 +194,17 @@ def main() -> None:
         print(f"  scheduler + block manager: {nano:.3f} us per sequence-step")
         print(f"  input preparation:         {nano_prep:.3f} us per sequence-step")
         print(f"  total host overhead:       {nano + nano_prep:.3f} us per sequence-step")
-        print(f"kvpaging / nano-vllm: {sched / nano:.2f}x scheduler + block manager; "
-              f"{(sched + prep) / (nano + nano_prep):.2f}x both with input preparation; "
-              f"{(sched + prep) / nano:.2f}x kvpaging's total against nano-vllm's scheduler + block manager")
+
+        def ratio(ours, theirs) -> str:
+            values = [ours(a) / theirs(b) for a, b in zip(runs, nano_runs)]
+            return f"{statistics.median(values):.2f}x (turns: {', '.join(f'{v:.2f}' for v in values)})"
+
+        print("kvpaging / nano-vllm, median of the turns:")
+        print(f"  scheduler + block manager:                 {ratio(lambda x: x['sched_us'], lambda y: y['sched_us'])}")
+        print(f"  both with input preparation:               "
+              f"{ratio(lambda x: x['sched_us'] + x['prep_us'], lambda y: y['sched_us'] + y['prep_us'])}")
+        print(f"  kvpaging's total / nano-vllm's scheduler:  "
+              f"{ratio(lambda x: x['sched_us'] + x['prep_us'], lambda y: y['sched_us'])}")
 
 
 if __name__ == "__main__":

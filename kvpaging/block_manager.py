@@ -365,30 +365,31 @@ class BlockManager:
         updates; a full or shared last block takes the general path (a new block, or a copy-on-write).
         """
         bs = self.block_size
-        filled = 0
-        for k, st in enumerate(tables):
+        served = len(rows)
+        slow = 0  # decodes that took the general path (their fills are counted there)
+        for st in tables:
             n = st.num_tokens
             if n % bs:
                 last = st.blocks[-1]
                 if last.ref_cnt == 1:
                     last.num_filled += 1
                     st.num_tokens = n + 1
-                    filled += 1
                     rows.append(st.row)
                     positions.append(n)
                     continue
             # a full last block (or none) needs a new block; a shared, partly filled one needs its copy
             self._check_fits(st.seq_id, n + 1)
             if not self.pool.free_queue.num_free_blocks:
-                self.pool.num_filled_slots += filled
-                return k
+                break
             if n % bs:
                 self._copy_on_write(st, st.blocks[-1])
             self._grow(st, 1)
             rows.append(st.row)
             positions.append(n)
-        self.pool.num_filled_slots += filled  # the fast path's fills, counted once (BlockPool.fill's counter)
-        return len(tables)
+            slow += 1
+        served = len(rows) - served
+        self.pool.num_filled_slots += served - slow  # the fast path's fills, counted once (BlockPool.fill's counter)
+        return served
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool

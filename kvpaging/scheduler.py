@@ -190,12 +190,13 @@ class Scheduler:
             n = len(seq.token_ids) - start
             if n == 1:
                 # A run of decoding sequences (most of a busy step): their slots in one call.
-                run = []
+                run, tables = [], []
                 for other in islice(running, i, min(len(running), i + budget)):
                     if len(other.token_ids) - other.num_computed_tokens != 1:
                         break
                     run.append(other)
-                done = bm.append_decode_slots([s.blocks for s in run], decode_rows, decode_positions)
+                    tables.append(other.blocks)
+                done = bm.append_decode_slots(tables, decode_rows, decode_positions)
                 decodes += run[:done] if done < len(run) else run
                 budget -= done
                 i += done
@@ -290,11 +291,8 @@ class Scheduler:
         samples = out.samples = out.decodes + [c.seq for c in out.chunks if c.sample]
         if not self._unforked_extra_seats:  # no running n > 1 request is waiting to fork: nothing to look at
             return
-        rows: list[int] = []
-        with_children: list[Sequence] = []
-        for row, seq in enumerate(samples):
-            with_children.append(seq)
-            rows.append(row)
+        rows = list(range(len(samples)))  # the sequences that reached their end read their own rows
+        for row, seq in enumerate(list(samples)):
             request = seq.request
             if request.params.n == 1 or request.forked:
                 continue
@@ -309,10 +307,9 @@ class Scheduler:
                 self.running.append(child)
                 out.forked.append((seq.seq_id, child.seq_id))
                 out.children.append(child)
-                with_children.append(child)
+                samples.append(child)  # after every parent: the decodes stay the first samples
                 rows.append(row)
         if out.children:
-            out.samples = with_children
             out.sample_rows = rows
 
     def _preempt(self, seq: Sequence) -> None:
@@ -340,12 +337,10 @@ class Scheduler:
         bm = self.bm
         bs = bm.block_size
         decodes = out.decodes
-        for seq in decodes:
-            seq.num_computed_tokens += 1
         if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
             for k in np.flatnonzero(out.decode_positions % bs == bs - 1).tolist():
                 seq = decodes[k]
-                bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + 1)
         for s in out.chunks:
             seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
@@ -357,33 +352,51 @@ class Scheduler:
         bm.copies_made()
 
         result = UpdateResult(out.samples, [])
-        finished = result.finished
+        samples = out.samples
         if logprobs is not None:
-            for seq, logprob in zip(out.samples, logprobs):
+            for seq, logprob in zip(samples, logprobs):
                 seq.output_logprobs.append(logprob)
-        for seq, token in zip(out.samples, token_ids):
+        # The decodes are the first samples: each has computed one more token. Every sampler then gets its
+        # token; one whose token may end it (a stop token, stop strings to look for, its last allowed length)
+        # is looked at closely.
+        num_decodes = len(decodes)
+        for seq, token in zip(decodes, token_ids):
+            seq.num_computed_tokens += 1
             tokens = seq.token_ids
             tokens.append(token)
-            if token in seq.stop_ids:  # EOS or one of the request's stop tokens
-                status = SequenceStatus.FINISHED_STOPPED
-                # EOS ends it with no stop_reason (vLLM's meaning), a stop token with that token
-                seq.stop_reason = None if token in self.eos_token_ids and not seq.request.params.ignore_eos else token
-            elif seq.has_stop_strings and seq.detokenizer.update(seq.output_token_ids) is not None:
-                status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
-                seq.stop_reason = seq.detokenizer.stop_reason
-            elif len(tokens) >= seq.max_len:  # max_tokens, or max_model_len
-                status = SequenceStatus.FINISHED_LENGTH
-            else:
-                continue
-            if keep_tables:
-                result.released_tables[seq.seq_id] = tuple(bm.get_block_table(seq.seq_id))
-            self._finish(seq, status, remove=False)
-            finished.append(seq)
+            if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
+                self._check_stop(seq, token, result, keep_tables)
+        for k in range(num_decodes, len(samples)):
+            seq, token = samples[k], token_ids[k]
+            tokens = seq.token_ids
+            tokens.append(token)
+            if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
+                self._check_stop(seq, token, result, keep_tables)
+        finished = result.finished
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         if out.samples and self.scheduling == "static":
             self._static_admitting = False
         return result
+
+    def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:
+        """After ``token`` was appended: finish ``seq`` if it is done, in vLLM's order of reasons
+        (EOS, a stop token, a stop string, then its length), and note it in ``result``."""
+        if token in seq.stop_ids:  # EOS or one of the request's stop tokens
+            status = SequenceStatus.FINISHED_STOPPED
+            # EOS ends it with no stop_reason (vLLM's meaning), a stop token with that token
+            seq.stop_reason = None if token in self.eos_token_ids and not seq.request.params.ignore_eos else token
+        elif seq.has_stop_strings and seq.detokenizer.update(seq.output_token_ids) is not None:
+            status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
+            seq.stop_reason = seq.detokenizer.stop_reason
+        elif len(seq.token_ids) >= seq.max_len:  # max_tokens, or max_model_len
+            status = SequenceStatus.FINISHED_LENGTH
+        else:
+            return
+        if keep_tables:
+            result.released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
+        self._finish(seq, status, remove=False)
+        result.finished.append(seq)
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> list[Sequence]:
         """The forward (or the sampler) raised: finish every sequence of the step's requests with the
