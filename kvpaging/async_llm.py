@@ -340,6 +340,7 @@ class AsyncLLM:
 
     def _stop(self) -> None:
         error = EngineDeadError("the engine was shut down")
+        logger.info("the engine loop stops; %d request(s) in flight aborted", len(self._streams))
         for request_id in list(self._streams):
             try:
                 self.engine.abort_request(request_id)

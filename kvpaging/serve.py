@@ -39,6 +39,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -360,10 +361,10 @@ class _Server:
 
     def chat_prompt(self, messages: list[ChatMessage]) -> tuple[str, list[int]]:
         tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise _bad_request("this model has no chat template: use /v1/completions", "messages")
         if not messages:
             raise _bad_request("messages is empty", "messages")
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise _bad_request("this model has no chat template: use /v1/completions", "messages")
         conversation = []
         for m in messages:
             content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
@@ -593,8 +594,11 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                         new_ids = c.token_ids[s.num_tokens:]
                         new_lps = (c.logprobs or [])[s.num_tokens:]
                         finished = c.finish_reason is not None
-                        if not delta and not finished and not (new_ids and (with_logprobs or req.return_token_ids)):
-                            continue  # nothing to show yet (text held back while a stop string may still cut it)
+                        if not delta and not finished and not (new_ids and (with_logprobs or req.return_token_ids
+                                                                             or server.tokenizer is None)):
+                            # nothing to show yet (text held back while a stop string may still cut it); a model
+                            # without a tokenizer has no text at all: each new token then gets its (empty) chunk
+                            continue
                         chunk = choice(c, delta, new_ids, new_lps, len(s.text))
                         s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
                         yield _sse({**head, "choices": [chunk]})
@@ -661,7 +665,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                         new_ids = c.token_ids[s.num_tokens:]
                         finished = c.finish_reason is not None
                         if not delta and not finished and not (new_ids and (req.logprobs or req.return_token_ids)):
-                            continue
+                            continue  # nothing to show yet (text held back while a stop string may still cut it)
                         chunk = {"index": c.index, "delta": {"content": delta} if delta else {},
                                  "logprobs": (server.chat_logprobs(new_ids, (c.logprobs or [])[s.num_tokens:])
                                               if req.logprobs else None),
@@ -833,13 +837,26 @@ def run(args: argparse.Namespace) -> None:
     in flight get a few seconds, then the engine thread is stopped and joined)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVPAGING_API_KEY") or None
-    llm = load_llm(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
-    app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
-                     max_request_body_bytes=args.max_request_body_bytes)
-    logger.info("serving %s on http://%s:%d/v1%s", args.model, args.host, args.port,
-                " (API key required)" if api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn catches SIGTERM, shuts down gracefully, then raises the signal again: let that end the
+        # process as a normal exit (status 0), as SIGINT's KeyboardInterrupt does below
+        signal.signal(signal.SIGTERM, _exit_normally)
+    try:
+        llm = load_llm(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+        app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
+                         max_request_body_bytes=args.max_request_body_bytes)
+        logger.info("serving %s on http://%s:%d/v1%s", args.model, args.host, args.port,
+                    " (API key required)" if api_key else "")
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        logger.info("kvpaging server stopped")
+
+
+def _exit_normally(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
