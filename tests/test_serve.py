@@ -494,3 +494,19 @@ def test_python_m_kvpaging_serve_serves_and_stops_cleanly_on_sigterm():
     assert "Traceback" not in log, log
     assert "the engine loop stops; 0 request(s) in flight aborted" in log and "kvpaging server stopped" in log, log
     assert done.get("reason") == "length"
+
+
+def test_a_view_attaches_to_the_served_engine_and_sees_its_steps(tiny_server):
+    from kvpaging.visualizers import MemoryMapView
+
+    view = MemoryMapView()
+    feed = view.attach(tiny_server.llm, fps=1000, background=False)  # an AsyncLLM holds its LLMEngine as .engine
+    try:
+        steps_before = tiny_server.llm.call(lambda e: e.num_steps)
+        client(tiny_server).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=5)
+        steps = tiny_server.llm.call(lambda e: e.num_steps) - steps_before
+        assert steps >= 5 and len(feed.queue) == steps
+        assert feed.tick(force=True) and len(view.replay) == steps
+    finally:
+        view.detach()
+    assert feed.observe not in tiny_server.llm.engine.observers.observers
