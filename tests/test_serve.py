@@ -510,3 +510,26 @@ def test_a_view_attaches_to_the_served_engine_and_sees_its_steps(tiny_server):
     finally:
         view.detach()
     assert feed.observe not in tiny_server.llm.engine.observers.observers
+
+
+def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "run.json"
+    summary = bench.main(["--base-url", tiny_server.url, "--dataset", "random", "--num-prompts", "6",
+                          "--input-len", "10", "--output-len", "8", "--request-rate", "50", "--json", str(out)])
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["total_output_tokens"] == 48 and summary["total_prompt_tokens"] == 60
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = summary[key]
+        assert 0 < stats["median"] <= stats["p90"] <= stats["p99"], (key, stats)
+    assert summary["ttft_ms"]["mean"] < summary["e2e_ms"]["mean"]
+    assert json.loads(out.read_text())["model"] == "tiny"
+    assert books(tiny_server) == (0, 0)
+    assert bench.percentiles([0.001, 0.002, 0.003, 0.004, 0.005])["median"] == pytest.approx(3.0)
