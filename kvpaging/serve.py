@@ -455,17 +455,19 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _outputs(stream: RequestStream, request: Request):
     """The stream's outputs until the finished one; stops early (aborting the request) if the client goes away."""
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    next_output = None
     try:
         while not stream.finished:
             next_output = asyncio.ensure_future(stream.get())
             done, _ = await asyncio.wait({next_output, disconnected}, return_when=asyncio.FIRST_COMPLETED)
             if next_output not in done:  # the client went away: abort (finally), at once
-                next_output.cancel()
                 logger.info("client disconnected: aborting %s", stream.request_id)
                 return
             yield next_output.result()
-    finally:
+    finally:  # also when the server cancels this response (uvicorn saw the disconnect first, or shuts down)
         disconnected.cancel()
+        if next_output is not None:
+            next_output.cancel()
         stream.abort()
 
 
