@@ -8,9 +8,9 @@
     client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
 
 The pieces, each standard: FastAPI routes speak the OpenAI API (``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``); uvicorn serves them; ``AsyncLLM``
-(kvpaging/async_llm.py) runs the engine in a thread of its own and streams each
-request's outputs back; ``prometheus_client`` exposes the engine's figures on
+``/v1/chat/completions``, ``/v1/models``; also ``/health`` and ``/version``); uvicorn serves
+them; ``AsyncLLM`` (kvpaging/async_llm.py) runs the engine in a thread of its own and streams
+each request's outputs back; ``prometheus_client`` exposes the engine's figures on
 ``/metrics`` under vLLM's metric names, with a ``kvpaging:`` prefix.
 
 A request travels: API key (401) -> body size, before parsing (413) -> JSON and its
@@ -529,6 +529,12 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         if not async_llm.is_running:
             return Response(status_code=503)
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        from . import __version__
+
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics():

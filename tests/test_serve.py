@@ -533,3 +533,22 @@ def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
     assert json.loads(out.read_text())["model"] == "tiny"
     assert books(tiny_server) == (0, 0)
     assert bench.percentiles([0.001, 0.002, 0.003, 0.004, 0.005])["median"] == pytest.approx(3.0)
+
+
+def test_an_engine_failure_answers_503_to_waiting_and_later_requests_and_health_says_so(one_thread):
+    app = create_app(LLM(tiny("qwen3"), num_blocks=32, max_model_len=256), served_model_name="tiny")
+    with BackgroundServer(app) as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/version").json()["version"]
+
+        def broken_step():
+            raise RuntimeError("injected engine failure")
+
+        server.llm.engine.step = broken_step  # the engine thread is idle: it calls step only for a request
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 503 and "injected engine failure" in response.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 503
+        response = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+        assert response.status_code == 503  # refused before a stream starts
+        assert httpx.get(server.url + "/v1/models").status_code == 200  # the server itself is still up
