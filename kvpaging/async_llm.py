@@ -145,6 +145,10 @@ class RequestStream:
 class AsyncLLM:
     """Serve an ``LLMEngine`` to asyncio callers, with one engine thread stepping it.
 
+    From then on the engine belongs to that thread: go through this object (``generate``,
+    ``add_request``, ``abort``, or ``call(fn)`` to run ``fn(engine)`` between two steps), never
+    ``LLM.generate`` or ``engine.step`` on the same engine from another thread. Observers may be
+    attached (``Dashboard().attach(async_llm)``): they only receive step records.
     ``stat_logger`` (optional) hears about every step and output, on the engine thread.
     """
 
