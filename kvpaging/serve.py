@@ -51,7 +51,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
@@ -122,6 +122,13 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM: each choice also carries its token ids (and the response the prompt's)
+
+    @field_validator("n", "stream", "echo", "logprobs", "ignore_eos", "include_stop_str_in_output",
+                     "skip_special_tokens", "return_token_ids", mode="before", check_fields=False)
+    @classmethod
+    def _null_means_default(cls, value, info):
+        # OpenAI's API lets these be null; some clients send every field, null where unset
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 class CompletionRequest(_SamplingRequest):

@@ -243,6 +243,16 @@ def test_malformed_bodies_get_400(tiny_server, raw, message):
     assert message in response.json()["error"]["message"]
 
 
+def test_null_fields_mean_their_defaults_as_in_openais_api(tiny_server):
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "n": None, "stream": None, "echo": None,
+            "logprobs": None, "temperature": None, "top_p": None, "stop": None, "seed": None, "user": None,
+            "stream_options": None, "ignore_eos": None}
+    response = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 1 and choices[0]["logprobs"] is None and choices[0]["finish_reason"] == "length"
+
+
 def test_an_unknown_route_gets_a_json_404(tiny_server):
     response = httpx.get(tiny_server.url + "/v1/engines")
     assert response.status_code == 404 and "error" in response.json()
