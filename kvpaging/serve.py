@@ -65,6 +65,8 @@ __all__ = ["create_app", "ServingMetrics", "BackgroundServer", "make_parser", "l
            "DEFAULT_MAX_REQUEST_BODY_BYTES"]
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: far more than max_model_len tokens of text
+MAX_STOP_STRINGS = 16  # OpenAI allows 4
+MAX_STOP_TOKEN_IDS = 256
 GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long before they are cancelled
 
 
@@ -398,13 +400,19 @@ class _Server:
                 raise _bad_request(f"{name} is not supported by kvpaging (only 0)", name)
         if req.logit_bias:
             raise _bad_request("logit_bias is not supported by kvpaging", "logit_bias")
-        if req.stop is not None and (req.stop == [] or any(not s for s in ([req.stop] if isinstance(req.stop, str)
-                                                                           else req.stop))):
-            raise _bad_request("stop must be a non-empty string or a non-empty list of non-empty strings", "stop")
-        if req.stop and self.tokenizer is None:
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if not all(stop):
+            raise _bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+        # every stop string is searched after every token: a bounded list keeps one request from slowing all
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
+                               "stop_token_ids")
+        if stop and self.tokenizer is None:
             raise _bad_request("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
         values = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
-                  "stop": req.stop, "stop_token_ids": req.stop_token_ids,
+                  "stop": stop, "stop_token_ids": req.stop_token_ids,
                   "include_stop_str_in_output": req.include_stop_str_in_output,
                   "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
                   "output_kind": RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE}

@@ -204,9 +204,12 @@ BAD_REQUESTS = [
     ({"prompt": [5, 10**6]}, 400, "outside the vocabulary"),
     ({"prompt": [[5, 6], [7, 8]]}, 400, "one prompt per completion request"),
     ({"prompt": "text"}, 400, "no tokenizer"),
-    ({"stop": []}, 400, "stop"),
     ({"stop": [""]}, 400, "stop"),
     ({"stop": 5}, 400, "stop"),
+    ({"stop": ["a", 3]}, 400, "stop"),
+    ({"stop": [str(i) for i in range(17)]}, 400, "at most 16 stop strings"),
+    ({"stop_token_ids": list(range(300))}, 400, "at most 256 stop_token_ids"),
+    ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"stop": ["x"]}, 400, "need a tokenizer"),
     ({"temperature": -1}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
@@ -246,11 +249,13 @@ def test_malformed_bodies_get_400(tiny_server, raw, message):
 def test_null_fields_mean_their_defaults_as_in_openais_api(tiny_server):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "n": None, "stream": None, "echo": None,
             "logprobs": None, "temperature": None, "top_p": None, "stop": None, "seed": None, "user": None,
-            "stream_options": None, "ignore_eos": None}
+            "stream_options": None, "ignore_eos": None, "stop_token_ids": []}
     response = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
     assert len(choices) == 1 and choices[0]["logprobs"] is None and choices[0]["finish_reason"] == "length"
+    response = httpx.post(tiny_server.url + "/v1/completions", json={**body, "stop": []}, timeout=30)
+    assert response.status_code == 200, response.text  # an empty stop list is no stop list, as in vLLM
 
 
 def test_an_unknown_route_gets_a_json_404(tiny_server):
