@@ -766,7 +766,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -774,7 +774,7 @@ class BackgroundServer:
         self.url = f"http://{host}:{self.port}"
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
-                                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+                                                    timeout_graceful_shutdown=graceful_shutdown_s))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                         name="kvpaging-server", daemon=True)
         self._thread.start()

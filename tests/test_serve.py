@@ -567,3 +567,34 @@ def test_an_engine_failure_answers_503_to_waiting_and_later_requests_and_health_
         response = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
         assert response.status_code == 503  # refused before a stream starts
         assert httpx.get(server.url + "/v1/models").status_code == 200  # the server itself is still up
+
+
+def test_stopping_the_server_mid_stream_aborts_the_stream_and_leaves_no_thread(one_thread):
+    app = create_app(LLM(tiny("qwen3"), num_blocks=64, max_model_len=1024), served_model_name="tiny")
+    server = BackgroundServer(app, graceful_shutdown_s=0.5)
+    engine = server.llm.engine
+    got = {"chunks": 0}
+
+    def stream():  # about 1000 steps: far longer than the grace period
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True,
+                    "stream": True}) as response:
+                for line in response.iter_lines():
+                    got["chunks"] += line.startswith("data: ")
+                    got["last"] = line
+        except httpx.HTTPError as error:
+            got["error"] = error
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while got["chunks"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    server.stop()
+    thread.join(10)
+    assert time.monotonic() - start < 10 and not thread.is_alive()
+    assert not server._thread.is_alive() and not server.llm._thread.is_alive()
+    assert 3 <= got["chunks"] < 500 and got.get("last") != "data: [DONE]"  # cut short, not run to its end
+    assert engine.get_num_unfinished_requests() == 0 and engine.block_manager.stats().num_used_blocks == 0
