@@ -25,9 +25,8 @@ Nothing a client sends names a model, a file or code to load: the served model
 is fixed at start, and the chat template is the model's own (a client's Jinja
 template would be code run on the server).
 
-Where kvpaging differs from vLLM: one prompt per completion request (no batch of
-prompts), no ``echo``, no penalties, and ``logprobs`` reports the chosen token's
-log-probability only (the engine's outputs do not carry the top alternatives).
+Where kvpaging differs from vLLM: no ``echo``, no penalties, and ``logprobs`` reports the
+chosen token's log-probability only (the engine's outputs do not carry the top alternatives).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvpaging.serve")
@@ -65,6 +64,7 @@ __all__ = ["create_app", "ServingMetrics", "BackgroundServer", "make_parser", "l
            "DEFAULT_MAX_REQUEST_BODY_BYTES"]
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: far more than max_model_len tokens of text
+MAX_PROMPTS_PER_REQUEST = 64  # a batch of prompts in one completion request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4
 MAX_STOP_TOKEN_IDS = 256
 GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long before they are cancelled
@@ -349,12 +349,16 @@ class _Server:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def completion_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise _bad_request(f"kvpaging serves one prompt per completion request, got {len(prompt)}",
-                                   "prompt")
-            prompt = prompt[0]
+    def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's text (None for token ids) and token ids: one prompt, or a batch of them (a list of
+        strings or of token-id lists), each then its own request, as in OpenAI's API and vLLM."""
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_PROMPTS_PER_REQUEST:
+            raise _bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts in one request, got {len(batch)}",
+                               "prompt")
+        return [self._one_prompt(p) for p in batch]
+
+    def _one_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise _bad_request("prompt is empty", "prompt")
@@ -424,14 +428,23 @@ class _Server:
         except ValueError as error:
             raise _bad_request(str(error)) from None
 
-    async def start(self, request_id: str, prompt_text, prompt_ids, params) -> RequestStream:
+    async def start(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                    params: list[SamplingParams]) -> list[RequestStream]:
+        """Queue one request per prompt (ids ``request_id``, or ``request_id-i`` for a batch); all or none."""
+        streams = []
         try:
-            return await self.llm.add_request(request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_ids},
-                                              params)
-        except EngineDeadError as error:
-            raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
-        except ValueError as error:  # the engine's own checks (n > max_num_seqs, ...)
-            raise _bad_request(str(error)) from None
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.llm.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp))
+        except BaseException as error:
+            for stream in streams:
+                stream.abort()
+            if isinstance(error, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
+            if isinstance(error, ValueError):  # the engine's own checks (n > max_num_seqs, ...)
+                raise _bad_request(str(error)) from None
+            raise
+        return streams
 
     # -- answering -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -439,9 +452,9 @@ class _Server:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def usage(self, output: RequestOutput) -> dict:
-        prompt = len(output.prompt_token_ids)
-        completion = sum(len(c.token_ids) for c in output.outputs)
+    def usage(self, outputs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
@@ -467,23 +480,83 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _outputs(stream: RequestStream, request: Request):
-    """The stream's outputs until the finished one; stops early (aborting the request) if the client goes away."""
+async def _outputs(streams: list[RequestStream], request: Request):
+    """``(i, output)`` for each output of ``streams[i]``, as they come, until every stream has finished.
+
+    Stops early, aborting every request, if the client goes away (or this response is cancelled)."""
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
-    next_output = None
+    waiting = {asyncio.ensure_future(stream.get()): i for i, stream in enumerate(streams)}
     try:
-        while not stream.finished:
-            next_output = asyncio.ensure_future(stream.get())
-            done, _ = await asyncio.wait({next_output, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-            if next_output not in done:  # the client went away: abort (finally), at once
-                logger.info("client disconnected: aborting %s", stream.request_id)
+        while waiting:
+            done, _ = await asyncio.wait({*waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if disconnected in done:  # the client went away: abort (finally), at once
+                logger.info("client disconnected: aborting %s", ", ".join(s.request_id for s in streams))
                 return
-            yield next_output.result()
+            for task in sorted(done, key=waiting.get):
+                i = waiting.pop(task)
+                output = task.result()  # raises what the engine raised for this request
+                if not streams[i].finished:
+                    waiting[asyncio.ensure_future(streams[i].get())] = i
+                yield i, output
     finally:  # also when the server cancels this response (uvicorn saw the disconnect first, or shuts down)
         disconnected.cancel()
-        if next_output is not None:
-            next_output.cancel()
-        stream.abort()
+        for task in waiting:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def _final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    """Each stream's finished output, or None if the client went away first (the requests are then aborted)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, output in _outputs(streams, request):
+            finals[i] = output
+    except EngineGenerateError as error:
+        raise APIError(500, str(error), type="server_error") from None
+    except EngineDeadError as error:
+        raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
+    if any(o is None or not o.finished for o in finals):
+        return None
+    return finals
+
+
+@dataclass
+class _Piece:
+    """What one choice adds to a stream: its new text, tokens and log-probabilities."""
+
+    index: int  # the choice's index in the response: prompt number * n + completion index
+    completion: CompletionOutput
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    text_offset: int  # where ``text`` starts in the choice's whole text
+    prompt_token_ids: list[int] | None  # its prompt's tokens, with the choice's first piece only
+
+
+async def _pieces(streams: list[RequestStream], request: Request, n: int, every_token: bool, finals: list):
+    """The stream's pieces, choice by choice, as the outputs come: deltas of the cumulative outputs.
+
+    A piece is made when a choice has new text or finished, and with ``every_token`` also for new tokens
+    without text (held back while a stop string may still cut it; or a model without a tokenizer).
+    ``finals`` receives each request's last output, for the usage."""
+    sent: dict[int, _Choice] = {}
+    finals.extend([None] * len(streams))
+    async for i, output in _outputs(streams, request):
+        finals[i] = output
+        for c in output.outputs:
+            index = i * n + c.index
+            s = sent.setdefault(index, _Choice())
+            if s.done:
+                continue
+            text = _new_text(c.text, s.text)
+            new_ids = c.token_ids[s.num_tokens:]
+            finished = c.finish_reason is not None
+            if not text and not finished and not (new_ids and every_token):
+                continue
+            yield _Piece(index, c, text, new_ids, (c.logprobs or [])[s.num_tokens:], len(s.text),
+                         output.prompt_token_ids if s.num_tokens == 0 and not s.text else None)
+            s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
 
 
 def _sse(data: dict) -> str:
@@ -575,61 +648,49 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         if req.logprobs is not None and req.logprobs != 0:
             raise _bad_request("kvpaging reports the chosen token's log-probability only: logprobs must be 0",
                                "logprobs")
-        text, ids = server.completion_prompt(req.prompt)
-        params = server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
+        prompts = server.completion_prompts(req.prompt)
+        params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
+                  for _, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await server.start(request_id, text, ids, params)
-        created = int(time.time())
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": served_model_name}
+        streams = await server.start(request_id, prompts, params)
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": served_model_name}
         with_logprobs = req.logprobs is not None
 
-        def choice(c, text: str, token_ids: list[int], logprobs, offset: int) -> dict:
-            out = {"index": c.index, "text": text,
+        def choice(index, c, text, token_ids, logprobs, offset, prompt_token_ids) -> dict:
+            out = {"index": index, "text": text,
                    "logprobs": server.completion_logprobs(token_ids, logprobs, offset) if with_logprobs else None,
                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 out["token_ids"] = list(token_ids)
+                if prompt_token_ids is not None:
+                    out["prompt_token_ids"] = list(prompt_token_ids)
             return out
 
         if not req.stream:
-            final = await _final_output(stream, request)
-            if final is None:
+            finals = await _final_outputs(streams, request)
+            if finals is None:
                 return Response(status_code=499)  # the client has gone: nobody reads this
-            body = {**head, "choices": [choice(c, c.text, c.token_ids, c.logprobs or [], 0) for c in final.outputs],
-                    "usage": server.usage(final), "system_fingerprint": None}
-            if req.return_token_ids:
-                body["prompt_token_ids"] = final.prompt_token_ids
-            return body
+            choices = [choice(i * req.n + c.index, c, c.text, c.token_ids, c.logprobs or [], 0, o.prompt_token_ids)
+                       for i, o in enumerate(finals) for c in o.outputs]
+            return {**head, "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # a model without a tokenizer has no text at all: each new token then gets its (empty) chunk
+        every_token = with_logprobs or req.return_token_ids or server.tokenizer is None
 
         async def events():
-            sent = [_Choice() for _ in range(req.n)]
-            last = None
+            finals = []
             try:
-                async for output in _outputs(stream, request):
-                    last = output
-                    for c in output.outputs:
-                        s = sent[c.index]
-                        if s.done:
-                            continue
-                        delta = _new_text(c.text, s.text)
-                        new_ids = c.token_ids[s.num_tokens:]
-                        new_lps = (c.logprobs or [])[s.num_tokens:]
-                        finished = c.finish_reason is not None
-                        if not delta and not finished and not (new_ids and (with_logprobs or req.return_token_ids
-                                                                             or server.tokenizer is None)):
-                            # nothing to show yet (text held back while a stop string may still cut it); a model
-                            # without a tokenizer has no text at all: each new token then gets its (empty) chunk
-                            continue
-                        chunk = choice(c, delta, new_ids, new_lps, len(s.text))
-                        s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
-                        yield _sse({**head, "choices": [chunk]})
+                async for p in _pieces(streams, request, req.n, every_token, finals):
+                    chunk = choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.text_offset,
+                                   p.prompt_token_ids)
+                    yield _sse({**head, "choices": [chunk]})
             except (EngineGenerateError, EngineDeadError) as error:
                 yield _error_event(error)
             else:
-                if include_usage and last is not None and last.finished:
-                    yield _sse({**head, "choices": [], "usage": server.usage(last)})
+                if include_usage and finals and all(o is not None and o.finished for o in finals):
+                    yield _sse({**head, "choices": [], "usage": server.usage(finals)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -649,23 +710,28 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         params = server.sampling_params(req, len(ids), max_tokens, 0 if req.logprobs else None,
                                         final_only=not req.stream)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await server.start(request_id, text, ids, params)
+        streams = await server.start(request_id, [(text, ids)], [params])
         created = int(time.time())
 
+        def extras(token_ids, prompt_token_ids) -> dict:  # vLLM's return_token_ids
+            if not req.return_token_ids:
+                return {}
+            out = {"token_ids": list(token_ids)}
+            if prompt_token_ids is not None:
+                out["prompt_token_ids"] = list(prompt_token_ids)
+            return out
+
         if not req.stream:
-            final = await _final_output(stream, request)
-            if final is None:
+            finals = await _final_outputs(streams, request)
+            if finals is None:
                 return Response(status_code=499)
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": server.chat_logprobs(c.token_ids, c.logprobs or []) if req.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})}
-                       for c in final.outputs]
-            body = {"id": request_id, "object": "chat.completion", "created": created, "model": served_model_name,
-                    "choices": choices, "usage": server.usage(final), "system_fingerprint": None}
-            if req.return_token_ids:
-                body["prompt_token_ids"] = final.prompt_token_ids
-            return body
+                        **extras(c.token_ids, finals[0].prompt_token_ids)}
+                       for c in finals[0].outputs]
+            return {"id": request_id, "object": "chat.completion", "created": created, "model": served_model_name,
+                    "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": served_model_name}
@@ -675,33 +741,19 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             for i in range(req.n):
                 yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
-            sent = [_Choice() for _ in range(req.n)]
-            last = None
+            finals = []
             try:
-                async for output in _outputs(stream, request):
-                    last = output
-                    for c in output.outputs:
-                        s = sent[c.index]
-                        if s.done:
-                            continue
-                        delta = _new_text(c.text, s.text)
-                        new_ids = c.token_ids[s.num_tokens:]
-                        finished = c.finish_reason is not None
-                        if not delta and not finished and not (new_ids and (req.logprobs or req.return_token_ids)):
-                            continue  # nothing to show yet (text held back while a stop string may still cut it)
-                        chunk = {"index": c.index, "delta": {"content": delta} if delta else {},
-                                 "logprobs": (server.chat_logprobs(new_ids, (c.logprobs or [])[s.num_tokens:])
-                                              if req.logprobs else None),
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                        if req.return_token_ids:
-                            chunk["token_ids"] = list(new_ids)
-                        s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
-                        yield _sse({**head, "choices": [chunk]})
+                async for p in _pieces(streams, request, req.n, req.logprobs or req.return_token_ids, finals):
+                    chunk = {"index": p.index, "delta": {"content": p.text} if p.text else {},
+                             "logprobs": server.chat_logprobs(p.token_ids, p.logprobs) if req.logprobs else None,
+                             "finish_reason": p.completion.finish_reason, "stop_reason": p.completion.stop_reason,
+                             **extras(p.token_ids, p.prompt_token_ids)}
+                    yield _sse({**head, "choices": [chunk]})
             except (EngineGenerateError, EngineDeadError) as error:
                 yield _error_event(error)
             else:
-                if include_usage and last is not None and last.finished:
-                    yield _sse({**head, "choices": [], "usage": server.usage(last)})
+                if include_usage and finals and all(o is not None and o.finished for o in finals):
+                    yield _sse({**head, "choices": [], "usage": server.usage(finals)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -715,19 +767,6 @@ def _new_text(text: str, sent: str) -> str:
     if not text.startswith(sent):
         logger.warning("a completion's text changed under its stream; sending the rest as it is")
     return text[len(sent):]
-
-
-async def _final_output(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The finished output, or None if the client went away first (the request is then aborted)."""
-    final = None
-    try:
-        async for output in _outputs(stream, request):
-            final = output
-    except EngineGenerateError as error:
-        raise APIError(500, str(error), type="server_error") from None
-    except EngineDeadError as error:
-        raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
-    return final if final is not None and final.finished else None
 
 
 class APIKeyMiddleware:

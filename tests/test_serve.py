@@ -100,7 +100,7 @@ def test_greedy_completion_equals_llm_generate_streamed_or_not(tiny_server, tiny
     assert whole.choices[0].model_extra["token_ids"] == expected
     assert whole.choices[0].finish_reason == "length"
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (6, 20, 26)
-    assert whole.model_extra["prompt_token_ids"] == prompt
+    assert whole.choices[0].model_extra["prompt_token_ids"] == prompt
 
     chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
                                        stream_options={"include_usage": True},
@@ -142,6 +142,28 @@ def test_64_concurrent_streaming_clients_all_complete_and_equal_llm_generate(tin
         assert tokens == want
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
     assert books(tiny_server) == (0, 0)
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(tiny_server, tiny_llm):
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)]
+    c = client(tiny_server)
+    kwargs = dict(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2,
+                  extra_body={"return_token_ids": True})
+    whole = c.completions.create(**kwargs)
+    assert [ch.index for ch in whole.choices] == list(range(6))
+    for ch in whole.choices:
+        assert ch.model_extra["token_ids"] == expected[ch.index // 2]
+        assert ch.model_extra["prompt_token_ids"] == prompts[ch.index // 2]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (9, 36)
+    streamed = {i: [] for i in range(6)}
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    for chunk in chunks:
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.model_extra["token_ids"]
+    assert streamed == {i: expected[i // 2] for i in range(6)}
+    assert chunks[-1].usage.completion_tokens == 36 and books(tiny_server) == (0, 0)
 
 
 def test_n_completions_and_seeded_sampling(tiny_server):
@@ -202,7 +224,8 @@ BAD_REQUESTS = [
     ({"prompt": list(range(3, 300))}, 400, "maximum context length is 256"),
     ({"prompt": []}, 400, "prompt is empty"),
     ({"prompt": [5, 10**6]}, 400, "outside the vocabulary"),
-    ({"prompt": [[5, 6], [7, 8]]}, 400, "one prompt per completion request"),
+    ({"prompt": [[5, 6]] * 65}, 400, "at most 64 prompts"),
+    ({"prompt": [[5, 6], [5, 10**6]]}, 400, "outside the vocabulary"),  # every prompt is checked before any is queued
     ({"prompt": "text"}, 400, "no tokenizer"),
     ({"stop": [""]}, 400, "stop"),
     ({"stop": 5}, 400, "stop"),
