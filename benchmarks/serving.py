@@ -7,7 +7,8 @@ in a fixed order from a fixed seed, each streamed; the client times every chunk:
 - ITL, inter-token latency: the gaps between consecutive chunks of one request;
 - TPOT, time per output token: (end - first token) / (output tokens - 1), per request;
 - E2E: request sent -> last chunk;
-- throughput: finished requests and output tokens (from each stream's ``usage``) per second of the run.
+- throughput: finished requests and output tokens (from each stream's ``usage``; from its token chunks
+  when a server sends no usage) per second of the run.
 
 Each is reported as mean, median, p90 and p99 (milliseconds). Two prompt sets:
 
@@ -78,6 +79,7 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> 
     result = RequestResult()
     start = time.perf_counter()
     last = None
+    chunks = 0  # chunks that carried tokens
     try:
         async with http.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -106,6 +108,7 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> 
                 if not is_token:
                     continue
                 now = time.perf_counter()
+                chunks += 1
                 if last is None:
                     result.ttft = now - start
                 else:
@@ -115,6 +118,8 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> 
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.latency = time.perf_counter() - start
+    if not result.output_tokens:  # a server that ignores stream_options.include_usage: count token chunks
+        result.output_tokens = chunks
     result.ok = last is not None
     if not result.ok:
         result.error = "no token streamed"
