@@ -189,14 +189,13 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(tiny_serve
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", tiny_server.url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            data = []
-            for line in response.iter_lines():
+            lines, data = response.iter_lines(), []
+            while len(data) < 3:  # next(), not a for loop: leaving a for loop would close the connection now
+                line = next(lines)
                 if line.startswith("data: "):
                     data.append(line)
-                    if len(data) == 3:
-                        break
             held = books(tiny_server)
-            assert held[0] == 1 and held[1] > 0  # running, holding blocks
+            assert held[0] == 1 and held[1] > 0, (held, data)  # running, holding blocks
     assert wait_for_books(tiny_server) == (0, 0)
     samples = scrape(tiny_server)
     assert sample(samples, "kvpaging:request_success_total", finished_reason="abort") == aborted + 1
@@ -514,7 +513,7 @@ def test_python_m_kvpaging_serve_serves_and_stops_cleanly_on_sigterm():
         done = {}
 
         def stream():
-            chunks = list(c.completions.create(model="tiny-qwen3", prompt=[5, 6], max_tokens=200, stream=True,
+            chunks = list(c.completions.create(model="tiny-qwen3", prompt=[5, 6], max_tokens=100, stream=True,
                                                extra_body={"ignore_eos": True}))
             done["reason"] = chunks[-1].choices[0].finish_reason
 
