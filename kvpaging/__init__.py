@@ -1,6 +1,7 @@
 """kvpaging: learn how LLM serving engines work by running a real one.
 
     LLM, SamplingParams         the vLLM-style front door (LLM.generate, llm.engine.step)
+    AsyncLLM                    the engine in a thread of its own, for asyncio callers (kvpaging.serve)
     BlockPool, BlockManager     physical blocks, block tables, copy-on-write, prefix cache
     Scheduler                   continuous batching, chunked prefill, preemption
     kv_cache_bytes, ...         how many bytes a model's KV cache takes
@@ -19,6 +20,7 @@ from .contiguous import (
     first_refusal,
     simulate_contiguous,
 )
+from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError
 from .engine import LLMEngine, StepRecord
 from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -41,6 +43,9 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "LLMEngine",
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineGenerateError",
     "EngineConfig",
     "RequestFailedError",
     "SamplingParams",

@@ -1,0 +1,291 @@
+"""Load a running OpenAI-compatible server and measure latency and throughput, like vLLM's serving benchmark.
+
+Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: all at once),
+in a fixed order from a fixed seed, each streamed; the client times every chunk:
+
+- TTFT, time to first token: request sent -> first streamed chunk with a token;
+- ITL, inter-token latency: the gaps between consecutive chunks of one request;
+- TPOT, time per output token: (end - first token) / (output tokens - 1), per request;
+- E2E: request sent -> last chunk;
+- throughput: finished requests and output tokens (from each stream's ``usage``; from its token chunks
+  when a server sends no usage) per second of the run.
+
+Each is reported as mean, median, p90 and p99 (milliseconds). Two prompt sets:
+
+- ``--dataset chat``: real chat questions (``kvpaging.teach.text``) on ``/v1/chat/completions``, each
+  stopping at the model's own end of turn (at most ``--output-len`` tokens): for the trained model;
+- ``--dataset random``: random token-id prompts of ``--input-len`` tokens on ``/v1/completions``, each
+  generating exactly ``--output-len`` tokens (``ignore_eos``, a vLLM extra): for any model kvpaging serves.
+
+Against a server already running (kvpaging, vLLM, ``transformers serve``...)::
+
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --model smollm2 --dataset chat \\
+        --num-prompts 64 --request-rate 4
+
+or let it start ``kvpaging serve`` for the run (a subprocess on a free port, stopped afterwards)::
+
+    python benchmarks/serving.py --launch "tiny-qwen3 --max-model-len 512" --dataset random \\
+        --input-len 64 --output-len 32 --num-prompts 64 --request-rate inf
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0  # request sent -> last chunk
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def chat_requests(num_prompts: int, output_len: int) -> list[dict]:
+    from kvpaging.teach.text import QUESTIONS, SYSTEM_PROMPT
+
+    systems = (None, SYSTEM_PROMPT, "You are a concise assistant. Answer in one or two sentences.")
+    conversations = [([{"role": "system", "content": s}] if s else []) + [{"role": "user", "content": q}]
+                     for s in systems for q in QUESTIONS]
+    return [{"messages": conversations[i % len(conversations)], "max_tokens": output_len}
+            for i in range(num_prompts)]
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+                    rng: random.Random) -> list[dict]:
+    # token ids from 3 up: 0, 1 and 2 are pad, bos and eos in kvpaging's tiny models
+    return [{"prompt": [rng.randrange(3, vocab_size) for _ in range(input_len)], "max_tokens": output_len,
+             "ignore_eos": True} for _ in range(num_prompts)]
+
+
+async def send(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestResult:
+    result = RequestResult()
+    start = time.perf_counter()
+    last = None
+    chunks = 0  # chunks that carried tokens
+    try:
+        async with http.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
+                if "delta" in choice:  # chat: the role chunk and the closing chunk carry no token
+                    is_token = bool(choice["delta"].get("content"))
+                else:  # completions: text, or (a model without a tokenizer) an empty chunk per token
+                    is_token = bool(choice.get("text")) or choice.get("finish_reason") is None
+                if not is_token:
+                    continue
+                now = time.perf_counter()
+                chunks += 1
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.latency = time.perf_counter() - start
+    if not result.output_tokens:  # a server that ignores stream_options.include_usage: count token chunks
+        result.output_tokens = chunks
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no token streamed"
+    return result
+
+
+async def run_load(base_url: str, model: str, requests: list[dict], endpoint: str, rate: float,
+                   max_concurrency: int | None, seed: int, api_key: str | None) -> tuple[list[RequestResult], float]:
+    url = base_url.rstrip("/") + endpoint
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeout = httpx.Timeout(None, connect=30)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        async def one(body):
+            body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                    "temperature": 0.0, **body}
+            if limit is None:
+                return await send(http, url, body, headers)
+            async with limit:
+                return await send(http, url, body, headers)
+
+        tasks = []
+        start = time.perf_counter()
+        for i, body in enumerate(requests):
+            tasks.append(asyncio.create_task(one(body)))
+            if math.isfinite(rate) and i + 1 < len(requests):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals: exponential gaps
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+def percentiles(values: list[float]) -> dict:
+    """mean, median, p90 and p99 of ``values`` (seconds), in milliseconds."""
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(p):  # linear interpolation between closest ranks, as numpy's default
+        k = (len(ordered) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    return {"mean": 1000 * statistics.fmean(ordered), "median": 1000 * pct(50), "p90": 1000 * pct(90),
+            "p99": 1000 * pct(99)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_prompt_tokens": sum(r.prompt_tokens for r in done),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+        "ttft_ms": percentiles([r.ttft for r in done]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles([gap for r in done for gap in r.itl]),
+        "e2e_ms": percentiles([r.latency for r in done]),
+    }
+
+
+def report(summary: dict) -> str:
+    lines = [f"{'completed requests':<28}{summary['completed']} ({summary['failed']} failed)",
+             f"{'duration (s)':<28}{summary['duration_s']:.2f}",
+             f"{'request throughput (req/s)':<28}{summary['request_throughput']:.2f}",
+             f"{'output throughput (tok/s)':<28}{summary['output_throughput']:.1f}",
+             f"{'':<28}{'mean':>9}{'median':>9}{'p90':>9}{'p99':>9}"]
+    for key, name in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
+                      ("e2e_ms", "E2E latency (ms)")):
+        row = summary[key]
+        cells = "".join(f"{row[k]:>9.1f}" if row[k] is not None else f"{'-':>9}" for k in ("mean", "median", "p90",
+                                                                                           "p99"))
+        lines.append(f"{name:<28}{cells}")
+    for error in summary["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)
+
+
+def launch(serve_args: str, api_key: str | None) -> tuple[subprocess.Popen, str, str]:
+    """Start ``python -m kvpaging.serve SERVE_ARGS`` on a free port; wait until /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = shlex.split(serve_args)
+    env = {**os.environ, **({"KVPAGING_API_KEY": api_key} if api_key else {})}
+    process = subprocess.Popen([sys.executable, "-m", "kvpaging.serve", *args, "--port", str(port),
+                                "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvpaging serve exited with status {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("kvpaging serve did not come up within 300 s")
+        time.sleep(0.2)
+    model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+                      timeout=10).json()["data"][0]["id"]
+    return process, url, model
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--launch", metavar="SERVE_ARGS", help="start `kvpaging serve SERVE_ARGS` for the run")
+    p.add_argument("--model", help="the model name to ask for (default: the server's first model)")
+    p.add_argument("--api-key", default=os.environ.get("KVPAGING_API_KEY"))
+    p.add_argument("--dataset", choices=("chat", "random"), default="random")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=32, help="random: output tokens; chat: the most per answer")
+    p.add_argument("--vocab-size", type=int, default=4096, help="random: token ids are drawn from [3, this)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the summary (and the settings) as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    process = None
+    base_url, model = args.base_url, args.model
+    try:
+        if args.launch:
+            process, base_url, launched = launch(args.launch, args.api_key)
+            model = model or launched
+        elif model is None:
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            model = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        rng = random.Random(args.seed)
+        if args.dataset == "chat":
+            requests, endpoint = chat_requests(args.num_prompts, args.output_len), "/v1/chat/completions"
+        else:
+            requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, rng)
+            endpoint = "/v1/completions"
+        results, duration = asyncio.run(run_load(base_url, model, requests, endpoint, args.request_rate,
+                                                 args.max_concurrency, args.seed, args.api_key))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(60)
+    summary = summarize(results, duration)
+    print(f"model {model} at {base_url}, dataset {args.dataset}, {args.num_prompts} requests, "
+          f"rate {args.request_rate}/s, seed {args.seed}")
+    print(report(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": {k: v for k, v in vars(args).items() if k != "api_key"}, "model": model,
+                       **summary}, f, indent=2, default=str)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

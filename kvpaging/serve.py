@@ -1,0 +1,929 @@
+"""An OpenAI-compatible server in front of the engine, like ``vllm serve``.
+
+    kvpaging serve smollm2 --port 8000                   # or: python -m kvpaging.serve smollm2
+    KVPAGING_API_KEY=secret kvpaging serve smollm2       # every /v1 request then needs the key
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
+    client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
+
+The pieces, each standard: FastAPI routes speak the OpenAI API (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``; also ``/health`` and ``/version``); uvicorn serves
+them; ``AsyncLLM`` (kvpaging/async_llm.py) runs the engine in a thread of its own and streams
+each request's outputs back; ``prometheus_client`` exposes the engine's figures on
+``/metrics`` under vLLM's metric names, with a ``kvpaging:`` prefix.
+
+A request travels: API key (401) -> body size, before parsing (413) -> JSON and its
+fields, strictly typed, unknown fields refused (400) -> the model's name (404) ->
+the prompt (chat template, tokens) and its length against ``max_model_len`` (400)
+-> ``SamplingParams`` (400) -> the engine's own checks (400) -> tokens, streamed as
+server-sent events or returned at the end. The engine never sees a request that
+cannot fit, so nothing is left hanging; a client that goes away has its request
+aborted and its blocks freed at once.
+
+Nothing a client sends names a model, a file or code to load: the served model
+is fixed at start, and the chat template is the model's own (a client's Jinja
+template would be code run on the server).
+
+Where kvpaging differs from vLLM: no ``echo``, no penalties, and ``logprobs`` reports the
+chosen token's log-probability only (the engine's outputs do not carry the top alternatives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
+from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("kvpaging.serve")
+
+__all__ = ["create_app", "ServingMetrics", "BackgroundServer", "make_parser", "load_llm", "main", "ENGINE_OPTIONS",
+           "DEFAULT_MAX_REQUEST_BODY_BYTES"]
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: far more than max_model_len tokens of text
+MAX_PROMPTS_PER_REQUEST = 64  # a batch of prompts in one completion request
+MAX_STOP_STRINGS = 16  # OpenAI allows 4
+MAX_STOP_TOKEN_IDS = 256
+GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long before they are cancelled
+
+
+# =============================================================================== errors
+class APIError(Exception):
+    """An error answered with OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# =============================================================================== request bodies
+class _Strict(BaseModel):
+    # strict: "5" is not an int and true is not a number; forbid: a misspelt field is an error, not ignored
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields the two generation endpoints share: OpenAI's, plus vLLM's extras (top_k, min_p, ...)."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields kvpaging's sampler does not have: accepted only at their neutral values
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields (the openai client sends them with extra_body=...)
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM: each choice also carries its token ids (and the response the prompt's)
+
+    @field_validator("n", "stream", "echo", "logprobs", "ignore_eos", "include_stop_str_in_output",
+                     "skip_special_tokens", "return_token_ids", mode="before", check_fields=False)
+    @classmethod
+    def _null_means_default(cls, value, info):
+        # OpenAI's API lets these be null; some clients send every field, null where unset
+        return cls.model_fields[info.field_name].default if value is None else value
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: as many as fit in max_model_len (vLLM)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _parse(model: type[BaseModel], body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        detail = f"{where}: {first['msg']}" if where else first["msg"]
+        if first["type"] == "extra_forbidden":
+            detail = f"unknown field {where!r}: kvpaging does not support it"
+        more = f" (and {error.error_count() - 1} more problem(s))" if error.error_count() > 1 else ""
+        raise _bad_request(f"invalid request: {detail}{more}", param=where or None) from None
+
+
+# =============================================================================== metrics
+# vLLM's bucket edges (seconds), so that dashboards built for vLLM read these the same way
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class ServingMetrics:
+    """The engine's figures in Prometheus form, with vLLM's meanings under a ``kvpaging:`` prefix.
+
+    It is ``AsyncLLM``'s stat logger: every method below runs on the engine thread, fed
+    by step records (queues, blocks, preemptions) and request outputs (tokens, latencies);
+    ``/metrics`` reads the registry from the server's thread (prometheus_client locks).
+
+    Where vLLM counts requests, kvpaging counts sequences: a request with ``n > 1`` runs as
+    n sequences, as vLLM v1 runs it as n child requests. Token counters count tokens the
+    requests asked for: ``prompt_tokens`` once per request (when its first token is made),
+    ``prefix_cache_queries``/``hits`` in prompt tokens at the request's first admission.
+    """
+
+    def __init__(self, model_name: str, num_blocks: int, block_size: int,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.num_blocks = num_blocks
+        r, m = self.registry, [model_name]
+
+        def gauge(name, doc):
+            return Gauge(f"kvpaging:{name}", doc, ["model_name"], registry=r).labels(*m)
+
+        def counter(name, doc):
+            return Counter(f"kvpaging:{name}", doc, ["model_name"], registry=r).labels(*m)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"kvpaging:{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(*m)
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running queue.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.")
+        self.kv_cache_used_blocks = gauge("kv_cache_used_blocks", "KV blocks held by sequences.")
+        self.kv_cache_num_blocks = gauge("kv_cache_num_blocks", "KV blocks in the pool (vLLM: num_gpu_blocks).")
+        self.kv_cache_tokens = gauge("kv_cache_tokens", "Token slots filled in the blocks in use.")
+        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate",
+                                           "Prompt tokens found in the prefix cache / prompt tokens looked up.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (their KV dropped, to recompute).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter("kvpaging:request_success", "Requests finished, by reason.",
+                                        ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Arrival to first generated token.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between two consecutive tokens of a request.", _TPOT_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1).", _TPOT_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.kv_cache_num_blocks.set(num_blocks)
+        self._queries = self._hits = 0
+        # request id -> (tokens counted per completion index, token times of completion 0 counted)
+        self._seen: dict[str, tuple[dict[int, int], list[int]]] = {}
+
+    def request_success(self, reason: str):
+        return self._request_success.labels(self._model_name, reason)
+
+    # -- the StatLogger interface (engine thread) ----------------------------------------------
+    def on_step(self, record) -> None:
+        self.num_requests_running.set(record.num_running)
+        self.num_requests_waiting.set(record.num_waiting)
+        self.kv_cache_used_blocks.set(record.num_used_blocks)
+        self.kv_cache_usage_perc.set(record.num_used_blocks / self.num_blocks)
+        self.kv_cache_tokens.set(record.num_tokens_stored)
+        if record.preempted:
+            self.num_preemptions.inc(len(record.preempted))
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            seen = self._seen.get(out.request_id)
+            metrics = out.metrics
+            if seen is None:  # its first output: the prompt has been computed, the first token made
+                seen = self._seen[out.request_id] = ({}, [0])
+                prompt_len = len(out.prompt_token_ids)
+                self.prompt_tokens.inc(prompt_len)
+                self._queries += prompt_len
+                self._hits += out.num_cached_tokens
+                self.prefix_cache_queries.inc(prompt_len)
+                self.prefix_cache_hits.inc(out.num_cached_tokens)
+                self.prefix_cache_hit_rate.set(self._hits / self._queries if self._queries else 0.0)
+                if metrics is not None and metrics.time_to_first_token is not None:
+                    self.time_to_first_token.observe(metrics.time_to_first_token)
+            counted, times_seen = seen
+            new = 0
+            for completion in out.outputs:
+                n = len(completion.token_ids)
+                new += n - counted.get(completion.index, 0)
+                counted[completion.index] = n
+            if new:
+                self.generation_tokens.inc(new)
+            if metrics is not None:
+                times = metrics.token_times
+                for a, b in zip(times[max(0, times_seen[0] - 1):], times[max(1, times_seen[0]):]):
+                    self.inter_token_latency.observe(b - a)
+                times_seen[0] = len(times)
+            if out.finished:
+                del self._seen[out.request_id]
+                reason = out.outputs[0].finish_reason if out.outputs else "error"
+                self.request_success(reason or "error").inc()
+                if metrics is not None and metrics.finished_time is not None:
+                    self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
+                    first = metrics.first_token_time
+                    num_out = len(out.outputs[0].token_ids) if out.outputs else 0
+                    if first is not None and num_out > 1:
+                        self.request_time_per_output_token.observe((metrics.finished_time - first) / (num_out - 1))
+
+    def on_abort(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+        self.request_success("abort").inc()
+
+    def on_idle(self) -> None:
+        # no request left: nothing runs, nothing waits, no block is held by a sequence
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_used_blocks,
+                      self.kv_cache_usage_perc, self.kv_cache_tokens):
+            gauge.set(0)
+
+
+# =============================================================================== the app
+@dataclass
+class _Choice:
+    """What a stream has sent of one completion so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    done: bool = False
+
+
+class _Server:
+    """The routes' shared state: the engine front, the model's name and limits."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, max_request_body_bytes: int) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.max_body = max_request_body_bytes
+        self.tokenizer = llm.tokenizer  # the server's own copy (AsyncLLM): used on the event loop only
+        self.max_model_len = llm.config.max_model_len
+        self.vocab_size = llm.engine.vocab_size
+        self.created = int(time.time())
+
+    # -- reading a request ---------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit (before any parsing)."""
+        limit = self.max_body
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise _bad_request("invalid Content-Length header")
+            if int(length) > limit:
+                raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes",
+                               code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        return bytes(body)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's text (None for token ids) and token ids: one prompt, or a batch of them (a list of
+        strings or of token-id lists), each then its own request, as in OpenAI's API and vLLM."""
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_PROMPTS_PER_REQUEST:
+            raise _bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts in one request, got {len(batch)}",
+                               "prompt")
+        return [self._one_prompt(p) for p in batch]
+
+    def _one_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise _bad_request("prompt is empty", "prompt")
+            if self.tokenizer is None:
+                raise _bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if not prompt:
+            raise _bad_request("prompt is empty", "prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise _bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        return None, list(prompt)
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> tuple[str, list[int]]:
+        tokenizer = self.tokenizer
+        if not messages:
+            raise _bad_request("messages is empty", "messages")
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise _bad_request("this model has no chat template: use /v1/completions", "messages")
+        conversation = []
+        for m in messages:
+            content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
+            conversation.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def sampling_params(self, req: _SamplingRequest, prompt_len: int, max_tokens: int | None,
+                        logprobs: int | None, final_only: bool) -> SamplingParams:
+        if prompt_len >= self.max_model_len:
+            raise _bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
+                               f"has {prompt_len}: it leaves no room to generate.", "prompt")
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise _bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                               "in the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        if req.n < 1:
+            raise _bad_request(f"n must be at least 1, got {req.n}", "n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name) not in (None, 0):
+                raise _bad_request(f"{name} is not supported by kvpaging (only 0)", name)
+        if req.logit_bias:
+            raise _bad_request("logit_bias is not supported by kvpaging", "logit_bias")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if not all(stop):
+            raise _bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+        # every stop string is searched after every token: a bounded list keeps one request from slowing all
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(req.stop_token_ids)}",
+                               "stop_token_ids")
+        if stop and self.tokenizer is None:
+            raise _bad_request("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
+        values = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+                  "stop": stop, "stop_token_ids": req.stop_token_ids,
+                  "include_stop_str_in_output": req.include_stop_str_in_output,
+                  "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
+                  "output_kind": RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE}
+        for name in ("temperature", "top_p", "top_k", "min_p"):  # None: SamplingParams' (and OpenAI's) default
+            if getattr(req, name) is not None:
+                values[name] = getattr(req, name)
+        try:
+            return SamplingParams(**values)
+        except ValueError as error:
+            raise _bad_request(str(error)) from None
+
+    async def start(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                    params: list[SamplingParams]) -> list[RequestStream]:
+        """Queue one request per prompt (ids ``request_id``, or ``request_id-i`` for a batch); all or none."""
+        streams = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.llm.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, sp))
+        except BaseException as error:
+            for stream in streams:
+                stream.abort()
+            if isinstance(error, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
+            if isinstance(error, ValueError):  # the engine's own checks (n > max_num_seqs, ...)
+                raise _bad_request(str(error)) from None
+            raise
+        return streams
+
+    # -- answering -------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def usage(self, outputs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids, logprobs) -> dict:
+        content = []
+        for t, lp in zip(token_ids, logprobs):
+            token = self.token_text(t)
+            content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+        return {"content": content}
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _outputs(streams: list[RequestStream], request: Request):
+    """``(i, output)`` for each output of ``streams[i]``, as they come, until every stream has finished.
+
+    Stops early, aborting every request, if the client goes away (or this response is cancelled)."""
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    waiting = {asyncio.ensure_future(stream.get()): i for i, stream in enumerate(streams)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait({*waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if disconnected in done:  # the client went away: abort (finally), at once
+                logger.info("client disconnected: aborting %s", ", ".join(s.request_id for s in streams))
+                return
+            for task in sorted(done, key=waiting.get):
+                i = waiting.pop(task)
+                output = task.result()  # raises what the engine raised for this request
+                if not streams[i].finished:
+                    waiting[asyncio.ensure_future(streams[i].get())] = i
+                yield i, output
+    finally:  # also when the server cancels this response (uvicorn saw the disconnect first, or shuts down)
+        disconnected.cancel()
+        for task in waiting:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def _final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    """Each stream's finished output, or None if the client went away first (the requests are then aborted)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, output in _outputs(streams, request):
+            finals[i] = output
+    except EngineGenerateError as error:
+        raise APIError(500, str(error), type="server_error") from None
+    except EngineDeadError as error:
+        raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
+    if any(o is None or not o.finished for o in finals):
+        return None
+    return finals
+
+
+@dataclass
+class _Piece:
+    """What one choice adds to a stream: its new text, tokens and log-probabilities."""
+
+    index: int  # the choice's index in the response: prompt number * n + completion index
+    completion: CompletionOutput
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    text_offset: int  # where ``text`` starts in the choice's whole text
+    prompt_token_ids: list[int] | None  # its prompt's tokens, with the choice's first piece only
+
+
+async def _pieces(streams: list[RequestStream], request: Request, n: int, every_token: bool, finals: list):
+    """The stream's pieces, choice by choice, as the outputs come: deltas of the cumulative outputs.
+
+    A piece is made when a choice has new text or finished, and with ``every_token`` also for new tokens
+    without text (held back while a stop string may still cut it; or a model without a tokenizer).
+    ``finals`` receives each request's last output, for the usage."""
+    sent: dict[int, _Choice] = {}
+    finals.extend([None] * len(streams))
+    async for i, output in _outputs(streams, request):
+        finals[i] = output
+        for c in output.outputs:
+            index = i * n + c.index
+            s = sent.setdefault(index, _Choice())
+            if s.done:
+                continue
+            text = _new_text(c.text, s.text)
+            new_ids = c.token_ids[s.num_tokens:]
+            finished = c.finish_reason is not None
+            if not text and not finished and not (new_ids and every_token):
+                continue
+            yield _Piece(index, c, text, new_ids, (c.logprobs or [])[s.num_tokens:], len(s.text),
+                         output.prompt_token_ids if s.num_tokens == 0 and not s.text else None)
+            s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _error_event(error: BaseException) -> str:
+    if isinstance(error, EngineGenerateError):
+        body = APIError(500, str(error), type="server_error").body()
+    else:
+        body = APIError(503, f"the engine is not running: {error}", type="server_error").body()
+    return _sse(body)
+
+
+def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None = None,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``, idle) as ``served_model_name``.
+
+    It starts the engine thread now (``app.state.llm`` is the ``AsyncLLM``, ``app.state.metrics``
+    the ``ServingMetrics``) and stops it when the app shuts down.
+    """
+    engine = getattr(llm, "engine", llm)
+    config = engine.config
+    metrics = ServingMetrics(served_model_name, config.num_blocks, config.block_size)
+    async_llm = AsyncLLM(engine, stat_logger=metrics)
+    server = _Server(async_llm, served_model_name, max_request_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            async_llm.shutdown()
+
+    app = FastAPI(title="kvpaging", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.llm = async_llm
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException):
+        return APIError(error.status_code, str(error.detail), type="invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return APIError(500, f"internal error: {type(error).__name__}", type="server_error").response()
+
+    # -- the plain endpoints ---------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not async_llm.is_running:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        from . import __version__
+
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
+                                            "owned_by": "kvpaging", "root": served_model_name,
+                                            "max_model_len": server.max_model_len}]}
+
+    # -- /v1/completions ----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = _parse(CompletionRequest, await server.read_body(request))
+        server.check_model(req.model)
+        if req.echo:
+            raise _bad_request("echo is not supported by kvpaging", "echo")
+        if req.suffix:
+            raise _bad_request("suffix is not supported by kvpaging", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise _bad_request("best_of is not supported by kvpaging (only best_of = n)", "best_of")
+        if req.logprobs is not None and req.logprobs != 0:
+            raise _bad_request("kvpaging reports the chosen token's log-probability only: logprobs must be 0",
+                               "logprobs")
+        prompts = server.completion_prompts(req.prompt)
+        params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
+                  for _, ids in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await server.start(request_id, prompts, params)
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": served_model_name}
+        with_logprobs = req.logprobs is not None
+
+        def choice(index, c, text, token_ids, logprobs, offset, prompt_token_ids) -> dict:
+            out = {"index": index, "text": text,
+                   "logprobs": server.completion_logprobs(token_ids, logprobs, offset) if with_logprobs else None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                out["token_ids"] = list(token_ids)
+                if prompt_token_ids is not None:
+                    out["prompt_token_ids"] = list(prompt_token_ids)
+            return out
+
+        if not req.stream:
+            finals = await _final_outputs(streams, request)
+            if finals is None:
+                return Response(status_code=499)  # the client has gone: nobody reads this
+            choices = [choice(i * req.n + c.index, c, c.text, c.token_ids, c.logprobs or [], 0, o.prompt_token_ids)
+                       for i, o in enumerate(finals) for c in o.outputs]
+            return {**head, "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        # a model without a tokenizer has no text at all: each new token then gets its (empty) chunk
+        every_token = with_logprobs or req.return_token_ids or server.tokenizer is None
+
+        async def events():
+            finals = []
+            try:
+                async for p in _pieces(streams, request, req.n, every_token, finals):
+                    chunk = choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.text_offset,
+                                   p.prompt_token_ids)
+                    yield _sse({**head, "choices": [chunk]})
+            except (EngineGenerateError, EngineDeadError) as error:
+                yield _error_event(error)
+            else:
+                if include_usage and finals and all(o is not None and o.finished for o in finals):
+                    yield _sse({**head, "choices": [], "usage": server.usage(finals)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = _parse(ChatCompletionRequest, await server.read_body(request))
+        server.check_model(req.model)
+        if req.top_logprobs:
+            raise _bad_request("kvpaging reports the chosen token's log-probability only: top_logprobs must be 0",
+                               "top_logprobs")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise _bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        text, ids = server.chat_prompt(req.messages)
+        params = server.sampling_params(req, len(ids), max_tokens, 0 if req.logprobs else None,
+                                        final_only=not req.stream)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await server.start(request_id, [(text, ids)], [params])
+        created = int(time.time())
+
+        def extras(token_ids, prompt_token_ids) -> dict:  # vLLM's return_token_ids
+            if not req.return_token_ids:
+                return {}
+            out = {"token_ids": list(token_ids)}
+            if prompt_token_ids is not None:
+                out["prompt_token_ids"] = list(prompt_token_ids)
+            return out
+
+        if not req.stream:
+            finals = await _final_outputs(streams, request)
+            if finals is None:
+                return Response(status_code=499)
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": server.chat_logprobs(c.token_ids, c.logprobs or []) if req.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        **extras(c.token_ids, finals[0].prompt_token_ids)}
+                       for c in finals[0].outputs]
+            return {"id": request_id, "object": "chat.completion", "created": created, "model": served_model_name,
+                    "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": served_model_name}
+
+        async def events():
+            # OpenAI's order: each choice first says its role, then its content in pieces, then why it ended
+            for i in range(req.n):
+                yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            finals = []
+            try:
+                async for p in _pieces(streams, request, req.n, req.logprobs or req.return_token_ids, finals):
+                    chunk = {"index": p.index, "delta": {"content": p.text} if p.text else {},
+                             "logprobs": server.chat_logprobs(p.token_ids, p.logprobs) if req.logprobs else None,
+                             "finish_reason": p.completion.finish_reason, "stop_reason": p.completion.stop_reason,
+                             **extras(p.token_ids, p.prompt_token_ids)}
+                    yield _sse({**head, "choices": [chunk]})
+            except (EngineGenerateError, EngineDeadError) as error:
+                yield _error_event(error)
+            else:
+                if include_usage and finals and all(o is not None and o.finished for o in finals):
+                    yield _sse({**head, "choices": [], "usage": server.usage(finals)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _new_text(text: str, sent: str) -> str:
+    """What ``text`` adds to what was ``sent``. Streamed text only grows (the detokenizer holds back what a
+    stop string may cut); should a final decode ever disagree with the pieces sent, the rest is sent as is."""
+    if not text.startswith(sent):
+        logger.warning("a completion's text changed under its stream; sending the rest as it is")
+    return text[len(sent):]
+
+
+class APIKeyMiddleware:
+    """Every ``/v1`` request needs ``Authorization: Bearer <api key>``, else 401 (as ``vllm serve --api-key``).
+
+    A plain ASGI middleware: it answers before the body is read, and it does not wrap the
+    response stream (so streaming and disconnects pass through untouched). The key is compared
+    in constant time, so the time taken does not tell an attacker how much of a guess was right.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == "/v1" or path.startswith("/v1/"):
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    response = APIError(401, "Unauthorized: this server needs an API key "
+                                             "(Authorization: Bearer <key>)", code="invalid_api_key").response()
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+# =============================================================================== running it
+class BackgroundServer:
+    """Serve an app from a thread of this process, on a free port: for notebooks and tests.
+
+        server = BackgroundServer(create_app(llm, served_model_name="tiny"))
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+        ...
+        server.stop()
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 timeout: float = 30.0, graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.host, self.port = host, sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
+                                                    timeout_graceful_shutdown=graceful_shutdown_s))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                        name="kvpaging-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        return self.app.state.llm
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# The keyword arguments of kvpaging.LLM that `kvpaging serve` takes as --flags (tests check that none is missing).
+ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
+                  "max_model_len", "enable_prefix_caching", "scheduling", "attention_backend", "enforce_eager",
+                  "device", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes", "trust_remote_code",
+                  "cpu_fast_layers")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", help="what LLM takes: a local folder, a hub id, 'smollm2' (the shipped trained "
+                                      "model), or a tiny random model by name (tiny-qwen3, tiny-llama, ...)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients ask for in 'model' (default: MODEL as given)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $KVPAGING_API_KEY, else none)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    engine = parser.add_argument_group("engine", "the keyword arguments of kvpaging.LLM")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--num-blocks", type=int, default=None)
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--scheduling", default="continuous", choices=SCHEDULING)
+    engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument("--device", default=None)
+    engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    engine.add_argument("--trust-remote-code", action="store_true")
+    engine.add_argument("--cpu-fast-layers", action="store_true")
+    return parser
+
+
+def make_parser(prog: str = "python -m kvpaging.serve") -> argparse.ArgumentParser:
+    return add_serve_arguments(argparse.ArgumentParser(
+        prog=prog, description="Serve a model with an OpenAI-compatible API (like `vllm serve`)."))
+
+
+def load_llm(model: str, **engine_options):
+    """``LLM(model, **engine_options)``, where ``model`` may also name a tiny random model (``tiny-qwen3``)."""
+    from .llm import LLM
+    from .models import TINY_ARCHS, tiny
+
+    if model.startswith("tiny-") and model[len("tiny-"):] in TINY_ARCHS:
+        return LLM(tiny(model[len("tiny-"):]), **engine_options)
+    return LLM(model, **engine_options)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Load the model, build the app and serve it until SIGINT or SIGTERM (uvicorn's handlers: requests
+    in flight get a few seconds, then the engine thread is stopped and joined)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVPAGING_API_KEY") or None
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn catches SIGTERM, shuts down gracefully, then raises the signal again: let that end the
+        # process as a normal exit (status 0), as SIGINT's KeyboardInterrupt does below
+        signal.signal(signal.SIGTERM, _exit_normally)
+    try:
+        llm = load_llm(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+        app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
+                         max_request_body_bytes=args.max_request_body_bytes)
+        logger.info("serving %s on http://%s:%d/v1%s", args.model, args.host, args.port,
+                    " (API key required)" if api_key else "")
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        logger.info("kvpaging server stopped")
+
+
+def _exit_normally(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(make_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
