@@ -40,6 +40,9 @@ __all__ = [
     "sample_positions",
     "json_safe",
     "SMALL",
+    "PLAY_SECONDS",
+    "play_interval_ms",
+    "flat_update",
 ]
 
 #: Soft colours for sequences and requests, chosen so black text stays readable and none
@@ -83,6 +86,33 @@ def json_safe(value):
     return value
 
 
+#: A whole run plays in about this many seconds at speed 1x, however many steps it has.
+PLAY_SECONDS = 25.0
+
+
+def play_interval_ms(num_positions: int, seconds: float = PLAY_SECONDS, fastest: int = 60, slowest: int = 800) -> int:
+    """Milliseconds per step so that ``num_positions`` steps play in about ``seconds``.
+
+    Clamped: a kernel redraws every step of a live view, so no faster than ``fastest``; a
+    short run should still move, so no slower than ``slowest``.
+    """
+    if num_positions <= 1:
+        return slowest
+    return int(min(max(1000 * seconds / (num_positions - 1), fastest), slowest))
+
+
+def flat_update(update: dict, prefix: str = "") -> dict:
+    """``{"marker": {"color": c}, "x": x}`` -> ``{"marker.color": c, "x": x}``: one key per property."""
+    flat = {}
+    for key, value in update.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_update(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
 def sample_positions(num_positions: int, max_frames: int) -> list[int]:
     """At most ``max_frames`` positions spread evenly over ``0..num_positions-1``, ends included."""
     if num_positions <= 0:
@@ -101,14 +131,22 @@ class PlaybackControls:
     else. The kernel listens to the slider only; Step and Back move the slider.
     """
 
-    def __init__(self, num_positions: int, on_change: Callable[[int], None], interval_ms: int = 250) -> None:
+    SPEEDS = (("½×", 0.5), ("1×", 1.0), ("2×", 2.0), ("4×", 4.0))
+
+    def __init__(self, num_positions: int, on_change: Callable[[int], None], interval_ms: int | None = None) -> None:
         import ipywidgets as widgets
 
         top = max(num_positions - 1, 0)
-        self.play = widgets.Play(value=top, min=0, max=top, step=1, interval=interval_ms, description="Play",
-                                 show_repeat=False, tooltip="play / pause")
+        self._fixed_interval = interval_ms  # None: scale with the run (a whole run plays in ~PLAY_SECONDS)
+        self.play = widgets.Play(value=top, min=0, max=top, step=1, interval=self._base_interval(num_positions),
+                                 description="Play", show_repeat=False, tooltip="play / pause")
+        self.speed = widgets.Dropdown(options=self.SPEEDS, value=1.0, description="speed", tooltip="play speed",
+                                      layout=widgets.Layout(width="130px"),
+                                      style={"description_width": "initial"})
+        self.speed.observe(lambda _change: self._set_interval(), names="value")
         self.slider = widgets.IntSlider(value=top, min=0, max=top, description="step", continuous_update=True,
-                                        readout=False, layout=widgets.Layout(width="320px"))
+                                        readout=False, layout=widgets.Layout(width="260px", min_width="120px",
+                                                                             flex="1 1 auto"))
         self.back_button = widgets.Button(description="◀", tooltip="one step back", layout=widgets.Layout(width="40px"))
         self.step_button = widgets.Button(description="Step ▶", tooltip="one step forward",
                                           layout=widgets.Layout(width="80px"))
@@ -120,14 +158,21 @@ class PlaybackControls:
         self.step_button.on_click(lambda _button: self.step(+1))
         self.back_button.on_click(lambda _button: self.step(-1))
         self.widget = widgets.HBox(
-            [self.play, self.back_button, self.step_button, self.slider, self.label],
-            layout=widgets.Layout(align_items="center"),
+            [self.play, self.speed, self.back_button, self.step_button, self.slider, self.label],
+            layout=widgets.Layout(align_items="center", flex_flow="row wrap", max_width="100%"),
         )
         self.widget.add_class("kvpaging-controls")
 
     @property
     def value(self) -> int:
         return self.slider.value
+
+    def _base_interval(self, num_positions: int) -> int:
+        return self._fixed_interval if self._fixed_interval is not None else play_interval_ms(num_positions)
+
+    def _set_interval(self) -> None:
+        base = self._base_interval(self.slider.max + 1)
+        self.play.interval = max(int(base / self.speed.value), 20)
 
     def step(self, delta: int) -> None:
         self.slider.value = min(max(self.slider.value + delta, self.slider.min), self.slider.max)
@@ -154,6 +199,7 @@ class PlaybackControls:
                 self.slider.value = top
         finally:
             self._quiet = False
+        self._set_interval()
 
     def _changed(self, change) -> None:
         if not self._quiet:
@@ -190,7 +236,7 @@ class View(DisplaysAsWidget):
     #: figure height in pixels
     height = 420
 
-    def __init__(self, *, controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+    def __init__(self, *, controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         self.width = width  # pixels; None lets plotly choose (700 in a notebook)
         self.position = 0
         self._at_end = True  # on the newest step: live updates move the view along
@@ -208,6 +254,15 @@ class View(DisplaysAsWidget):
 
     def position_label(self, position: int) -> str:
         return str(position)
+
+    def default_position(self) -> int:
+        """Where the view opens: the step worth looking at first. Here the last one; views override it."""
+        return max(self.num_positions() - 1, 0)
+
+    def open_at_default(self) -> None:
+        """Move to :meth:`default_position` (constructors call it; so does a live run when it ends)."""
+        self.position = self.default_position()
+        self._at_end = self.position >= self.num_positions() - 1
 
     def base_figure(self):
         raise NotImplementedError
@@ -291,11 +346,27 @@ class View(DisplaysAsWidget):
             return
         traces, layout = self.frame(position)
         fig = self._figure
-        with fig.batch_update():
-            for trace, update in zip(fig.data, traces):
-                trace.update(json_safe(update))
-            if layout:
-                fig.layout.update(json_safe(layout))
+        updates = [flat_update(json_safe(update)) for update in traces]
+        # A batched update travels as one Plotly.update(): one list of values per property, one entry per
+        # trace. Where a trace does not set a property that another trace sets, plotly.py sends a
+        # placeholder that the browser side of FigureWidget takes as a value, so the trace lost its own
+        # (the contiguous view's white holes and red crosses came out in plotly's default colours). So
+        # each trace sends every property of the batch that it has, its current value if unchanged, and
+        # traces that still differ (a scatter has no `base`) go in batches of their own.
+        keys = {key for update in updates for key in update}
+        groups: dict[frozenset, list] = {}
+        for trace, update in zip(fig.data, updates):
+            for key in keys - update.keys():
+                if key in trace:
+                    update[key] = trace[key]
+            groups.setdefault(frozenset(update), []).append((trace, update))
+        batches = list(groups.values()) or [[]]
+        for i, batch in enumerate(batches):
+            with fig.batch_update():
+                for trace, update in batch:
+                    trace.update(update)
+                if layout and i == len(batches) - 1:
+                    fig.layout.update(json_safe(layout))
 
     def _sized(self, fig):
         if self.width is not None:
@@ -310,56 +381,79 @@ class View(DisplaysAsWidget):
 
     # -- static export ------------------------------------------------------------------------------
     def static_figure(self, max_frames: int = 120):
-        """A plain ``go.Figure`` with one animation frame per (sampled) step, a play button and a slider."""
+        """A plain ``go.Figure`` with one animation frame per (sampled) step, play buttons and a slider.
+
+        It opens on the view's own position (``view.show(k)`` picks it), and its axes are fixed to
+        the reach of every frame (:func:`~.static.fix_axis_ranges`): plotly.js does not rescale
+        axes while an animation plays.
+        """
         import plotly.graph_objects as go
+
+        from .static import fix_axis_ranges
 
         self.sync()
         fig = self._sized(go.Figure(self.base_figure()))
-        positions = sample_positions(self.num_positions(), max_frames)
+        n = self.num_positions()
+        start = int(min(max(self.position, 0), max(n - 1, 0)))
+        positions = sorted(set(sample_positions(n, max_frames)) | ({start} if n else set()))
         if not positions:
             return fig
         frames = []
         for p in positions:
             traces, layout = self.frame(p)
             data = [dict(json_safe(update), type=trace.type) for trace, update in zip(fig.data, traces)]
-            frames.append(go.Frame(data=data, traces=list(range(len(data))), layout=layout, name=str(p)))
-        first_traces, first_layout = self.frame(positions[0])
+            frames.append(go.Frame(data=data, traces=list(range(len(data))), layout=json_safe(layout), name=str(p)))
+        first_traces, first_layout = self.frame(start)
         for trace, update in zip(fig.data, first_traces):
             trace.update(json_safe(update))
         fig.update_layout(json_safe(first_layout))
         fig.frames = frames
-        play_args = {"frame": {"duration": self._interval_ms, "redraw": True}, "fromcurrent": True,
-                     "transition": {"duration": 0}}
+        fix_axis_ranges(fig)
+        # a whole run plays in about PLAY_SECONDS, whatever the number of sampled frames; "fast" is 4x
+        per_frame = play_interval_ms(len(positions), fastest=40, slowest=1000) if self._interval_ms is None \
+            else self._interval_ms
+
+        def play(ms: int) -> dict:
+            return {"frame": {"duration": ms, "redraw": True}, "fromcurrent": True, "transition": {"duration": 0}}
+
         pause_args = {"frame": {"duration": 0, "redraw": False}, "mode": "immediate", "transition": {"duration": 0}}
-        # The controls go below the plot area (paper y = 0), pushed past the x-axis title by a
-        # padding in pixels; the legend moves to the right so that nothing overlaps.
-        below = {"y": 0, "yanchor": "top", "pad": {"t": 70}}
+        # The controls go below the plot area (paper y = 0), pushed past the x-axis title by a padding
+        # in pixels: the buttons first, the slider on a row of its own under them, its label (the step
+        # shown) at its right end, clear of the buttons; the legend moves to the right.
         fig.update_layout(
             updatemenus=[{
                 "type": "buttons", "direction": "left", "x": 0.0, "xanchor": "left", "showactive": False,
+                "y": 0, "yanchor": "top", "pad": {"t": 62},
                 "buttons": [
-                    {"label": "▶ Play", "method": "animate", "args": [None, play_args]},
+                    {"label": "▶ Play", "method": "animate", "args": [None, play(per_frame)]},
+                    {"label": "▶▶ 4× faster", "method": "animate", "args": [None, play(max(per_frame // 4, 20))]},
                     {"label": "❚❚ Pause", "method": "animate", "args": [[None], pause_args]},
                 ],
-                **below,
             }],
             sliders=[{
-                "x": 0.25, "len": 0.75, "xanchor": "left", "currentvalue": {"prefix": ""},
+                "x": 0.0, "len": 1.0, "xanchor": "left", "y": 0, "yanchor": "top", "pad": {"t": 100},
+                "active": positions.index(start),
+                "currentvalue": {"prefix": "", "xanchor": "right", "font": {"size": 13}},
                 "steps": [
                     {"label": self.position_label(p), "method": "animate",
                      "args": [[str(p)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
                                          "transition": {"duration": 0}}]}
                     for p in positions
                 ],
-                **below,
             }],
             legend={"orientation": "v", "x": 1.02, "y": 1, "xanchor": "left", "yanchor": "top"},
-            margin={"b": 170, "r": 170},
-            height=(fig.layout.height or 450) + 120,
+            margin={"b": 190, "r": 170},
+            height=(fig.layout.height or 450) + 140,
         )
         if self.width is not None:
             fig.update_layout(width=self.width + 170)  # room for the legend, now on the right
         return fig
+
+    def display_static(self, max_frames: int = 30) -> None:
+        """Display the static animation as plotly's notebook output (renders with no kernel, offline)."""
+        from .static import display_figure
+
+        display_figure(self.static_figure(max_frames), text=self.summary())
 
     def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 120) -> str:
         """The static animation as an HTML page; written to ``path`` if given.
@@ -386,7 +480,7 @@ class TraceView(View):
     """
 
     def __init__(self, trace=None, *, block_size: int | None = None, controls: bool = True,
-                 interval_ms: int = 250, width: int | None = None) -> None:
+                 interval_ms: int | None = None, width: int | None = None) -> None:
         from .replay import TraceReplay
 
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
@@ -394,8 +488,8 @@ class TraceView(View):
             self.replay = trace
         else:
             self.replay = TraceReplay(trace if trace is not None else (), block_size=block_size)
-        self.position = max(len(self.replay) - 1, 0)
         self._feed: LiveFeed | None = None
+        self.open_at_default()
 
     def num_positions(self) -> int:
         return len(self.replay)
@@ -404,6 +498,18 @@ class TraceView(View):
         if not len(self.replay):
             return "-"
         return f"step {self.replay.records[position].step}"
+
+    def default_position(self) -> int:
+        """The busiest step: the most running sequences, then the most blocks in use (the first such).
+
+        A finished run's last step is empty (every sequence has left), so a view of a
+        whole trace opens where there is something to see.
+        """
+        records = self.replay.records
+        if not records:
+            return 0
+        return max(range(len(records)),
+                   key=lambda i: (len(records[i].block_tables), records[i].num_used_blocks, -i))
 
     def attach(self, engine, *, fps: float = 4.0, background: bool = True) -> LiveFeed:
         """Follow ``engine`` (an ``LLMEngine`` or ``LLM``) live, redrawing at most ``fps`` times a second."""

@@ -128,7 +128,7 @@ def block_table_frame(replay: TraceReplay, position: int, *, page: int = 0, rows
 
 
 HOVER = (
-    "%{y}<br>logical block %{x} -> physical block %{customdata[0]}<br>"
+    "row %{y}<br>logical block %{x} -> physical block %{customdata[0]}<br>"
     "references %{customdata[1]} · tokens %{customdata[2]}<br>copied from %{customdata[3]} (-1: not copied)"
     "<extra></extra>"
 )
@@ -144,7 +144,7 @@ class BlockTableView(TraceView):
     height = 420
 
     def __init__(self, trace=None, *, block_size: int | None = None, rows_per_page: int = 24,
-                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+                 controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         import ipywidgets as widgets
 
@@ -192,10 +192,15 @@ class BlockTableView(TraceView):
         f = self.compute(position)
         self.page_selector.max = f.num_pages
         self.page_selector.layout.display = None if f.num_pages > 1 else "none"
-        y = f.row_labels or [""]
+        # rows are numbered and labelled with ticks, not categories: a label names the sequence's length,
+        # which changes every step, and a static animation fixes its axes to categories seen in any frame
+        labels = f.row_labels or [""]
+        rows = list(range(len(labels)))
         heat = {"z": f.z if f.z.size else np.full((1, 1), np.nan), "text": f.text, "customdata": f.customdata,
-                "y": y, "x": list(range(f.z.shape[1]))}
-        return [heat], {"title": {"text": f.title}, "xaxis": {"dtick": 1 if f.z.shape[1] <= 40 else None}}
+                "y": rows, "x": list(range(f.z.shape[1]))}
+        layout = {"title": {"text": f.title}, "xaxis": {"dtick": 1 if f.z.shape[1] <= 40 else None},
+                  "yaxis": {"tickvals": rows, "ticktext": labels}}
+        return [heat], layout
 
     def summary(self, position: int | None = None, max_rows: int = 20) -> str:
         if not len(self.replay):

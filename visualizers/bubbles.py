@@ -98,7 +98,7 @@ class BubbleTimeline(View):
     height = 420
 
     def __init__(self, trace=None, *, block_size: int | None = None, num_slots: int | None = None,
-                 panels: list | None = None, controls: bool = True, interval_ms: int = 250,
+                 panels: list | None = None, controls: bool = True, interval_ms: int | None = None,
                  max_columns: int = 1200, width: int | None = None) -> None:
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         self.max_columns = max_columns
@@ -109,7 +109,7 @@ class BubbleTimeline(View):
         self._timelines: list[SlotTimeline] = []
         self._title_y: list[float] | None = None
         self.sync()
-        self.position = max(self.num_positions() - 1, 0)
+        self.open_at_default()
 
     @classmethod
     def simulate(cls, output_lengths, num_slots: int, **kwargs) -> BubbleTimeline:

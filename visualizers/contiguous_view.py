@@ -228,14 +228,14 @@ class ContiguousMemoryView(View):
     height = 440
 
     def __init__(self, steps: Sequence[ContiguousStep] | None = None, *, controls: bool = True,
-                 interval_ms: int = 250, width: int | None = None, _sim: ContiguousTraceSim | None = None) -> None:
+                 interval_ms: int | None = None, width: int | None = None, _sim: ContiguousTraceSim | None = None) -> None:
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         self._sim = _sim
         self._steps = list(steps) if steps is not None else []
         self._colors: dict = {}
         self._refusals: list | None = None
         self.sync()
-        self.position = max(self.num_positions() - 1, 0)
+        self.open_at_default()
 
     @classmethod
     def from_trace(cls, trace, *, block_size: int | None = None, num_slots: int | None = None,
@@ -262,6 +262,14 @@ class ContiguousMemoryView(View):
         if self._sim is not None and position < len(self._sim.replay):
             return f"step {self._sim.replay.records[position].step}"
         return f"t={position}"
+
+    def default_position(self) -> int:
+        """The first refusal by fragmentation, the moment lesson 03 is about; else the last step."""
+        if self._refusals is None:
+            self._refusals = fragmentation_refusals(self.steps)
+        if self._refusals:
+            return self._refusals[0][0]
+        return max(self.num_positions() - 1, 0)
 
     def _color(self, request_id) -> str:
         if request_id not in self._colors:

@@ -42,7 +42,7 @@ class Dashboard(DisplaysAsWidget):
     """Block tables, memory map, bubbles, contiguous baseline and throughput of one engine or trace."""
 
     def __init__(self, llm=None, *, trace=None, block_size: int | None = None, fps: float = 4.0,
-                 interval_ms: int = 250, rows_per_page: int = 16, max_cells: int = 4096,
+                 interval_ms: int | None = None, rows_per_page: int = 16, max_cells: int = 4096,
                  num_slots: int | None = None, reserve_tokens=None, panel_width: int = 560) -> None:
         self.engine = getattr(llm, "engine", llm)
         num_blocks = None
@@ -67,8 +67,8 @@ class Dashboard(DisplaysAsWidget):
         self.contiguous = ContiguousMemoryView(_sim=self._sim, **half)
         self.throughput = ThroughputPanel(self.replay, controls=False, width=2 * panel_width)
         self.views: list[View] = [self.block_table, self.memory_map, self.bubbles, self.contiguous, self.throughput]
-        self.position = max(len(self.replay) - 1, 0)
-        self._at_end = True
+        self.position = self.block_table.default_position()  # the busiest step of a replayed trace
+        self._at_end = self.position >= len(self.replay) - 1
         self._interval_ms = interval_ms
         self._controls: PlaybackControls | None = None
         self._widget = None
@@ -183,6 +183,8 @@ class Dashboard(DisplaysAsWidget):
         results = {out.request_id: out for out in outputs}
         metrics = {rid: out.metrics for rid, out in results.items() if out.metrics is not None}
         self.throughput.metrics.update(metrics)
+        # the run is over and its last step is empty (every request has left): open on the busiest one
+        self.show(self.block_table.default_position())
         self.throughput.redraw()
         return outputs
 
@@ -215,6 +217,17 @@ class Dashboard(DisplaysAsWidget):
         return "\n\n".join(view.summary(position) for view in self.views)
 
     # -- export -----------------------------------------------------------------------------------------
+    def display_static(self, max_frames: int = 30) -> None:
+        """Every view's static animation as plotly's notebook output, on the dashboard's step.
+
+        Saved in a notebook, they render with no kernel, untrusted and offline.
+        """
+        from .static import display_figure
+
+        for view in self.views:
+            view.position = self.position
+            display_figure(view.static_figure(max_frames), text=view.summary(self.position))
+
     def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 60) -> str:
         """Every view's static animation on one HTML page (each with its own play button and slider)."""
         parts = []

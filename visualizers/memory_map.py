@@ -178,7 +178,7 @@ class MemoryMapView(TraceView):
     height = 460
 
     def __init__(self, trace=None, *, block_size: int | None = None, max_cells: int = 4096,
-                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+                 controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         self.max_cells = max_cells
 

@@ -158,11 +158,15 @@ class ThroughputPanel(TraceView):
     height = 520
 
     def __init__(self, trace=None, *, block_size: int | None = None, metrics: dict | None = None,
-                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+                 controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         self.metrics = dict(metrics) if metrics else {}
         self.tracker = LatencyTracker()
         self.sync()
+
+    def default_position(self) -> int:
+        """The last step: the panel draws the whole run up to its position."""
+        return max(len(self.replay) - 1, 0)
 
     def sync(self) -> None:
         for record in self.replay.records[self.tracker.num_records:]:
