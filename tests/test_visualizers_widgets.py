@@ -342,3 +342,37 @@ def test_bubbles_of_real_static_and_continuous_runs(one_thread):
     assert continuous.utilisation > static.utilisation
     titles = [a.text for a in view.figure.layout.annotations]
     assert titles[0].startswith("static: ") and titles[1].startswith("continuous: ")
+
+
+def test_redraws_send_every_trace_a_value_never_a_placeholder(monkeypatch):
+    """Each redraw reaches the browser as Plotly.update messages; a value left as plotly.py's Undefined
+    placeholder arrives there as a wrong value (lesson 03's white holes were drawn green). Every view, every
+    position: each property sent carries one real value per trace, and the holes keep their white."""
+    import plotly.basewidget
+    from plotly.basedatatypes import Undefined
+
+    sent = []
+    original = plotly.basewidget.BaseFigureWidget._send_update_msg
+
+    def spy(self, restyle_data, relayout_data, trace_indexes=None, source_view_id=None):
+        sent.append((restyle_data, trace_indexes))
+        return original(self, restyle_data, relayout_data, trace_indexes, source_view_id)
+
+    monkeypatch.setattr(plotly.basewidget.BaseFigureWidget, "_send_update_msg", spy)
+    events = [[("reserve", "a", 30), ("reserve", "b", 20), ("reserve", "c", 30)], [("release", "b")],
+              [("reserve", "d", 40)], [("use", "a", 12)]]
+    contiguous = ContiguousMemoryView(simulate_contiguous(100, events))
+    views = [contiguous, BlockTableView(hand_trace(), block_size=BLOCK_SIZE),
+             MemoryMapView(hand_trace(), block_size=BLOCK_SIZE), ThroughputPanel(hand_trace()),
+             BubbleTimeline.simulate([3, 5, 9], 2)]
+    for view in views:
+        view.figure  # noqa: B018 - the first draw is an update too
+        for position in range(view.num_positions()):
+            view.show(position)
+    assert sent
+    for restyle, indexes in sent:
+        for key, values in restyle.items():
+            assert isinstance(values, list) and len(values) == len(indexes), key
+            assert all(v is not Undefined for v in values), (key, indexes)
+    holes = contiguous.figure.data[2]
+    assert holes.name == "hole (free)" and holes.marker.color == "#ffffff"

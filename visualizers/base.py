@@ -113,6 +113,15 @@ def flat_update(update: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _plain(value):
+    """Arrays as lists (and tuples as lists): an update passed straight to the widget skips plotly's validators."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 def sample_positions(num_positions: int, max_frames: int) -> list[int]:
     """At most ``max_frames`` positions spread evenly over ``0..num_positions-1``, ends included."""
     if num_positions <= 0:
@@ -347,26 +356,27 @@ class View(DisplaysAsWidget):
         traces, layout = self.frame(position)
         fig = self._figure
         updates = [flat_update(json_safe(update)) for update in traces]
-        # A batched update travels as one Plotly.update(): one list of values per property, one entry per
-        # trace. Where a trace does not set a property that another trace sets, plotly.py sends a
-        # placeholder that the browser side of FigureWidget takes as a value, so the trace lost its own
-        # (the contiguous view's white holes and red crosses came out in plotly's default colours). So
-        # each trace sends every property of the batch that it has, its current value if unchanged, and
-        # traces that still differ (a scatter has no `base`) go in batches of their own.
+        # One Plotly.update() per redraw: for each property a list with one value per trace. plotly.py's
+        # own batch_update leaves a placeholder where a trace does not change a property (even when another
+        # trace sets it to the value it already has), and FigureWidget's browser side took that placeholder
+        # as a value: the contiguous view's white holes came out in plotly's default green. So every trace
+        # sends every property of the batch it has, its current value when unchanged, and only traces
+        # that cannot share a property (a scatter has no `base`) go in a second update.
         keys = {key for update in updates for key in update}
-        groups: dict[frozenset, list] = {}
-        for trace, update in zip(fig.data, updates):
+        groups: dict[frozenset, list[tuple[int, dict]]] = {}
+        for index, (trace, update) in enumerate(zip(fig.data, updates)):
             for key in keys - update.keys():
                 if key in trace:
                     update[key] = trace[key]
-            groups.setdefault(frozenset(update), []).append((trace, update))
-        batches = list(groups.values()) or [[]]
+            groups.setdefault(frozenset(update), []).append((index, update))
+        relayout = flat_update(json_safe(layout)) if layout else {}
+        batches = list(groups.values())
         for i, batch in enumerate(batches):
-            with fig.batch_update():
-                for trace, update in batch:
-                    trace.update(update)
-                if layout and i == len(batches) - 1:
-                    fig.layout.update(json_safe(layout))
+            restyle = {key: [_plain(update[key]) for _, update in batch] for key in batch[0][1]}
+            fig.plotly_update(restyle_data=restyle, relayout_data=relayout if i == len(batches) - 1 else {},
+                              trace_indexes=[index for index, _ in batch])
+        if not batches and relayout:
+            fig.plotly_update(relayout_data=relayout)
 
     def _sized(self, fig):
         if self.width is not None:
