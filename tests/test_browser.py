@@ -259,18 +259,23 @@ LESSON03_COLOURS = """() => {
             title: gd._fullLayout.title.text};
 }"""
 
-# Everything drawn inside an output area must end inside it: plots, control rows, the dashboard's rows.
+# Everything drawn inside an output area must end inside it, and inside the notebook's visible width:
+# plots (the drawn SVG, not only its box, which may crop it), control rows, the dashboard's rows.
 OVERFLOWS = """() => {
     const found = [];
     for (const area of document.querySelectorAll('.jp-OutputArea-output')) {
         const box = area.getBoundingClientRect();
         if (box.width === 0) continue;
+        const notebook = area.closest('.jp-Notebook').getBoundingClientRect();
+        const right = Math.min(box.right, notebook.right);
         if (area.scrollWidth > area.clientWidth + 1)
             found.push(`an output area scrolls: ${area.scrollWidth} px of content in ${area.clientWidth}`);
-        for (const el of area.querySelectorAll('.js-plotly-plot, .kvpaging-controls, .widget-hbox, .widget-vbox')) {
+        for (const el of area.querySelectorAll(
+                '.js-plotly-plot, .main-svg, .kvpaging-controls, .widget-hbox, .widget-vbox')) {
             const r = el.getBoundingClientRect();
-            if (r.width > 0 && r.right > box.right + 1)
-                found.push(`${el.className.split(' ')[0]} ends at ${Math.round(r.right)} px, its output area at ${Math.round(box.right)}`);
+            const name = el.getAttribute('class').split(' ')[0];
+            if (r.width > 0 && r.right > right + 1)
+                found.push(`${name} ends at ${Math.round(r.right)} px, the output area at ${Math.round(right)}`);
         }
     }
     return found;
@@ -356,8 +361,8 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
             page.screenshot(path=str(artifacts / "3-dashboard.png"), full_page=True)
 
             # a laptop-sized window: every plot and every row of controls stays inside its output area
-            page.set_viewport_size({"width": 1024, "height": 900})
-            page.wait_for_timeout(1500)  # plots and widget boxes follow the new width
+            page.set_viewport_size({"width": 1024, "height": 2400})
+            page.wait_for_timeout(2000)  # plots and widget boxes follow the new width
             page.screenshot(path=str(artifacts / "4-at-1024px.png"), full_page=True)
             overflows = page.evaluate(OVERFLOWS)
             assert not overflows, "\n".join(overflows)

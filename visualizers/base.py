@@ -215,6 +215,52 @@ class PlaybackControls:
             self._on_change(change["new"])
 
 
+# The browser half of fit_to_width(): watch the view's (or dashboard's) box and, when its width changes,
+# send the window a "resize" event, which every plot made with config.responsive follows.
+_FIT_TO_WIDTH_ESM = """
+export default {
+  render({ el }) {
+    el.style.display = "none";
+    let box = null, width = -1, tries = 0;
+    const observer = new ResizeObserver(() => {
+      const w = box.getBoundingClientRect().width;
+      if (w > 0 && Math.abs(w - width) >= 1) {
+        width = w;
+        window.dispatchEvent(new Event("resize"));
+      }
+    });
+    const start = () => {
+      box = el.closest(".kvpaging-dashboard, .kvpaging-view");
+      if (box) observer.observe(box);
+      else if (tries++ < 50) setTimeout(start, 100);
+    };
+    setTimeout(start, 0);
+    return () => observer.disconnect();
+  },
+};
+"""
+_fit_class = None
+
+
+def fit_to_width():
+    """An invisible widget that makes the plots of its view or dashboard as wide as their box.
+
+    A FigureWidget is first drawn before it is attached to the page, so it cannot see how wide its
+    output area is and takes plotly's default of 700 px: cropped on a laptop, lost space on a
+    projector. Plots made with ``config.responsive`` follow the window's "resize" events; this widget
+    sends one whenever the box it sits in changes width (first display included).
+    """
+    global _fit_class
+    if _fit_class is None:
+        import anywidget
+
+        class FitToWidth(anywidget.AnyWidget):
+            _esm = _FIT_TO_WIDTH_ESM
+
+        _fit_class = FitToWidth
+    return _fit_class()
+
+
 class DisplaysAsWidget:
     """Jupyter shows the object as its ``widget`` (text: its ``summary()``); ``repr`` is the summary.
 
@@ -294,6 +340,8 @@ class View(DisplaysAsWidget):
 
             with self._lock:
                 fig = go.FigureWidget(self._sized(self.base_figure()))
+                if self.width is None:  # follow the width of the output area (see fit_to_width)
+                    fig._config = dict(fig._config or {}, responsive=True)
                 self._figure = fig
                 self._apply(self.position)
         return self._figure
@@ -312,12 +360,12 @@ class View(DisplaysAsWidget):
         if self._widget is None:
             import ipywidgets as widgets
 
-            parts = []
+            parts = [fit_to_width()]
             if self.controls is not None:
                 parts.append(self.controls.widget)
             parts.extend(self._extra_widgets)
             parts.append(self.figure)
-            self._widget = widgets.VBox(parts)
+            self._widget = widgets.VBox(parts, layout=widgets.Layout(width="100%", min_width="0"))
             self._widget.add_class("kvpaging-view")
         return self._widget
 

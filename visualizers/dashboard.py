@@ -37,13 +37,16 @@ from .trace_io import save_chrome_trace, save_trace
 
 __all__ = ["Dashboard"]
 
+#: Below this width a dashboard panel moves onto a row of its own.
+MIN_PANEL_PX = 440
+
 
 class Dashboard(DisplaysAsWidget):
     """Block tables, memory map, bubbles, contiguous baseline and throughput of one engine or trace."""
 
     def __init__(self, llm=None, *, trace=None, block_size: int | None = None, fps: float = 4.0,
                  interval_ms: int | None = None, rows_per_page: int = 16, max_cells: int = 4096,
-                 num_slots: int | None = None, reserve_tokens=None, panel_width: int = 560) -> None:
+                 num_slots: int | None = None, reserve_tokens=None, panel_width: int | None = None) -> None:
         self.engine = getattr(llm, "engine", llm)
         num_blocks = None
         if self.engine is not None:
@@ -57,15 +60,16 @@ class Dashboard(DisplaysAsWidget):
         self._reserve = reserve_tokens
         self._sim = ContiguousTraceSim(self.replay, None, self._reserve_for if isinstance(reserve_tokens, dict)
                                        else reserve_tokens)
-        # Fixed widths: a plot inside a widget box cannot always learn the box's width when it is
-        # first drawn, and then keeps plotly's default of 700 px, cropped. Two panels side by side
-        # need 2 x panel_width; on a narrower screen the rows wrap.
+        # Widths follow the output area (fit_to_width): two panels side by side where there is room
+        # for two of MIN_PANEL_PX, one above the other where there is not. A panel_width fixes them.
+        self.panel_width = panel_width
         half = {"controls": False, "width": panel_width}
         self.block_table = BlockTableView(self.replay, rows_per_page=rows_per_page, **half)
         self.memory_map = MemoryMapView(self.replay, max_cells=max_cells, **half)
         self.bubbles = BubbleTimeline(self.replay, num_slots=num_slots, **half)
         self.contiguous = ContiguousMemoryView(_sim=self._sim, **half)
-        self.throughput = ThroughputPanel(self.replay, controls=False, width=2 * panel_width)
+        self.throughput = ThroughputPanel(self.replay, controls=False,
+                                          width=2 * panel_width if panel_width else None)
         self.views: list[View] = [self.block_table, self.memory_map, self.bubbles, self.contiguous, self.throughput]
         self.position = self.block_table.default_position()  # the busiest step of a replayed trace
         self._at_end = self.position >= len(self.replay) - 1
@@ -194,19 +198,31 @@ class Dashboard(DisplaysAsWidget):
         if self._widget is None:
             import ipywidgets as widgets
 
+            from .base import fit_to_width
+
             def row(*views):
-                return widgets.HBox([v.widget for v in views], layout=widgets.Layout(flex_flow="row wrap"))
+                for v in views:  # each panel grows to share the row; below MIN_PANEL_PX the row wraps
+                    v.widget.layout.flex = f"1 1 {MIN_PANEL_PX}px"
+                    v.widget.layout.width = "auto" if len(views) > 1 else "100%"
+                return widgets.HBox([v.widget for v in views],
+                                    layout=widgets.Layout(flex_flow="row wrap", width="100%"))
 
             header = widgets.HTML("<b>kvpaging dashboard</b> — block tables, physical pool, batch slots, "
                                   "the contiguous baseline and throughput, step by step")
+            # the controls stay in reach: they stick to the top of the notebook while the panels scroll by
+            style = widgets.HTML(
+                "<style>.kvpaging-dashboard > .kvpaging-controls {position: sticky; top: 0; z-index: 10;"
+                " background: var(--jp-layout-color0, white); border-bottom: 1px solid #ddd;}</style>")
             rows = [
+                fit_to_width(),
+                style,
                 header,
                 self.controls.widget,
                 row(self.block_table, self.memory_map),
                 row(self.bubbles, self.contiguous),
                 row(self.throughput),
             ]
-            self._widget = widgets.VBox(rows)
+            self._widget = widgets.VBox(rows, layout=widgets.Layout(width="100%", min_width="0"))
             self._widget.add_class("kvpaging-dashboard")
         return self._widget
 
