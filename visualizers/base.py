@@ -40,6 +40,7 @@ __all__ = [
     "sample_positions",
     "json_safe",
     "SMALL",
+    "small_lines",
     "PLAY_SECONDS",
     "play_interval_ms",
     "flat_update",
@@ -53,8 +54,34 @@ PALETTE = (
 )
 
 
+#: Font sizes in pixels: a plot title, its smaller lines, text inside cells. Sized for a projector
+#: as much as for a laptop.
+TITLE_PX, SMALL_PX, CELL_PX = 16, 13, 12
+
 #: Starts a second, smaller line in a plot title (close it with "</span>").
-SMALL = "<br><span style='font-size:11px'>"
+SMALL = f"<br><span style='font-size:{SMALL_PX}px'>"
+
+
+def small_lines(parts: list[str], max_chars: int = 70, max_lines: int = 2) -> str:
+    """``parts`` joined by "; " into at most ``max_lines`` small title lines of about ``max_chars``.
+
+    A plot title does not wrap: a long line is cut off at the edge of the figure.
+    """
+    lines: list[str] = []
+    current = ""
+    for i, part in enumerate(parts):
+        candidate = f"{current}; {part}" if current else part
+        if current and len(candidate) > max_chars:
+            if len(lines) == max_lines - 1:
+                current += f"; … {len(parts) - i} more"
+                break
+            lines.append(current)
+            current = part
+        else:
+            current = candidate
+    if current:
+        lines.append(current)
+    return "".join(SMALL + line + "</span>" for line in lines)
 
 
 def discrete_colorscale(colors: Iterable[str]) -> list[list]:
@@ -290,6 +317,8 @@ class View(DisplaysAsWidget):
 
     #: figure height in pixels
     height = 420
+    #: the most lines its title ever has (a title line and small lines): the top margin makes room for them
+    title_lines = 2
 
     def __init__(self, *, controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         self.width = width  # pixels; None lets plotly choose (700 in a notebook)
@@ -427,8 +456,18 @@ class View(DisplaysAsWidget):
             fig.plotly_update(relayout_data=relayout)
 
     def _sized(self, fig):
+        """The fixed width if any, and a top margin that holds the title's lines and the subplot titles.
+
+        The title hangs from the top of the figure; below its last line come the subplot titles
+        (annotations just above the plot area), so neither runs into the other.
+        """
         if self.width is not None:
             fig.update_layout(width=self.width, autosize=False)
+        subplot_titles = any(a.yref == "paper" and a.y is not None and a.y >= 1 - 1e-9 for a in fig.layout.annotations)
+        top = 12 + TITLE_PX + 6 + (SMALL_PX + 5) * (self.title_lines - 1) + (SMALL_PX + 14 if subplot_titles else 10)
+        fig.update_layout(title={"yref": "container", "y": 1, "yanchor": "top", "pad": {"t": 12},
+                                 "x": 0, "xanchor": "left", "xref": "paper", "font": {"size": TITLE_PX}},
+                          margin={"t": top})
         return fig
 
     def _update_label(self) -> None:

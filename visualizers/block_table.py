@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import SMALL, TraceView, discrete_colorscale
+from .base import CELL_PX, TraceView, discrete_colorscale, small_lines
 from .replay import TraceReplay
 
 __all__ = ["BlockTableView", "BlockTableFrame", "block_table_frame", "PRIVATE", "SHARED", "PREFIX_HIT", "COPIED"]
@@ -122,7 +122,7 @@ def block_table_frame(replay: TraceReplay, position: int, *, page: int = 0, rows
     if num_pages > 1:
         title += f" (page {page + 1} of {num_pages})"
     if events:
-        title += SMALL + "; ".join(events[:4]) + (" …" if len(events) > 4 else "") + "</span>"
+        title += small_lines(events)
     customdata = np.stack([ids, ref, fill, src], axis=-1)
     return BlockTableFrame(z, text, customdata, labels, shown, page, num_pages, events, title)
 
@@ -142,6 +142,7 @@ class BlockTableView(TraceView):
     """
 
     height = 420
+    title_lines = 3  # the title, and events in up to two small lines
 
     def __init__(self, trace=None, *, block_size: int | None = None, rows_per_page: int = 24,
                  controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
@@ -173,16 +174,17 @@ class BlockTableView(TraceView):
         fig = go.Figure()
         fig.add_trace(go.Heatmap(
             z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
-            showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont={"size": 10},
+            showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont={"size": CELL_PX},
             hovertemplate=HOVER, name="block tables",
         ))
         for name, color in zip(NAMES, COLORS):
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                      marker={"symbol": "square", "size": 12, "color": color}))
         fig.update_layout(
-            height=self.height, margin={"l": 10, "r": 10, "t": 70, "b": 40},
-            title={"text": "Block tables", "font": {"size": 13}},
-            xaxis={"title": "logical block", "showgrid": False, "zeroline": False, "dtick": 1},
+            height=self.height, margin={"l": 10, "r": 10, "b": 40},
+            title={"text": "Block tables"},
+            xaxis={"title": "logical block (in a cell: the physical block id; ×n: shared by n tables)",
+                   "showgrid": False, "zeroline": False, "dtick": 1},
             yaxis={"autorange": "reversed", "showgrid": False, "automargin": True},
             legend={"orientation": "h", "y": -0.15}, plot_bgcolor="#fafafa",
         )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import PALETTE, SMALL, TraceView, discrete_colorscale
+from .base import CELL_PX, PALETTE, SMALL, TraceView, discrete_colorscale
 from .replay import TraceReplay, pool_arrays
 
 __all__ = ["MemoryMapView", "MemoryMapFrame", "memory_map_frame", "pool_figures", "FREE", "CACHED_FREE", "SHARED"]
@@ -192,7 +192,7 @@ class MemoryMapView(TraceView):
         fig.add_trace(go.Heatmap(
             z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
             showscale=False, xgap=1, ygap=1, hovertemplate=HOVER_ONE, texttemplate="%{text}",
-            textfont={"size": 9}, name="blocks",
+            textfont={"size": CELL_PX - 1}, name="blocks",
         ))
         fig.add_trace(go.Scatter(
             x=[], y=[], mode="markers", name="partly filled",
@@ -206,9 +206,10 @@ class MemoryMapView(TraceView):
                                      marker={"symbol": "square", "size": 12, "color": color,
                                              "line": {"width": 1, "color": "#999"}}))
         fig.update_layout(
-            height=self.height, margin={"l": 60, "r": 10, "t": 70, "b": 40},
-            title={"text": "KV pool", "font": {"size": 13}},
-            xaxis={"showgrid": False, "zeroline": False, "title": "column (block id = row label + column)"},
+            height=self.height, margin={"l": 60, "r": 10, "b": 40},
+            title={"text": "KV pool"},
+            xaxis={"showgrid": False, "zeroline": False,
+                   "title": "column (block id = row label + column; in a cell: tokens it holds)"},
             yaxis={"showgrid": False, "zeroline": False, "autorange": "reversed", "title": "first block of row"},
             legend={"orientation": "h", "y": -0.12}, plot_bgcolor="#fafafa",
         )

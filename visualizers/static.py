@@ -202,9 +202,10 @@ def fix_axis_ranges(fig, pad_fraction: float = 0.05):
             target.points([e.points_lo, e.points_hi] if math.isfinite(e.points_lo) else [])
             for c in e.categories:
                 target.categories.setdefault(c, None)
-    for axis_id, e in extents.items():
+    for axis_id in list(extents):
         key = _axis_key(axis_id)
         axis = fig.layout[key]
+        e = extents[axis.matches] if axis.matches in extents else extents[axis_id]  # matched axes: one reach
         if axis.range is not None and axis.autorange is not True:
             continue
         reversed_ = axis.autorange == "reversed"

@@ -201,8 +201,8 @@ class ThroughputPanel(TraceView):
         fig.add_trace(go.Bar(x=[], y=[], name="inter-token (median, bar to p90)", marker_color="#17becf",
                              error_y={"type": "data", "symmetric": False, "array": [], "arrayminus": []},
                              hovertemplate="%{x}: %{y:.2f} ms<extra>median gap</extra>"), row=2, col=2)
-        fig.update_layout(barmode="stack", height=self.height, margin={"l": 50, "r": 10, "t": 80, "b": 40},
-                          title={"text": "Throughput and latency", "font": {"size": 13}},
+        fig.update_layout(barmode="stack", height=self.height, margin={"l": 50, "r": 10, "b": 40},
+                          title={"text": "Throughput and latency"},
                           legend={"orientation": "h", "y": -0.15}, plot_bgcolor="#fafafa")
         fig.update_yaxes(title_text="tokens", row=1, col=1)
         fig.update_yaxes(title_text="blocks in use", tickformat=".0%", range=[0, 1.05], row=1, col=2)
