@@ -9,6 +9,7 @@ queues records, and one frame shows the newest step, however many arrived.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -376,3 +377,84 @@ def test_redraws_send_every_trace_a_value_never_a_placeholder(monkeypatch):
             assert all(v is not Undefined for v in values), (key, indexes)
     holes = contiguous.figure.data[2]
     assert holes.name == "hole (free)" and holes.marker.color == "#ffffff"
+
+
+# -- static figures: axes over every frame, the opening step, play speed, plotly's notebook output ---------------
+def frame_reach(fig, frame) -> list[tuple[str, float, float]]:
+    """(axis, low, high) of the numeric data each trace of ``frame`` shows, read plainly from the arrays."""
+    reach = []
+    for index, data in zip(frame.traces, frame.data):
+        base = fig.data[index]
+        xa, ya = (base.xaxis or "x"), (base.yaxis or "y")
+        if data.type == "scatter" and data.y is not None and len(data.y):
+            xs = [v for v in data.x if v is not None]
+            ys = [v for v in data.y if v is not None]
+            if xs and not isinstance(xs[0], str):
+                reach.append((xa, min(xs), max(xs)))
+            if ys:
+                reach.append((ya, min(ys), max(ys)))
+        elif data.type == "bar" and data.y is not None and len(data.y) and base.orientation != "h":
+            tops = np.asarray([v for v in data.y if v is not None], dtype=float)
+            if data.error_y is not None and data.error_y.array is not None:
+                tops = tops + np.asarray(data.error_y.array, dtype=float)[: len(tops)]
+            if tops.size:
+                reach.append((ya, 0.0, float(tops.max())))
+    return reach
+
+
+def test_static_axes_hold_every_frame_and_late_categories_have_their_place():
+    records = hand_trace()
+    view = ThroughputPanel(records)
+    view.show(0)  # open on the first step: its axes would otherwise be the first step's
+    fig = view.static_figure()
+    assert [s.label for s in fig.layout.sliders[0].steps][fig.layout.sliders[0].active] == "step 1"
+    for frame in fig.frames:
+        for axis, low, high in frame_reach(fig, frame):
+            lo, hi = sorted(fig.layout[axis[0] + "axis" + axis[1:]].range)
+            assert lo <= low and high <= hi, (frame.name, axis, low, high, (lo, hi))
+    ttft_axis = fig.layout.xaxis3
+    assert list(ttft_axis.categoryarray) == ["a", "b", "c"] and ttft_axis.categoryorder == "array"
+    assert list(fig.data[4].x) == ["a"]  # the first frame shows one request, on an axis that has room for three
+
+
+def test_static_figure_opens_on_the_views_step_and_shares_the_time_axis_of_its_panels():
+    view = BlockTableView(hand_trace(), block_size=BLOCK_SIZE)
+    view.show(3)
+    fig = view.static_figure()
+    assert fig.layout.sliders[0].active == 3 and fig.layout.title.text == block_table_frame(view.replay, 3).title
+    bubbles = BubbleTimeline.simulate([50, 120, 240, 1024, 30, 60], 4)  # continuous batching finishes first
+    fig = bubbles.static_figure(max_frames=10)
+    assert fig.layout.xaxis2.matches == "x" and fig.layout.xaxis.range == fig.layout.xaxis2.range
+    assert fig.layout.xaxis.range[1] >= max(t.num_iterations for t in bubbles.timelines) - 1
+
+
+def test_a_whole_run_plays_in_about_25_seconds_with_a_faster_button_and_a_speed_control():
+    from kvpaging.visualizers.base import PLAY_SECONDS
+
+    for lengths in ([5, 9], [50, 120, 240, 1024]):
+        view = BubbleTimeline.simulate(lengths, 2)
+        fig = view.static_figure(max_frames=30)
+        play, faster = (b.args[1]["frame"]["duration"] for b in fig.layout.updatemenus[0].buttons[:2])
+        seconds = play * (len(fig.frames) - 1) / 1000
+        assert 0.5 * PLAY_SECONDS <= seconds <= 1.5 * PLAY_SECONDS or play == 1000, (lengths, play)
+        assert faster * 4 <= play + 4
+        controls = view.controls
+        run = controls.play.interval * (view.num_positions() - 1) / 1000
+        assert run <= 1.5 * PLAY_SECONDS or controls.play.interval == 60, (lengths, controls.play.interval)
+        base = controls.play.interval
+        controls.speed.value = 4.0
+        assert controls.play.interval == max(int(base / 4), 20)
+        controls.speed.value = 0.5
+        assert controls.play.interval == 2 * base
+
+
+def test_figure_bundle_is_plotlys_notebook_output_with_its_frames():
+    from kvpaging.visualizers import figure_bundle
+
+    view = ContiguousMemoryView(simulate_contiguous(100, [[("reserve", "a", 30)], [("reserve", "b", 80)]]))
+    fig = view.static_figure()
+    bundle = figure_bundle(fig, text=view.summary())
+    spec = bundle["application/vnd.plotly.v1+json"]
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/plain"}
+    assert len(spec["frames"]) == len(fig.frames) == 2 and spec["layout"]["sliders"]
+    assert "<script" not in json.dumps(spec) and bundle["text/plain"].startswith("ContiguousMemoryView")
