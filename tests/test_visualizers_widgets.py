@@ -458,3 +458,21 @@ def test_figure_bundle_is_plotlys_notebook_output_with_its_frames():
     assert set(bundle) == {"application/vnd.plotly.v1+json", "text/plain"}
     assert len(spec["frames"]) == len(fig.frames) == 2 and spec["layout"]["sliders"]
     assert "<script" not in json.dumps(spec) and bundle["text/plain"].startswith("ContiguousMemoryView")
+
+
+def test_presentation_makes_every_text_larger_and_the_title_keeps_its_room():
+    from kvpaging.visualizers import presentation
+
+    def sizes(view):
+        fig = view.static_figure(max_frames=3)
+        return fig.layout.title.font.size, fig.layout.font.size, fig.data[0].textfont.size, fig.layout.margin.t
+
+    normal = sizes(BlockTableView(hand_trace(), block_size=BLOCK_SIZE))
+    presentation(scale=1.5)
+    try:
+        large = sizes(BlockTableView(hand_trace(), block_size=BLOCK_SIZE))
+    finally:
+        presentation(False)
+    assert all(big >= 1.4 * small for big, small in zip(large[:3], normal[:3])), (normal, large)
+    assert large[3] > normal[3] + 15  # the top margin holds the larger title lines
+    assert sizes(BlockTableView(hand_trace(), block_size=BLOCK_SIZE)) == normal

@@ -50,7 +50,7 @@ pure functions take under a millisecond a frame and a whole widget redraw
 2-12 ms, well under the 50 ms budget.
 """
 
-from .base import LiveFeed, PlaybackControls, TraceView, View
+from .base import LiveFeed, PlaybackControls, TraceView, View, presentation
 from .batching import (
     ARTICLE_OUTPUT_LENGTHS,
     EngineSlots,
@@ -115,6 +115,7 @@ __all__ = [
     "memory_map_frame",
     "pool_arrays",
     "pool_figures",
+    "presentation",
     "request_latencies",
     "save_chrome_trace",
     "save_trace",

@@ -41,6 +41,7 @@ __all__ = [
     "json_safe",
     "SMALL",
     "small_lines",
+    "presentation",
     "PLAY_SECONDS",
     "play_interval_ms",
     "flat_update",
@@ -58,8 +59,22 @@ PALETTE = (
 #: as much as for a laptop.
 TITLE_PX, SMALL_PX, CELL_PX = 16, 13, 12
 
-#: Starts a second, smaller line in a plot title (close it with "</span>").
-SMALL = f"<br><span style='font-size:{SMALL_PX}px'>"
+#: Starts a second, smaller line in a plot title (close it with "</span>"); relative to the title's
+#: size, so that it grows with it (see presentation()).
+SMALL = f"<br><span style='font-size:{SMALL_PX / TITLE_PX:.4g}em'>"
+
+#: Text size of the views made from now on, relative to the sizes above; presentation() sets it.
+TEXT_SCALE = 1.0
+
+
+def presentation(on: bool = True, scale: float = 1.4) -> None:
+    """Larger text in every view made afterwards, for a classroom projector; ``presentation(False)`` undoes it.
+
+    Titles, axis labels, legends and the numbers inside cells all grow by ``scale``, and the
+    figures grow a little taller to hold them.
+    """
+    global TEXT_SCALE
+    TEXT_SCALE = float(scale) if on else 1.0
 
 
 def small_lines(parts: list[str], max_chars: int = 70, max_lines: int = 2) -> str:
@@ -321,7 +336,8 @@ class View(DisplaysAsWidget):
     title_lines = 2
 
     def __init__(self, *, controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
-        self.width = width  # pixels; None lets plotly choose (700 in a notebook)
+        self.width = width  # pixels; None: as wide as the output area
+        self.text_scale = TEXT_SCALE
         self.position = 0
         self._at_end = True  # on the newest step: live updates move the view along
         self._figure = None
@@ -463,11 +479,21 @@ class View(DisplaysAsWidget):
         """
         if self.width is not None:
             fig.update_layout(width=self.width, autosize=False)
-        subplot_titles = any(a.yref == "paper" and a.y is not None and a.y >= 1 - 1e-9 for a in fig.layout.annotations)
-        top = 12 + TITLE_PX + 6 + (SMALL_PX + 5) * (self.title_lines - 1) + (SMALL_PX + 14 if subplot_titles else 10)
+        s = self.text_scale
+        title_px, small_px = TITLE_PX * s, SMALL_PX * s
+        subplot_titles = [a for a in fig.layout.annotations if a.yref == "paper" and a.y is not None and a.y >= 0]
+        for a in subplot_titles:
+            a.font.size = round(small_px)
+        at_top = any(a.y >= 1 - 1e-9 for a in subplot_titles)  # a subplot title just under the figure's title
+        top = 12 + title_px + 6 + (small_px + 5) * (self.title_lines - 1) + (small_px + 14 if at_top else 10)
         fig.update_layout(title={"yref": "container", "y": 1, "yanchor": "top", "pad": {"t": 12},
-                                 "x": 0, "xanchor": "left", "xref": "paper", "font": {"size": TITLE_PX}},
-                          margin={"t": top})
+                                 "x": 0, "xanchor": "left", "xref": "paper", "font": {"size": round(title_px)}},
+                          margin={"t": round(top)}, font={"size": round(12 * s)})
+        if s != 1:
+            for trace in fig.data:
+                if "textfont.size" in trace and trace.textfont.size:
+                    trace.textfont.size = round(trace.textfont.size * s)
+            fig.update_layout(height=round((fig.layout.height or 450) * (1 + (s - 1) / 2)))
         return fig
 
     def _update_label(self) -> None:

@@ -194,7 +194,7 @@ class BubbleTimeline(View):
         for f, y in zip(frames, self._title_y):  # subplot titles, rewritten with the running utilisation
             fig_annotations.append({"text": f.title, "xref": "paper", "yref": "paper", "x": 0.5, "y": y,
                                     "xanchor": "center", "yanchor": "bottom", "showarrow": False,
-                                    "font": {"size": SMALL_PX}})
+                                    "font": {"size": round(SMALL_PX * self.text_scale)}})
         layout["annotations"] = fig_annotations
         return traces, layout
 
