@@ -256,6 +256,7 @@ LESSON03_COLOURS = """() => {
     if (!gd || !gd._fullData) return null;
     const byName = Object.fromEntries(gd._fullData.map(t => [t.name, t]));
     const hole = byName['hole (free)'], refused = byName['refused although it fits in total'];
+    if (!hole || !refused) return null;  // not drawn yet
     return {hole: hole.marker.color, hatch: hole.marker.pattern.shape, holes: hole.x.length,
             refused: refused.marker.color, symbol: refused.marker.symbol, refusals: refused.x.length,
             title: gd._fullLayout.title.text};
@@ -281,6 +282,17 @@ OVERFLOWS = """() => {
         }
     }
     return found;
+}"""
+
+
+# Scroll the dashboard's last plot into view and say where its controls and the notebook's visible top are.
+CONTROLS_IN_REACH = """async () => {
+    const plots = document.querySelectorAll('.kvpaging-dashboard .js-plotly-plot');
+    plots[plots.length - 1].scrollIntoView();
+    await new Promise(done => setTimeout(done, 500));
+    const controls = document.querySelector('.kvpaging-dashboard .kvpaging-controls').getBoundingClientRect();
+    const visible = document.querySelector('.jp-WindowedPanel-outer').getBoundingClientRect();
+    return {controls: [controls.top, controls.bottom], visible: [visible.top, visible.bottom]};
 }"""
 
 
@@ -368,6 +380,12 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
             page.screenshot(path=str(artifacts / "4-at-1024px.png"), full_page=True)
             overflows = page.evaluate(OVERFLOWS)
             assert not overflows, "\n".join(overflows)
+
+            # scrolled down to the last panel, the controls are still on screen, at the top of the notebook
+            reach = page.evaluate(CONTROLS_IN_REACH)
+            page.screenshot(path=str(artifacts / "5-scrolled-to-the-last-panel.png"))
+            top, bottom = reach["visible"]
+            assert top - 1 <= reach["controls"][0] and reach["controls"][1] <= top + 150, reach
         except BaseException:
             try:
                 page.screenshot(path=str(artifacts / "failure.png"), full_page=True)

@@ -38,7 +38,7 @@ from .trace_io import save_chrome_trace, save_trace
 __all__ = ["Dashboard"]
 
 #: Below this width a dashboard panel moves onto a row of its own.
-MIN_PANEL_PX = 440
+MIN_PANEL_PX = 560
 
 
 class Dashboard(DisplaysAsWidget):
@@ -61,7 +61,8 @@ class Dashboard(DisplaysAsWidget):
         self._sim = ContiguousTraceSim(self.replay, None, self._reserve_for if isinstance(reserve_tokens, dict)
                                        else reserve_tokens)
         # Widths follow the output area (fit_to_width): two panels side by side where there is room
-        # for two of MIN_PANEL_PX, one above the other where there is not. A panel_width fixes them.
+        # for two of MIN_PANEL_PX (their titles need it), one above the other where there is not; the
+        # controls stick to the top of the notebook either way. A panel_width fixes the widths.
         self.panel_width = panel_width
         half = {"controls": False, "width": panel_width}
         self.block_table = BlockTableView(self.replay, rows_per_page=rows_per_page, **half)
@@ -209,9 +210,16 @@ class Dashboard(DisplaysAsWidget):
 
             header = widgets.HTML("<b>kvpaging dashboard</b> — block tables, physical pool, batch slots, "
                                   "the contiguous baseline and throughput, step by step")
-            # the controls stay in reach: they stick to the top of the notebook while the panels scroll by
+            # The controls stay in reach: they stick to the top of the notebook while the panels scroll
+            # by. A sticky element sticks inside its nearest box that clips or scrolls, so the boxes
+            # between the dashboard and the notebook's scroller (the output area's, the widget box's)
+            # let their content show instead; the panels fit their width (fit_to_width) anyway.
             style = widgets.HTML(
-                "<style>.kvpaging-dashboard > .kvpaging-controls {position: sticky; top: 0; z-index: 10;"
+                "<style>"
+                ".jp-OutputArea:has(.kvpaging-dashboard), .jp-OutputArea-child:has(.kvpaging-dashboard),"
+                " .jp-OutputArea-output:has(.kvpaging-dashboard), .kvpaging-dashboard"
+                " {overflow: visible !important; min-width: 0 !important;}"
+                " .kvpaging-dashboard > .kvpaging-controls {position: sticky; top: 0; z-index: 10;"
                 " background: var(--jp-layout-color0, white); border-bottom: 1px solid #ddd;}</style>")
             rows = [
                 fit_to_width(),

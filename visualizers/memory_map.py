@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CELL_PX, PALETTE, SMALL, TraceView, discrete_colorscale
+from .base import CELL_PX, PALETTE, TraceView, discrete_colorscale, small_lines
 from .replay import TraceReplay, pool_arrays
 
 __all__ = ["MemoryMapView", "MemoryMapFrame", "memory_map_frame", "pool_figures", "FREE", "CACHED_FREE", "SHARED"]
@@ -151,9 +151,9 @@ def memory_map_frame(replay: TraceReplay, position: int, *, max_cells: int = 409
     title = (
         f"KV pool after step {record.step}: {figures['used_blocks']}/{num_blocks} blocks used "
         f"({figures['usage']:.0%})" + (f", {k} blocks per cell" if k > 1 else "")
-        + SMALL + f"{figures['tokens_stored']} tokens in {figures['allocated_slots']} allocated slots · "
-        f"internal fragmentation {figures['internal_fragmentation']:.1%} · "
-        f"sharing saves {figures['shared_savings_blocks']} blocks</span>"
+        + small_lines([f"{figures['tokens_stored']} tokens in {figures['allocated_slots']} allocated slots",
+                       f"internal fragmentation {figures['internal_fragmentation']:.1%}",
+                       f"sharing saves {figures['shared_savings_blocks']} blocks"], max_chars=60)
     )
     return MemoryMapFrame(z, customdata, text, partial_x, partial_y, k, figures, title)
 
@@ -176,6 +176,7 @@ class MemoryMapView(TraceView):
     """
 
     height = 460
+    title_lines = 3  # the pool, and its figures in up to two small lines
 
     def __init__(self, trace=None, *, block_size: int | None = None, max_cells: int = 4096,
                  controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
