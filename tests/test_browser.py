@@ -16,8 +16,20 @@ learner may open the lessons in: JupyterLab (``make lab``) and Notebook 7.
    title (it names the step) and screenshot it;
 4. click Step, wait for the title to move on by one step; click Play, wait
    for it to move further, then pause;
-5. screenshots go to ``test-artifacts/browser/<front end>/``; the server and its
+5. read the colours plotly.js drew lesson 03's live view with, after batched
+   redraws (white hatched holes, red refusal crosses, as the Python side asks);
+   at a 1024 px wide window, check that no plot or row of controls ends outside
+   its output area, and that the dashboard's controls are still on screen when
+   its last panel is scrolled into view;
+6. screenshots go to ``test-artifacts/browser/<front end>/``; the server and its
    kernel are always stopped, by process id, whatever happened.
+
+Two more tests need no kernel: an exported dashboard (``to_html``) of a run where
+requests queue is played to its middle and last frames in a page with no
+internet, and every trace's data, as plotly.js itself measures it for
+autoranging, must lie inside the axes drawn; and saved lessons, opened as
+untrusted copies on a server that cannot start a kernel, in a browser that may
+reach only that server, must draw every plotly figure they hold.
 
 If Chromium cannot start, the test fails and says how to install it: a
 browser test that skips itself would pass in CI without testing anything.

@@ -9,8 +9,10 @@ A view is split in two on purpose:
 
 The base class :class:`View` below does the widget plumbing once: a step
 slider with Play / Pause / Step (:class:`PlaybackControls`), redrawing on
-change, a static HTML animation (plotly frames with a play button and a
-slider) and a plain-text summary for terminals.
+change, a static animation (plotly frames with play buttons and a slider,
+axes fixed over every frame, opening on the view's step) shown in a notebook
+as plotly's own output or written as an HTML page, and a plain-text summary
+for terminals.
 
 Live views follow an engine through :class:`LiveFeed`. The engine calls its
 observer after every step, so the observer only appends the record to a queue
@@ -175,7 +177,10 @@ def sample_positions(num_positions: int, max_frames: int) -> list[int]:
 
 
 class PlaybackControls:
-    """Play / Pause, Step, Back and a slider over positions ``0..n-1``.
+    """Play / Pause, a speed menu, Step, Back and a slider over positions ``0..n-1``.
+
+    Play moves at a pace that plays the whole run in about :data:`PLAY_SECONDS` (at 1×),
+    however many steps it has; the speed menu scales that.
 
     The Play widget animates in the browser and is linked to the slider there
     (``jslink``), so playing costs the kernel one redraw per frame and nothing
