@@ -128,7 +128,7 @@ def block_table_frame(replay: TraceReplay, position: int, *, page: int = 0, rows
 
 
 HOVER = (
-    "row %{y}<br>logical block %{x} -> physical block %{customdata[0]}<br>"
+    "%{customdata[4]}<br>logical block %{x} -> physical block %{customdata[0]}<br>"
     "references %{customdata[1]} · tokens %{customdata[2]}<br>copied from %{customdata[3]} (-1: not copied)"
     "<extra></extra>"
 )
@@ -198,7 +198,11 @@ class BlockTableView(TraceView):
         # which changes every step, and a static animation fixes its axes to categories seen in any frame
         labels = f.row_labels or [""]
         rows = list(range(len(labels)))
-        heat = {"z": f.z if f.z.size else np.full((1, 1), np.nan), "text": f.text, "customdata": f.customdata,
+        # the hover names the row's sequence: its label rides along as a fifth customdata column
+        row_label = np.broadcast_to(np.array(labels[: f.customdata.shape[0]], dtype=object)[:, None, None],
+                                    f.customdata.shape[:2] + (1,))
+        customdata = np.concatenate([f.customdata.astype(object), row_label], axis=-1)
+        heat = {"z": f.z if f.z.size else np.full((1, 1), np.nan), "text": f.text, "customdata": customdata,
                 "y": rows, "x": list(range(f.z.shape[1]))}
         layout = {"title": {"text": f.title}, "xaxis": {"dtick": 1 if f.z.shape[1] <= 40 else None},
                   "yaxis": {"tickvals": rows, "ticktext": labels}}
