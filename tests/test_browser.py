@@ -16,8 +16,20 @@ learner may open the lessons in: JupyterLab (``make lab``) and Notebook 7.
    title (it names the step) and screenshot it;
 4. click Step, wait for the title to move on by one step; click Play, wait
    for it to move further, then pause;
-5. screenshots go to ``test-artifacts/browser/<front end>/``; the server and its
+5. read the colours plotly.js drew lesson 03's live view with, after batched
+   redraws (white hatched holes, red refusal crosses, as the Python side asks);
+   at a 1024 px wide window, check that no plot or row of controls ends outside
+   its output area, and that the dashboard's controls are still on screen when
+   its last panel is scrolled into view;
+6. screenshots go to ``test-artifacts/browser/<front end>/``; the server and its
    kernel are always stopped, by process id, whatever happened.
+
+Two more tests need no kernel: an exported dashboard (``to_html``) of a run where
+requests queue is played to its middle and last frames in a page with no
+internet, and every trace's data, as plotly.js itself measures it for
+autoranging, must lie inside the axes drawn; and saved lessons, opened as
+untrusted copies on a server that cannot start a kernel, in a browser that may
+reach only that server, must draw every plotly figure they hold.
 
 If Chromium cannot start, the test fails and says how to install it: a
 browser test that skips itself would pass in CI without testing anything.
@@ -105,16 +117,17 @@ FRONT_ENDS = {
 
 
 @contextlib.contextmanager
-def jupyterlab_server(workdir: Path, front_end: str = "jupyterlab"):
-    """A Jupyter server (JupyterLab or Notebook 7) on a free port serving a copy of the test notebook;
+def jupyterlab_server(workdir: Path, front_end: str = "jupyterlab", notebooks=(NOTEBOOK,), extra_options=()):
+    """A Jupyter server (JupyterLab or Notebook 7) on a free port serving copies of ``notebooks``;
     always stopped afterwards.
 
     Yields (base url, log file). Its config, data, runtime, settings and
-    workspace folders all live under ``workdir``.
+    workspace folders all live under ``workdir``. The copies are fresh files, so untrusted.
     """
     root = workdir / "notebooks"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    for notebook in notebooks:
+        shutil.copy(notebook, root / notebook.name)
     home = workdir / "jupyter"
     env = dict(
         os.environ,
@@ -131,17 +144,19 @@ def jupyterlab_server(workdir: Path, front_end: str = "jupyterlab"):
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false",
                                                                           "checkForUpdates": False}))
-    # start the notebook's kernel on opening, without a "Select Kernel" dialog
+    # start the notebook's kernel on opening, without a "Select Kernel" dialog; draw every cell, not only
+    # those scrolled into view (JupyterLab's default windowing), so that every output can be counted
     tracker = home / "settings" / "@jupyterlab" / "notebook-extension"
     tracker.mkdir(parents=True)
-    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"autoStartDefaultKernel": True}))
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"autoStartDefaultKernel": True,
+                                                                     "windowingMode": "none"}))
     port = free_port()
     log = workdir / "jupyterlab.log"
     module, *app_options = FRONT_ENDS[front_end][0]
     command = [
         sys.executable, "-m", module, "--no-browser", f"--port={port}", "--ip=127.0.0.1",
         f"--ServerApp.root_dir={root}", "--IdentityProvider.token=", "--ServerApp.password=",
-        "--ServerApp.disable_check_xsrf=True", "--ServerApp.terminals_enabled=False", *app_options,
+        "--ServerApp.disable_check_xsrf=True", "--ServerApp.terminals_enabled=False", *app_options, *extra_options,
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-root")  # containers and CI machines often run as root
@@ -247,6 +262,61 @@ def step_number(title: str) -> int:
     return int(title.split("after step ")[1].split(":")[0])
 
 
+# The colours plotly.js drew lesson 03's live view with, read from the plot's own data after its redraws.
+LESSON03_COLOURS = """() => {
+    const gd = document.querySelector('.lesson03-view .js-plotly-plot');
+    if (!gd || !gd._fullData) return null;
+    const byName = Object.fromEntries(gd._fullData.map(t => [t.name, t]));
+    const hole = byName['hole (free)'], refused = byName['refused although it fits in total'];
+    if (!hole || !refused) return null;  // not drawn yet
+    return {hole: hole.marker.color, hatch: hole.marker.pattern.shape, holes: hole.x.length,
+            refused: refused.marker.color, symbol: refused.marker.symbol, refusals: refused.x.length,
+            title: gd._fullLayout.title.text};
+}"""
+
+# Everything drawn inside an output area must end inside it, and inside the notebook's visible width:
+# plots (the drawn SVG, not only its box, which may crop it), control rows, the dashboard's rows.
+OVERFLOWS = """() => {
+    const found = [];
+    for (const area of document.querySelectorAll('.jp-OutputArea-output')) {
+        const box = area.getBoundingClientRect();
+        if (box.width === 0) continue;
+        const notebook = area.closest('.jp-Notebook').getBoundingClientRect();
+        const right = Math.min(box.right, notebook.right);
+        if (area.scrollWidth > area.clientWidth + 1)
+            found.push(`an output area scrolls: ${area.scrollWidth} px of content in ${area.clientWidth}`);
+        for (const el of area.querySelectorAll(
+                '.js-plotly-plot, .main-svg, .kvpaging-controls, .widget-hbox, .widget-vbox')) {
+            const r = el.getBoundingClientRect();
+            const name = el.getAttribute('class').split(' ')[0];
+            if (r.width > 0 && r.right > right + 1)
+                found.push(`${name} ends at ${Math.round(r.right)} px, the output area at ${Math.round(right)}`);
+        }
+    }
+    return found;
+}"""
+
+
+# Scroll the dashboard's last plot into view and say where its controls and the notebook's visible top are.
+CONTROLS_IN_REACH = """async () => {
+    const plots = document.querySelectorAll('.kvpaging-dashboard .js-plotly-plot');
+    plots[plots.length - 1].scrollIntoView();
+    await new Promise(done => setTimeout(done, 500));
+    const controls = document.querySelector('.kvpaging-dashboard .kvpaging-controls').getBoundingClientRect();
+    const visible = document.querySelector('.jp-WindowedPanel-outer').getBoundingClientRect();
+    return {controls: [controls.top, controls.bottom], visible: [visible.top, visible.bottom]};
+}"""
+
+
+def python_side_colours():
+    """The colours the Python side asks for: the base figure of a contiguous view."""
+    from kvpaging.visualizers import ContiguousMemoryView
+
+    fig = ContiguousMemoryView([]).base_figure()
+    traces = {t.name: t for t in fig.data}
+    return traces["hole (free)"].marker.color, traces["refused although it fits in total"].marker.color
+
+
 def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
     try:
         from playwright import sync_api
@@ -268,6 +338,16 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
             page.wait_for_function(KERNEL_READY)
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             run_all_and_wait(page)
+
+            # lesson 03's live view, after two batched redraws: holes white and hatched, refusals red crosses,
+            # the colours the Python side asks for (they were lost in the browser once)
+            page.wait_for_function(f"({LESSON03_COLOURS})() !== null")
+            colours = page.evaluate(LESSON03_COLOURS)
+            page.locator(".lesson03-view").screenshot(path=str(artifacts / "0-lesson03-live.png"))
+            hole, refused = python_side_colours()
+            assert (colours["hole"], colours["refused"]) == (hole, refused) == ("#ffffff", "#d62728"), colours
+            assert colours["hatch"] == "/" and colours["symbol"] == "x", colours
+            assert colours["holes"] > 0 and colours["refusals"] > 0 and "refused" in colours["title"], colours
 
             # the dashboard: controls and five plots drawn by plotly.js
             page.wait_for_selector(".kvpaging-dashboard .kvpaging-controls")
@@ -305,6 +385,19 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
             page.wait_for_timeout(300)
             plot.screenshot(path=str(artifacts / "3-after-play.png"))
             page.screenshot(path=str(artifacts / "3-dashboard.png"), full_page=True)
+
+            # a laptop-sized window: every plot and every row of controls stays inside its output area
+            page.set_viewport_size({"width": 1024, "height": 2400})
+            page.wait_for_timeout(2000)  # plots and widget boxes follow the new width
+            page.screenshot(path=str(artifacts / "4-at-1024px.png"), full_page=True)
+            overflows = page.evaluate(OVERFLOWS)
+            assert not overflows, "\n".join(overflows)
+
+            # scrolled down to the last panel, the controls are still on screen, at the top of the notebook
+            reach = page.evaluate(CONTROLS_IN_REACH)
+            page.screenshot(path=str(artifacts / "5-scrolled-to-the-last-panel.png"))
+            top, bottom = reach["visible"]
+            assert top - 1 <= reach["controls"][0] and reach["controls"][1] <= top + 150, reach
         except BaseException:
             try:
                 page.screenshot(path=str(artifacts / "failure.png"), full_page=True)
@@ -317,30 +410,162 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
     assert time.monotonic() - started < 120
 
 
-def test_static_html_export_plays_offline(tmp_path):
-    """A dashboard exported with to_html() animates in a browser with no server and no internet."""
-    from kvpaging.visualizers import Dashboard
-    from kvpaging.visualizers.examples import BLOCK_SIZE, hand_trace
+# Plays every plot of the page to one frame (the middle or the last), then compares what each trace's data
+# spans, as plotly.js itself works it out for autoranging (trace._extremes), with the axis ranges drawn.
+DATA_OUTSIDE_AXES = """async (which) => {
+    const problems = [];
+    let checked = 0;
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+        const names = gd._transitionData._frames.map(f => f.name);
+        const name = which === 'last' ? names[names.length - 1] : names[Math.floor(names.length / 2)];
+        await Plotly.animate(gd, [name], {mode: 'immediate', frame: {duration: 0, redraw: true},
+                                          transition: {duration: 0}});
+        const title = gd._fullLayout.title.text.split('<br>')[0];
+        for (const trace of gd._fullData) {
+            if (trace.visible !== true) continue;
+            for (const [axis, reach] of Object.entries(trace._extremes || {})) {
+                const ax = gd._fullLayout[axis[0] + 'axis' + axis.slice(1)];
+                const lo = Math.min(...ax.range), hi = Math.max(...ax.range), slack = 1e-6 * (hi - lo);
+                for (const e of reach.min) if (e.val < lo - slack)
+                    problems.push(`${title}, frame ${name}: ${trace.name} reaches ${e.val} below ${axis} (${lo})`);
+                for (const e of reach.max) if (e.val > hi + slack)
+                    problems.push(`${title}, frame ${name}: ${trace.name} reaches ${e.val} above ${axis} (${hi})`);
+                checked += reach.min.length + reach.max.length;
+            }
+        }
+    }
+    return {checked, problems};
+}"""
 
+
+def queued_run_dashboard():
+    """A dashboard of a small run where requests queue: late requests' latencies only appear in late frames."""
+    import torch
+    from kvpaging.visualizers import Dashboard
+
+    from kvpaging import LLM, SamplingParams
+    from kvpaging.models import tiny
+
+    torch.manual_seed(0)
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=48, block_size=4, max_model_len=64, max_num_seqs=4)
+    prompts = [list(range(10 + i, 20 + i + i % 5)) for i in range(10)]
+    dash = Dashboard(llm)
+    dash.run(prompts, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0), display=False)
+    return dash
+
+
+def test_static_html_export_plays_offline_with_every_frame_inside_its_axes(tmp_path):
+    """A dashboard exported with to_html() animates in a browser with no server and no internet, and at
+    its middle and last frames every trace's data lies inside the axes drawn (they are fixed over all frames)."""
     try:
         from playwright import sync_api
     except ImportError as error:
         pytest.fail(f"Playwright is missing ({error}): pip install -e '.[test]'")
+    dash = queued_run_dashboard()
     path = tmp_path / "dashboard.html"
-    Dashboard.from_trace(hand_trace(), block_size=BLOCK_SIZE).to_html(path)  # plotly.js embedded
+    dash.to_html(path, max_frames=30)  # plotly.js embedded
+    first_title = dash.block_table.position_label(dash.position).replace("step", "Block tables after step")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright, tmp_path / "chromium-profile")
         try:
+            outside: list[str] = []
+            browser.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                          else (outside.append(route.request.url), route.abort()))
             page = browser.new_page()
             page.set_default_timeout(CLICK_TIMEOUT * 1000)
             page.goto(path.as_uri())
             page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 5")
             title = page.locator(".js-plotly-plot .gtitle").first
-            assert title.text_content().startswith("Block tables after step 1")  # frames start at the first step
-            page.locator(".updatemenu-button", has_text="Play").first.click()
-            page.wait_for_function(
-                "document.querySelector('.js-plotly-plot .gtitle').textContent.startsWith('Block tables after step 5')")
-            page.screenshot(path=str(ARTIFACTS / "static-export.png"), full_page=True)
+            assert title.text_content().startswith(first_title)  # it opens on the dashboard's step
+            page.screenshot(path=str(ARTIFACTS / "static-export-0-open.png"), full_page=True)
+            page.locator(".updatemenu-button", has_text="faster").first.click()
+            page.wait_for_function(f"!document.querySelector('.js-plotly-plot .gtitle').textContent"
+                                   f".startsWith({first_title!r})")
+            for which in ("middle", "last"):
+                result = page.evaluate(DATA_OUTSIDE_AXES, which)
+                page.screenshot(path=str(ARTIFACTS / f"static-export-{which}.png"), full_page=True)
+                assert result["checked"] > 20, result
+                assert not result["problems"], "\n".join(result["problems"])
+            assert not outside, outside
         finally:
             browser.close()
+
+
+# -- saved lessons, no kernel, offline -------------------------------------------------------------------------
+# Lessons whose saved figures must draw from the notebook file alone: the contiguous allocator's animation (03),
+# the batch-slot grids (06) and the dashboard's static copies (10).
+SAVED_LESSONS = ["03_fragmentation_and_oom.ipynb", "06_continuous_batching.ipynb", "10_putting_it_together.ipynb"]
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def plotly_outputs(path: Path) -> int:
+    """How many outputs of a saved notebook are plotly figures."""
+    nb = json.loads(path.read_text())
+    return sum(PLOTLY_MIME in out.get("data", {}) for cell in nb["cells"] if cell["cell_type"] == "code"
+               for out in cell.get("outputs", ()))
+
+
+# Plots drawn in the notebook shown: JupyterLab's plotly renderer draws into the output element itself.
+RENDERED_PLOTS = """() => {
+    const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+    return panel ? [...panel.querySelectorAll('.jp-OutputArea-output.js-plotly-plot, .jp-OutputArea-output .js-plotly-plot')]
+        .filter(gd => gd.querySelector('.main-svg')).length : 0;
+}"""
+
+
+def test_saved_lessons_show_their_figures_without_a_kernel_offline(tmp_path):
+    """A learner opens a saved lesson with no kernel, untrusted, with no internet: every plotly figure draws.
+
+    The server has no kernel to start (its only allowed kernel does not exist), the notebooks are fresh
+    copies (untrusted), and the browser may reach nothing but the local server. Each figure must be drawn
+    by JupyterLab's own plotly renderer: the test counts drawn plots against the figures in the file.
+    """
+    try:
+        from playwright import sync_api
+    except ImportError as error:
+        pytest.fail(f"Playwright is missing ({error}): pip install -e '.[test]'")
+    artifacts = ARTIFACTS / "saved-lessons"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    expected = {name: plotly_outputs(ROOT / "lessons" / name) for name in SAVED_LESSONS}
+    assert all(expected.values()), f"a lesson has no saved plotly figure: {expected}"
+    options = ["--KernelSpecManager.allowed_kernelspecs=no-such-kernel", "--KernelSpecManager.ensure_native_kernel=False"]
+    with jupyterlab_server(tmp_path, "jupyterlab", notebooks=[ROOT / "lessons" / n for n in SAVED_LESSONS],
+                           extra_options=options) as (url, log):
+        with sync_api.sync_playwright() as playwright:
+            browser = launch_chromium(playwright, tmp_path / "chromium-profile")
+            outside: list[str] = []
+
+            def local_only(route):
+                if route.request.url.startswith(url):
+                    route.continue_()
+                else:
+                    outside.append(route.request.url)
+                    route.abort()
+
+            try:
+                browser.route("**/*", local_only)
+                page = browser.new_page()
+                page.set_default_timeout(NOTEBOOK_TIMEOUT * 1000)
+                for name, count in expected.items():
+                    page.goto(url + FRONT_ENDS["jupyterlab"][1].format(name=name))
+                    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+                    # JupyterLab asks for a kernel it cannot start: answer "No Kernel"
+                    no_kernel = page.locator(".jp-Dialog button", has_text="No Kernel")
+                    with contextlib.suppress(sync_api.TimeoutError):
+                        no_kernel.first.click(timeout=10_000)
+                    deadline = time.monotonic() + NOTEBOOK_TIMEOUT
+                    while page.evaluate(RENDERED_PLOTS) < count and time.monotonic() < deadline:
+                        page.wait_for_timeout(300)
+                    drawn = page.evaluate(RENDERED_PLOTS)
+                    plots = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot")
+                    for k in range(min(plots.count(), 3)):  # the first few figures, to look at
+                        plots.nth(k).screenshot(path=str(artifacts / f"{name[:2]}-figure-{k + 1}.png"))
+                    assert drawn == count, f"{name}: {drawn} of its {count} saved figures were drawn"
+                    assert not page.locator(".jp-OutputArea-output", has_text="Plotly is not defined").count()
+                assert not outside, f"the page tried to reach the internet: {outside[:5]}"
+            except BaseException:
+                shutil.copy(log, artifacts / "jupyterlab.log")
+                raise
+            finally:
+                browser.close()

@@ -9,6 +9,7 @@ queues records, and one frame shows the newest step, however many arrived.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -59,7 +60,7 @@ def z_of(view, trace=0):
 def test_block_table_view_step_and_slider_change_the_figure():
     view = BlockTableView(hand_trace(), block_size=BLOCK_SIZE)
     controls = view.controls
-    assert controls.slider.max == 4 and view.position == 4  # opens on the newest step
+    assert controls.slider.max == 4 and view.position == 2  # opens on the busiest step (step 3: four sequences)
     controls.slider.value = 0
     before = z_of(view)
     assert before.shape == (1, 2)  # step 1: one sequence, two blocks
@@ -68,7 +69,7 @@ def test_block_table_view_step_and_slider_change_the_figure():
     after = z_of(view)
     expected = block_table_frame(view.replay, 1)
     np.testing.assert_array_equal(after, expected.z)
-    assert list(view.figure.data[0].y) == expected.row_labels
+    assert list(view.figure.layout.yaxis.ticktext) == expected.row_labels
     assert view.figure.layout.title.text == expected.title
     controls.back_button.click()
     assert view.position == 0
@@ -105,12 +106,12 @@ def test_block_table_page_selector():
     view = BlockTableView(records, block_size=16, rows_per_page=25)
     view.figure  # noqa: B018 - build it
     assert view.page_selector.max == 3
-    first = list(view.figure.data[0].y)
+    first = list(view.figure.layout.yaxis.ticktext)
     view.page_selector.value = 3
-    last = list(view.figure.data[0].y)
+    last = list(view.figure.layout.yaxis.ticktext)
     assert first[0].startswith("seq 0 ") and last[0].startswith("seq 50 ") and len(last) == 10
     view.page = 0
-    assert list(view.figure.data[0].y) == first
+    assert list(view.figure.layout.yaxis.ticktext) == first
 
 
 def test_contiguous_view_marks_the_refusal():
@@ -159,7 +160,7 @@ def test_static_html_has_frames_a_play_button_and_a_slider(tmp_path):
     fig = view.static_figure()
     assert len(fig.frames) == 5
     assert [s.label for s in fig.layout.sliders[0].steps] == [f"step {i}" for i in range(1, 6)]
-    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["▶ Play", "❚❚ Pause"]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["▶ Play", "▶▶ 4× faster", "❚❚ Pause"]
     small = view.to_html(tmp_path / "cdn.html", self_contained=False)
     script_sources = re.compile(r"<script[^>]*\bsrc=")
     assert script_sources.search(small) and len(small) < 500_000  # plotly.js from the CDN
@@ -251,7 +252,11 @@ def test_dashboard_run_matches_generate_and_drives_every_view(one_thread):
     outs = dash.run(PROMPTS, PARAMS, display=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in expected]
     n = len(dash.replay)
-    assert n == llm.engine.num_steps and dash.position == n - 1
+    assert n == llm.engine.num_steps
+    # the run ends on an empty step; the dashboard opens on the busiest one instead
+    running = [len(r.block_tables) for r in dash.replay.records]
+    assert running[-1] == 0 and running[dash.position] == max(running) > 0
+    assert all(v.position == dash.position for v in dash.views)
     dash.widget  # noqa: B018
     before = {name: z_of(getattr(dash, name)) for name in ("block_table", "memory_map")}
     dash.controls.slider.value = 2
@@ -338,3 +343,136 @@ def test_bubbles_of_real_static_and_continuous_runs(one_thread):
     assert continuous.utilisation > static.utilisation
     titles = [a.text for a in view.figure.layout.annotations]
     assert titles[0].startswith("static: ") and titles[1].startswith("continuous: ")
+
+
+def test_redraws_send_every_trace_a_value_never_a_placeholder(monkeypatch):
+    """Each redraw reaches the browser as Plotly.update messages; a value left as plotly.py's Undefined
+    placeholder arrives there as a wrong value (lesson 03's white holes were drawn green). Every view, every
+    position: each property sent carries one real value per trace, and the holes keep their white."""
+    import plotly.basewidget
+    from plotly.basedatatypes import Undefined
+
+    sent = []
+    original = plotly.basewidget.BaseFigureWidget._send_update_msg
+
+    def spy(self, restyle_data, relayout_data, trace_indexes=None, source_view_id=None):
+        sent.append((restyle_data, trace_indexes))
+        return original(self, restyle_data, relayout_data, trace_indexes, source_view_id)
+
+    monkeypatch.setattr(plotly.basewidget.BaseFigureWidget, "_send_update_msg", spy)
+    events = [[("reserve", "a", 30), ("reserve", "b", 20), ("reserve", "c", 30)], [("release", "b")],
+              [("reserve", "d", 40)], [("use", "a", 12)]]
+    contiguous = ContiguousMemoryView(simulate_contiguous(100, events))
+    views = [contiguous, BlockTableView(hand_trace(), block_size=BLOCK_SIZE),
+             MemoryMapView(hand_trace(), block_size=BLOCK_SIZE), ThroughputPanel(hand_trace()),
+             BubbleTimeline.simulate([3, 5, 9], 2)]
+    for view in views:
+        view.figure  # noqa: B018 - the first draw is an update too
+        for position in range(view.num_positions()):
+            view.show(position)
+    assert sent
+    for restyle, indexes in sent:
+        for key, values in restyle.items():
+            assert isinstance(values, list) and len(values) == len(indexes), key
+            assert all(v is not Undefined for v in values), (key, indexes)
+    holes = contiguous.figure.data[2]
+    assert holes.name == "hole (free)" and holes.marker.color == "#ffffff"
+
+
+# -- static figures: axes over every frame, the opening step, play speed, plotly's notebook output ---------------
+def frame_reach(fig, frame) -> list[tuple[str, float, float]]:
+    """(axis, low, high) of the numeric data each trace of ``frame`` shows, read plainly from the arrays."""
+    reach = []
+    for index, data in zip(frame.traces, frame.data):
+        base = fig.data[index]
+        xa, ya = (base.xaxis or "x"), (base.yaxis or "y")
+        if data.type == "scatter" and data.y is not None and len(data.y):
+            xs = [v for v in data.x if v is not None]
+            ys = [v for v in data.y if v is not None]
+            if xs and not isinstance(xs[0], str):
+                reach.append((xa, min(xs), max(xs)))
+            if ys:
+                reach.append((ya, min(ys), max(ys)))
+        elif data.type == "bar" and data.y is not None and len(data.y) and base.orientation != "h":
+            tops = np.asarray([v for v in data.y if v is not None], dtype=float)
+            if data.error_y is not None and data.error_y.array is not None:
+                tops = tops + np.asarray(data.error_y.array, dtype=float)[: len(tops)]
+            if tops.size:
+                reach.append((ya, 0.0, float(tops.max())))
+    return reach
+
+
+def test_static_axes_hold_every_frame_and_late_categories_have_their_place():
+    records = hand_trace()
+    view = ThroughputPanel(records)
+    view.show(0)  # open on the first step: its axes would otherwise be the first step's
+    fig = view.static_figure()
+    assert [s.label for s in fig.layout.sliders[0].steps][fig.layout.sliders[0].active] == "step 1"
+    for frame in fig.frames:
+        for axis, low, high in frame_reach(fig, frame):
+            lo, hi = sorted(fig.layout[axis[0] + "axis" + axis[1:]].range)
+            assert lo <= low and high <= hi, (frame.name, axis, low, high, (lo, hi))
+    ttft_axis = fig.layout.xaxis3
+    assert list(ttft_axis.categoryarray) == ["a", "b", "c"] and ttft_axis.categoryorder == "array"
+    assert list(fig.data[4].x) == ["a"]  # the first frame shows one request, on an axis that has room for three
+
+
+def test_static_figure_opens_on_the_views_step_and_shares_the_time_axis_of_its_panels():
+    view = BlockTableView(hand_trace(), block_size=BLOCK_SIZE)
+    view.show(3)
+    fig = view.static_figure()
+    assert fig.layout.sliders[0].active == 3 and fig.layout.title.text == block_table_frame(view.replay, 3).title
+    bubbles = BubbleTimeline.simulate([50, 120, 240, 1024, 30, 60], 4)  # continuous batching finishes first
+    fig = bubbles.static_figure(max_frames=10)
+    assert fig.layout.xaxis2.matches == "x" and fig.layout.xaxis.range == fig.layout.xaxis2.range
+    assert fig.layout.xaxis.range[1] >= max(t.num_iterations for t in bubbles.timelines) - 1
+
+
+def test_a_whole_run_plays_in_about_25_seconds_with_a_faster_button_and_a_speed_control():
+    from kvpaging.visualizers.base import PLAY_SECONDS
+
+    for lengths in ([5, 9], [50, 120, 240, 1024]):
+        view = BubbleTimeline.simulate(lengths, 2)
+        fig = view.static_figure(max_frames=30)
+        play, faster = (b.args[1]["frame"]["duration"] for b in fig.layout.updatemenus[0].buttons[:2])
+        seconds = play * (len(fig.frames) - 1) / 1000
+        assert 0.5 * PLAY_SECONDS <= seconds <= 1.5 * PLAY_SECONDS or play == 1000, (lengths, play)
+        assert faster * 4 <= play + 4
+        controls = view.controls
+        run = controls.play.interval * (view.num_positions() - 1) / 1000
+        assert run <= 1.5 * PLAY_SECONDS or controls.play.interval == 60, (lengths, controls.play.interval)
+        base = controls.play.interval
+        controls.speed.value = 4.0
+        assert controls.play.interval == max(int(base / 4), 20)
+        controls.speed.value = 0.5
+        assert controls.play.interval == 2 * base
+
+
+def test_figure_bundle_is_plotlys_notebook_output_with_its_frames():
+    from kvpaging.visualizers import figure_bundle
+
+    view = ContiguousMemoryView(simulate_contiguous(100, [[("reserve", "a", 30)], [("reserve", "b", 80)]]))
+    fig = view.static_figure()
+    bundle = figure_bundle(fig, text=view.summary())
+    spec = bundle["application/vnd.plotly.v1+json"]
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/plain"}
+    assert len(spec["frames"]) == len(fig.frames) == 2 and spec["layout"]["sliders"]
+    assert "<script" not in json.dumps(spec) and bundle["text/plain"].startswith("ContiguousMemoryView")
+
+
+def test_presentation_makes_every_text_larger_and_the_title_keeps_its_room():
+    from kvpaging.visualizers import presentation
+
+    def sizes(view):
+        fig = view.static_figure(max_frames=3)
+        return fig.layout.title.font.size, fig.layout.font.size, fig.data[0].textfont.size, fig.layout.margin.t
+
+    normal = sizes(BlockTableView(hand_trace(), block_size=BLOCK_SIZE))
+    presentation(scale=1.5)
+    try:
+        large = sizes(BlockTableView(hand_trace(), block_size=BLOCK_SIZE))
+    finally:
+        presentation(False)
+    assert all(big >= 1.4 * small for big, small in zip(large[:3], normal[:3])), (normal, large)
+    assert large[3] > normal[3] + 15  # the top margin holds the larger title lines
+    assert sizes(BlockTableView(hand_trace(), block_size=BLOCK_SIZE)) == normal

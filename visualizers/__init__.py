@@ -13,7 +13,9 @@ trace saved on another machine::
     outputs = dash.run([[5, 6, 7, 8, 9], [5, 6, 7, 8, 10]], SamplingParams(max_tokens=16))
 
 Views (each works alone, each is a widget, each has ``summary()`` for
-terminals and ``to_html(path)`` for a static animation):
+terminals, ``to_html(path)`` for a static animation, and ``display_static()``
+for the same animation as plotly's notebook output, which a saved notebook
+shows with no kernel, untrusted and offline):
 
     BlockTableView        logical -> physical blocks per sequence; sharing, copy-on-write, prefix hits
     MemoryMapView         the physical pool as a grid: owner, shared, cached, free; tokens per block
@@ -48,7 +50,7 @@ pure functions take under a millisecond a frame and a whole widget redraw
 2-12 ms, well under the 50 ms budget.
 """
 
-from .base import LiveFeed, PlaybackControls, TraceView, View
+from .base import LiveFeed, PlaybackControls, TraceView, View, presentation
 from .batching import (
     ARTICLE_OUTPUT_LENGTHS,
     EngineSlots,
@@ -72,6 +74,7 @@ from .dashboard import Dashboard
 from .memory_map import MemoryMapFrame, MemoryMapView, memory_map_frame, pool_figures
 from .replay import DerivedStep, PoolArrays, TraceReplay, infer_block_size, pool_arrays
 from .throughput import LatencyTracker, RequestLatency, ThroughputPanel, request_latencies, throughput_series
+from .static import display_figure, figure_bundle, fix_axis_ranges
 from .trace_io import Trace, load_trace, save_chrome_trace, save_trace, to_chrome_trace
 
 __all__ = [
@@ -103,12 +106,16 @@ __all__ = [
     "block_table_frame",
     "bubble_frame",
     "contiguous_frame",
+    "display_figure",
+    "figure_bundle",
+    "fix_axis_ranges",
     "fragmentation_refusals",
     "infer_block_size",
     "load_trace",
     "memory_map_frame",
     "pool_arrays",
     "pool_figures",
+    "presentation",
     "request_latencies",
     "save_chrome_trace",
     "save_trace",

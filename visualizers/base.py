@@ -9,8 +9,10 @@ A view is split in two on purpose:
 
 The base class :class:`View` below does the widget plumbing once: a step
 slider with Play / Pause / Step (:class:`PlaybackControls`), redrawing on
-change, a static HTML animation (plotly frames with a play button and a
-slider) and a plain-text summary for terminals.
+change, a static animation (plotly frames with play buttons and a slider,
+axes fixed over every frame, opening on the view's step) shown in a notebook
+as plotly's own output or written as an HTML page, and a plain-text summary
+for terminals.
 
 Live views follow an engine through :class:`LiveFeed`. The engine calls its
 observer after every step, so the observer only appends the record to a queue
@@ -40,6 +42,11 @@ __all__ = [
     "sample_positions",
     "json_safe",
     "SMALL",
+    "small_lines",
+    "presentation",
+    "PLAY_SECONDS",
+    "play_interval_ms",
+    "flat_update",
 ]
 
 #: Soft colours for sequences and requests, chosen so black text stays readable and none
@@ -50,8 +57,48 @@ PALETTE = (
 )
 
 
-#: Starts a second, smaller line in a plot title (close it with "</span>").
-SMALL = "<br><span style='font-size:11px'>"
+#: Font sizes in pixels: a plot title, its smaller lines, text inside cells. Sized for a projector
+#: as much as for a laptop.
+TITLE_PX, SMALL_PX, CELL_PX = 16, 13, 12
+
+#: Starts a second, smaller line in a plot title (close it with "</span>"); relative to the title's
+#: size, so that it grows with it (see presentation()).
+SMALL = f"<br><span style='font-size:{SMALL_PX / TITLE_PX:.4g}em'>"
+
+#: Text size of the views made from now on, relative to the sizes above; presentation() sets it.
+TEXT_SCALE = 1.0
+
+
+def presentation(on: bool = True, scale: float = 1.4) -> None:
+    """Larger text in every view made afterwards, for a classroom projector; ``presentation(False)`` undoes it.
+
+    Titles, axis labels, legends and the numbers inside cells all grow by ``scale``, and the
+    figures grow a little taller to hold them.
+    """
+    global TEXT_SCALE
+    TEXT_SCALE = float(scale) if on else 1.0
+
+
+def small_lines(parts: list[str], max_chars: int = 70, max_lines: int = 2) -> str:
+    """``parts`` joined by "; " into at most ``max_lines`` small title lines of about ``max_chars``.
+
+    A plot title does not wrap: a long line is cut off at the edge of the figure.
+    """
+    lines: list[str] = []
+    current = ""
+    for i, part in enumerate(parts):
+        candidate = f"{current}; {part}" if current else part
+        if current and len(candidate) > max_chars:
+            if len(lines) == max_lines - 1:
+                current += f"; … {len(parts) - i} more"
+                break
+            lines.append(current)
+            current = part
+        else:
+            current = candidate
+    if current:
+        lines.append(current)
+    return "".join(SMALL + line + "</span>" for line in lines)
 
 
 def discrete_colorscale(colors: Iterable[str]) -> list[list]:
@@ -83,6 +130,42 @@ def json_safe(value):
     return value
 
 
+#: A whole run plays in about this many seconds at speed 1x, however many steps it has.
+PLAY_SECONDS = 25.0
+
+
+def play_interval_ms(num_positions: int, seconds: float = PLAY_SECONDS, fastest: int = 60, slowest: int = 800) -> int:
+    """Milliseconds per step so that ``num_positions`` steps play in about ``seconds``.
+
+    Clamped: a kernel redraws every step of a live view, so no faster than ``fastest``; a
+    short run should still move, so no slower than ``slowest``.
+    """
+    if num_positions <= 1:
+        return slowest
+    return int(min(max(1000 * seconds / (num_positions - 1), fastest), slowest))
+
+
+def flat_update(update: dict, prefix: str = "") -> dict:
+    """``{"marker": {"color": c}, "x": x}`` -> ``{"marker.color": c, "x": x}``: one key per property."""
+    flat = {}
+    for key, value in update.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_update(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _plain(value):
+    """Arrays as lists (and tuples as lists): an update passed straight to the widget skips plotly's validators."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 def sample_positions(num_positions: int, max_frames: int) -> list[int]:
     """At most ``max_frames`` positions spread evenly over ``0..num_positions-1``, ends included."""
     if num_positions <= 0:
@@ -94,21 +177,32 @@ def sample_positions(num_positions: int, max_frames: int) -> list[int]:
 
 
 class PlaybackControls:
-    """Play / Pause, Step, Back and a slider over positions ``0..n-1``.
+    """Play / Pause, a speed menu, Step, Back and a slider over positions ``0..n-1``.
+
+    Play moves at a pace that plays the whole run in about :data:`PLAY_SECONDS` (at 1×),
+    however many steps it has; the speed menu scales that.
 
     The Play widget animates in the browser and is linked to the slider there
     (``jslink``), so playing costs the kernel one redraw per frame and nothing
     else. The kernel listens to the slider only; Step and Back move the slider.
     """
 
-    def __init__(self, num_positions: int, on_change: Callable[[int], None], interval_ms: int = 250) -> None:
+    SPEEDS = (("½×", 0.5), ("1×", 1.0), ("2×", 2.0), ("4×", 4.0))
+
+    def __init__(self, num_positions: int, on_change: Callable[[int], None], interval_ms: int | None = None) -> None:
         import ipywidgets as widgets
 
         top = max(num_positions - 1, 0)
-        self.play = widgets.Play(value=top, min=0, max=top, step=1, interval=interval_ms, description="Play",
-                                 show_repeat=False, tooltip="play / pause")
+        self._fixed_interval = interval_ms  # None: scale with the run (a whole run plays in ~PLAY_SECONDS)
+        self.play = widgets.Play(value=top, min=0, max=top, step=1, interval=self._base_interval(num_positions),
+                                 description="Play", show_repeat=False, tooltip="play / pause")
+        self.speed = widgets.Dropdown(options=self.SPEEDS, value=1.0, description="speed", tooltip="play speed",
+                                      layout=widgets.Layout(width="130px"),
+                                      style={"description_width": "initial"})
+        self.speed.observe(lambda _change: self._set_interval(), names="value")
         self.slider = widgets.IntSlider(value=top, min=0, max=top, description="step", continuous_update=True,
-                                        readout=False, layout=widgets.Layout(width="320px"))
+                                        readout=False, layout=widgets.Layout(width="260px", min_width="120px",
+                                                                             flex="1 1 auto"))
         self.back_button = widgets.Button(description="◀", tooltip="one step back", layout=widgets.Layout(width="40px"))
         self.step_button = widgets.Button(description="Step ▶", tooltip="one step forward",
                                           layout=widgets.Layout(width="80px"))
@@ -120,14 +214,21 @@ class PlaybackControls:
         self.step_button.on_click(lambda _button: self.step(+1))
         self.back_button.on_click(lambda _button: self.step(-1))
         self.widget = widgets.HBox(
-            [self.play, self.back_button, self.step_button, self.slider, self.label],
-            layout=widgets.Layout(align_items="center"),
+            [self.play, self.speed, self.back_button, self.step_button, self.slider, self.label],
+            layout=widgets.Layout(align_items="center", flex_flow="row wrap", max_width="100%"),
         )
         self.widget.add_class("kvpaging-controls")
 
     @property
     def value(self) -> int:
         return self.slider.value
+
+    def _base_interval(self, num_positions: int) -> int:
+        return self._fixed_interval if self._fixed_interval is not None else play_interval_ms(num_positions)
+
+    def _set_interval(self) -> None:
+        base = self._base_interval(self.slider.max + 1)
+        self.play.interval = max(int(base / self.speed.value), 20)
 
     def step(self, delta: int) -> None:
         self.slider.value = min(max(self.slider.value + delta, self.slider.min), self.slider.max)
@@ -154,10 +255,57 @@ class PlaybackControls:
                 self.slider.value = top
         finally:
             self._quiet = False
+        self._set_interval()
 
     def _changed(self, change) -> None:
         if not self._quiet:
             self._on_change(change["new"])
+
+
+# The browser half of fit_to_width(): watch the view's (or dashboard's) box and, when its width changes,
+# send the window a "resize" event, which every plot made with config.responsive follows.
+_FIT_TO_WIDTH_ESM = """
+export default {
+  render({ el }) {
+    el.style.display = "none";
+    let box = null, width = -1, tries = 0;
+    const observer = new ResizeObserver(() => {
+      const w = box.getBoundingClientRect().width;
+      if (w > 0 && Math.abs(w - width) >= 1) {
+        width = w;
+        window.dispatchEvent(new Event("resize"));
+      }
+    });
+    const start = () => {
+      box = el.closest(".kvpaging-dashboard, .kvpaging-view");
+      if (box) observer.observe(box);
+      else if (tries++ < 50) setTimeout(start, 100);
+    };
+    setTimeout(start, 0);
+    return () => observer.disconnect();
+  },
+};
+"""
+_fit_class = None
+
+
+def fit_to_width():
+    """An invisible widget that makes the plots of its view or dashboard as wide as their box.
+
+    A FigureWidget is first drawn before it is attached to the page, so it cannot see how wide its
+    output area is and takes plotly's default of 700 px: cropped on a laptop, lost space on a
+    projector. Plots made with ``config.responsive`` follow the window's "resize" events; this widget
+    sends one whenever the box it sits in changes width (first display included).
+    """
+    global _fit_class
+    if _fit_class is None:
+        import anywidget
+
+        class FitToWidth(anywidget.AnyWidget):
+            _esm = _FIT_TO_WIDTH_ESM
+
+        _fit_class = FitToWidth
+    return _fit_class()
 
 
 class DisplaysAsWidget:
@@ -189,9 +337,12 @@ class View(DisplaysAsWidget):
 
     #: figure height in pixels
     height = 420
+    #: the most lines its title ever has (a title line and small lines): the top margin makes room for them
+    title_lines = 2
 
-    def __init__(self, *, controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
-        self.width = width  # pixels; None lets plotly choose (700 in a notebook)
+    def __init__(self, *, controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
+        self.width = width  # pixels; None: as wide as the output area
+        self.text_scale = TEXT_SCALE
         self.position = 0
         self._at_end = True  # on the newest step: live updates move the view along
         self._figure = None
@@ -208,6 +359,15 @@ class View(DisplaysAsWidget):
 
     def position_label(self, position: int) -> str:
         return str(position)
+
+    def default_position(self) -> int:
+        """Where the view opens: the step worth looking at first. Here the last one; views override it."""
+        return max(self.num_positions() - 1, 0)
+
+    def open_at_default(self) -> None:
+        """Move to :meth:`default_position` (constructors call it; so does a live run when it ends)."""
+        self.position = self.default_position()
+        self._at_end = self.position >= self.num_positions() - 1
 
     def base_figure(self):
         raise NotImplementedError
@@ -230,6 +390,8 @@ class View(DisplaysAsWidget):
 
             with self._lock:
                 fig = go.FigureWidget(self._sized(self.base_figure()))
+                if self.width is None:  # follow the width of the output area (see fit_to_width)
+                    fig._config = dict(fig._config or {}, responsive=True)
                 self._figure = fig
                 self._apply(self.position)
         return self._figure
@@ -248,12 +410,12 @@ class View(DisplaysAsWidget):
         if self._widget is None:
             import ipywidgets as widgets
 
-            parts = []
+            parts = [fit_to_width()]
             if self.controls is not None:
                 parts.append(self.controls.widget)
             parts.extend(self._extra_widgets)
             parts.append(self.figure)
-            self._widget = widgets.VBox(parts)
+            self._widget = widgets.VBox(parts, layout=widgets.Layout(width="100%", min_width="0"))
             self._widget.add_class("kvpaging-view")
         return self._widget
 
@@ -291,15 +453,52 @@ class View(DisplaysAsWidget):
             return
         traces, layout = self.frame(position)
         fig = self._figure
-        with fig.batch_update():
-            for trace, update in zip(fig.data, traces):
-                trace.update(json_safe(update))
-            if layout:
-                fig.layout.update(json_safe(layout))
+        updates = [flat_update(json_safe(update)) for update in traces]
+        # One Plotly.update() per redraw: for each property a list with one value per trace. plotly.py's
+        # own batch_update leaves a placeholder where a trace does not change a property (even when another
+        # trace sets it to the value it already has), and FigureWidget's browser side took that placeholder
+        # as a value: the contiguous view's white holes came out in plotly's default green. So every trace
+        # sends every property of the batch it has, its current value when unchanged, and only traces
+        # that cannot share a property (a scatter has no `base`) go in a second update.
+        keys = {key for update in updates for key in update}
+        groups: dict[frozenset, list[tuple[int, dict]]] = {}
+        for index, (trace, update) in enumerate(zip(fig.data, updates)):
+            for key in keys - update.keys():
+                if key in trace:
+                    update[key] = trace[key]
+            groups.setdefault(frozenset(update), []).append((index, update))
+        relayout = flat_update(json_safe(layout)) if layout else {}
+        batches = list(groups.values())
+        for i, batch in enumerate(batches):
+            restyle = {key: [_plain(update[key]) for _, update in batch] for key in batch[0][1]}
+            fig.plotly_update(restyle_data=restyle, relayout_data=relayout if i == len(batches) - 1 else {},
+                              trace_indexes=[index for index, _ in batch])
+        if not batches and relayout:
+            fig.plotly_update(relayout_data=relayout)
 
     def _sized(self, fig):
+        """The fixed width if any, and a top margin that holds the title's lines and the subplot titles.
+
+        The title hangs from the top of the figure; below its last line come the subplot titles
+        (annotations just above the plot area), so neither runs into the other.
+        """
         if self.width is not None:
             fig.update_layout(width=self.width, autosize=False)
+        s = self.text_scale
+        title_px, small_px = TITLE_PX * s, SMALL_PX * s
+        subplot_titles = [a for a in fig.layout.annotations if a.yref == "paper" and a.y is not None and a.y >= 0]
+        for a in subplot_titles:
+            a.font.size = round(small_px)
+        at_top = any(a.y >= 1 - 1e-9 for a in subplot_titles)  # a subplot title just under the figure's title
+        top = 12 + title_px + 6 + (small_px + 5) * (self.title_lines - 1) + (small_px + 14 if at_top else 10)
+        fig.update_layout(title={"yref": "container", "y": 1, "yanchor": "top", "pad": {"t": 12},
+                                 "x": 0, "xanchor": "left", "xref": "paper", "font": {"size": round(title_px)}},
+                          margin={"t": round(top)}, font={"size": round(12 * s)})
+        if s != 1:
+            for trace in fig.data:
+                if "textfont.size" in trace and trace.textfont.size:
+                    trace.textfont.size = round(trace.textfont.size * s)
+            fig.update_layout(height=round((fig.layout.height or 450) * (1 + (s - 1) / 2)))
         return fig
 
     def _update_label(self) -> None:
@@ -310,56 +509,79 @@ class View(DisplaysAsWidget):
 
     # -- static export ------------------------------------------------------------------------------
     def static_figure(self, max_frames: int = 120):
-        """A plain ``go.Figure`` with one animation frame per (sampled) step, a play button and a slider."""
+        """A plain ``go.Figure`` with one animation frame per (sampled) step, play buttons and a slider.
+
+        It opens on the view's own position (``view.show(k)`` picks it), and its axes are fixed to
+        the reach of every frame (:func:`~.static.fix_axis_ranges`): plotly.js does not rescale
+        axes while an animation plays.
+        """
         import plotly.graph_objects as go
+
+        from .static import fix_axis_ranges
 
         self.sync()
         fig = self._sized(go.Figure(self.base_figure()))
-        positions = sample_positions(self.num_positions(), max_frames)
+        n = self.num_positions()
+        start = int(min(max(self.position, 0), max(n - 1, 0)))
+        positions = sorted(set(sample_positions(n, max_frames)) | ({start} if n else set()))
         if not positions:
             return fig
         frames = []
         for p in positions:
             traces, layout = self.frame(p)
             data = [dict(json_safe(update), type=trace.type) for trace, update in zip(fig.data, traces)]
-            frames.append(go.Frame(data=data, traces=list(range(len(data))), layout=layout, name=str(p)))
-        first_traces, first_layout = self.frame(positions[0])
+            frames.append(go.Frame(data=data, traces=list(range(len(data))), layout=json_safe(layout), name=str(p)))
+        first_traces, first_layout = self.frame(start)
         for trace, update in zip(fig.data, first_traces):
             trace.update(json_safe(update))
         fig.update_layout(json_safe(first_layout))
         fig.frames = frames
-        play_args = {"frame": {"duration": self._interval_ms, "redraw": True}, "fromcurrent": True,
-                     "transition": {"duration": 0}}
+        fix_axis_ranges(fig)
+        # a whole run plays in about PLAY_SECONDS, whatever the number of sampled frames; "fast" is 4x
+        per_frame = play_interval_ms(len(positions), fastest=40, slowest=1000) if self._interval_ms is None \
+            else self._interval_ms
+
+        def play(ms: int) -> dict:
+            return {"frame": {"duration": ms, "redraw": True}, "fromcurrent": True, "transition": {"duration": 0}}
+
         pause_args = {"frame": {"duration": 0, "redraw": False}, "mode": "immediate", "transition": {"duration": 0}}
-        # The controls go below the plot area (paper y = 0), pushed past the x-axis title by a
-        # padding in pixels; the legend moves to the right so that nothing overlaps.
-        below = {"y": 0, "yanchor": "top", "pad": {"t": 70}}
+        # The controls go below the plot area (paper y = 0), pushed past the x-axis title by a padding
+        # in pixels: the buttons first, the slider on a row of its own under them, its label (the step
+        # shown) at its right end, clear of the buttons; the legend moves to the right.
         fig.update_layout(
             updatemenus=[{
                 "type": "buttons", "direction": "left", "x": 0.0, "xanchor": "left", "showactive": False,
+                "y": 0, "yanchor": "top", "pad": {"t": 62},
                 "buttons": [
-                    {"label": "▶ Play", "method": "animate", "args": [None, play_args]},
+                    {"label": "▶ Play", "method": "animate", "args": [None, play(per_frame)]},
+                    {"label": "▶▶ 4× faster", "method": "animate", "args": [None, play(max(per_frame // 4, 20))]},
                     {"label": "❚❚ Pause", "method": "animate", "args": [[None], pause_args]},
                 ],
-                **below,
             }],
             sliders=[{
-                "x": 0.25, "len": 0.75, "xanchor": "left", "currentvalue": {"prefix": ""},
+                "x": 0.0, "len": 1.0, "xanchor": "left", "y": 0, "yanchor": "top", "pad": {"t": 100},
+                "active": positions.index(start),
+                "currentvalue": {"prefix": "", "xanchor": "right", "font": {"size": 13}},
                 "steps": [
                     {"label": self.position_label(p), "method": "animate",
                      "args": [[str(p)], {"mode": "immediate", "frame": {"duration": 0, "redraw": True},
                                          "transition": {"duration": 0}}]}
                     for p in positions
                 ],
-                **below,
             }],
             legend={"orientation": "v", "x": 1.02, "y": 1, "xanchor": "left", "yanchor": "top"},
-            margin={"b": 170, "r": 170},
-            height=(fig.layout.height or 450) + 120,
+            margin={"b": 190, "r": 170},
+            height=(fig.layout.height or 450) + 140,
         )
         if self.width is not None:
             fig.update_layout(width=self.width + 170)  # room for the legend, now on the right
         return fig
+
+    def display_static(self, max_frames: int = 30) -> None:
+        """Display the static animation as plotly's notebook output (renders with no kernel, offline)."""
+        from .static import display_figure
+
+        display_figure(self.static_figure(max_frames), text=self.summary())
 
     def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 120) -> str:
         """The static animation as an HTML page; written to ``path`` if given.
@@ -386,7 +608,7 @@ class TraceView(View):
     """
 
     def __init__(self, trace=None, *, block_size: int | None = None, controls: bool = True,
-                 interval_ms: int = 250, width: int | None = None) -> None:
+                 interval_ms: int | None = None, width: int | None = None) -> None:
         from .replay import TraceReplay
 
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
@@ -394,8 +616,8 @@ class TraceView(View):
             self.replay = trace
         else:
             self.replay = TraceReplay(trace if trace is not None else (), block_size=block_size)
-        self.position = max(len(self.replay) - 1, 0)
         self._feed: LiveFeed | None = None
+        self.open_at_default()
 
     def num_positions(self) -> int:
         return len(self.replay)
@@ -404,6 +626,18 @@ class TraceView(View):
         if not len(self.replay):
             return "-"
         return f"step {self.replay.records[position].step}"
+
+    def default_position(self) -> int:
+        """The busiest step: the most running sequences, then the most blocks in use (the first such).
+
+        A finished run's last step is empty (every sequence has left), so a view of a
+        whole trace opens where there is something to see.
+        """
+        records = self.replay.records
+        if not records:
+            return 0
+        return max(range(len(records)),
+                   key=lambda i: (len(records[i].block_tables), records[i].num_used_blocks, -i))
 
     def attach(self, engine, *, fps: float = 4.0, background: bool = True) -> LiveFeed:
         """Follow ``engine`` (an ``LLMEngine`` or ``LLM``) live, redrawing at most ``fps`` times a second."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import SMALL, TraceView, discrete_colorscale
+from .base import CELL_PX, TraceView, discrete_colorscale, small_lines
 from .replay import TraceReplay
 
 __all__ = ["BlockTableView", "BlockTableFrame", "block_table_frame", "PRIVATE", "SHARED", "PREFIX_HIT", "COPIED"]
@@ -122,13 +122,13 @@ def block_table_frame(replay: TraceReplay, position: int, *, page: int = 0, rows
     if num_pages > 1:
         title += f" (page {page + 1} of {num_pages})"
     if events:
-        title += SMALL + "; ".join(events[:4]) + (" …" if len(events) > 4 else "") + "</span>"
+        title += small_lines(events)
     customdata = np.stack([ids, ref, fill, src], axis=-1)
     return BlockTableFrame(z, text, customdata, labels, shown, page, num_pages, events, title)
 
 
 HOVER = (
-    "%{y}<br>logical block %{x} -> physical block %{customdata[0]}<br>"
+    "%{customdata[4]}<br>logical block %{x} -> physical block %{customdata[0]}<br>"
     "references %{customdata[1]} · tokens %{customdata[2]}<br>copied from %{customdata[3]} (-1: not copied)"
     "<extra></extra>"
 )
@@ -142,9 +142,10 @@ class BlockTableView(TraceView):
     """
 
     height = 420
+    title_lines = 3  # the title, and events in up to two small lines
 
     def __init__(self, trace=None, *, block_size: int | None = None, rows_per_page: int = 24,
-                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+                 controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         import ipywidgets as widgets
 
@@ -173,16 +174,17 @@ class BlockTableView(TraceView):
         fig = go.Figure()
         fig.add_trace(go.Heatmap(
             z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
-            showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont={"size": 10},
+            showscale=False, xgap=2, ygap=2, texttemplate="%{text}", textfont={"size": CELL_PX},
             hovertemplate=HOVER, name="block tables",
         ))
         for name, color in zip(NAMES, COLORS):
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                      marker={"symbol": "square", "size": 12, "color": color}))
         fig.update_layout(
-            height=self.height, margin={"l": 10, "r": 10, "t": 70, "b": 40},
-            title={"text": "Block tables", "font": {"size": 13}},
-            xaxis={"title": "logical block", "showgrid": False, "zeroline": False, "dtick": 1},
+            height=self.height, margin={"l": 10, "r": 10, "b": 40},
+            title={"text": "Block tables"},
+            xaxis={"title": "logical block (in a cell: the physical block id; ×n: shared by n tables)",
+                   "showgrid": False, "zeroline": False, "dtick": 1},
             yaxis={"autorange": "reversed", "showgrid": False, "automargin": True},
             legend={"orientation": "h", "y": -0.15}, plot_bgcolor="#fafafa",
         )
@@ -192,10 +194,19 @@ class BlockTableView(TraceView):
         f = self.compute(position)
         self.page_selector.max = f.num_pages
         self.page_selector.layout.display = None if f.num_pages > 1 else "none"
-        y = f.row_labels or [""]
-        heat = {"z": f.z if f.z.size else np.full((1, 1), np.nan), "text": f.text, "customdata": f.customdata,
-                "y": y, "x": list(range(f.z.shape[1]))}
-        return [heat], {"title": {"text": f.title}, "xaxis": {"dtick": 1 if f.z.shape[1] <= 40 else None}}
+        # rows are numbered and labelled with ticks, not categories: a label names the sequence's length,
+        # which changes every step, and a static animation fixes its axes to categories seen in any frame
+        labels = f.row_labels or [""]
+        rows = list(range(len(labels)))
+        # the hover names the row's sequence: its label rides along as a fifth customdata column
+        row_label = np.broadcast_to(np.array(labels[: f.customdata.shape[0]], dtype=object)[:, None, None],
+                                    f.customdata.shape[:2] + (1,))
+        customdata = np.concatenate([f.customdata.astype(object), row_label], axis=-1)
+        heat = {"z": f.z if f.z.size else np.full((1, 1), np.nan), "text": f.text, "customdata": customdata,
+                "y": rows, "x": list(range(f.z.shape[1]))}
+        layout = {"title": {"text": f.title}, "xaxis": {"dtick": 1 if f.z.shape[1] <= 40 else None},
+                  "yaxis": {"tickvals": rows, "ticktext": labels}}
+        return [heat], layout
 
     def summary(self, position: int | None = None, max_rows: int = 20) -> str:
         if not len(self.replay):

@@ -1,9 +1,11 @@
 """BubbleTimeline: batch slots x iterations, static batching's bubbles next to continuous batching.
 
 Each row is a batch slot, each column an iteration (one forward pass); a
-cell is coloured by the request in the slot, white when the slot is idle. The
-white cells are the bubbles: compute paid for and wasted. Each panel's title
-gives its utilisation, busy slot-iterations over all slot-iterations so far.
+cell is coloured by the request in the slot, grey when the slot is idle. The
+grey cells are the bubbles: compute paid for and wasted (iterations not yet
+run stay white). Each panel's title gives its utilisation, busy
+slot-iterations over all slot-iterations so far. Panels share their x axis,
+so the policy that finishes first visibly ends first.
 
 Three ways to fill it:
 
@@ -25,13 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import PALETTE, View, discrete_colorscale
+from .base import PALETTE, SMALL_PX, View, discrete_colorscale
 from .batching import IDLE, EngineSlots, SlotTimeline, simulate_continuous_batching, simulate_static_batching
 from .replay import TraceReplay
 
 __all__ = ["BubbleTimeline", "BubbleFrame", "bubble_frame"]
 
-COLORS = ("#ffffff",) + PALETTE  # code 0: idle; code 1 + k: a request with colour PALETTE[k]
+#: An idle slot: a neutral grey, darker than any request colour, so that the bubbles stand out.
+IDLE_COLOR = "#a3a3a3"
+COLORS = (IDLE_COLOR,) + PALETTE  # code 0: idle; code 1 + k: a request with colour PALETTE[k]
 
 
 @dataclass(frozen=True)
@@ -96,9 +100,10 @@ class BubbleTimeline(View):
     """Slots x iterations for one or more panels (see the module docstring)."""
 
     height = 420
+    title_lines = 1
 
     def __init__(self, trace=None, *, block_size: int | None = None, num_slots: int | None = None,
-                 panels: list | None = None, controls: bool = True, interval_ms: int = 250,
+                 panels: list | None = None, controls: bool = True, interval_ms: int | None = None,
                  max_columns: int = 1200, width: int | None = None) -> None:
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         self.max_columns = max_columns
@@ -109,7 +114,7 @@ class BubbleTimeline(View):
         self._timelines: list[SlotTimeline] = []
         self._title_y: list[float] | None = None
         self.sync()
-        self.position = max(self.num_positions() - 1, 0)
+        self.open_at_default()
 
     @classmethod
     def simulate(cls, output_lengths, num_slots: int, **kwargs) -> BubbleTimeline:
@@ -170,9 +175,11 @@ class BubbleTimeline(View):
             fig.update_yaxes(title_text="slot", autorange="reversed", showgrid=False, row=i + 1, col=1)
             fig.update_xaxes(showgrid=False, row=i + 1, col=1)
         fig.update_xaxes(title_text="iteration (engine step)", row=n, col=1)
-        fig.update_layout(height=max(self.height, 220 * n), margin={"l": 50, "r": 10, "t": 50, "b": 40},
-                          title={"text": "Batch slots over iterations: white = idle (a bubble)", "font": {"size": 13}},
-                          plot_bgcolor="#f0f0f0")
+        if n > 1:  # one time axis for every panel: the policy that finishes first ends first on screen
+            fig.update_xaxes(matches="x", showticklabels=True)
+        fig.update_layout(height=max(self.height, 220 * n), margin={"l": 50, "r": 10, "b": 40},
+                          title={"text": "Batch slots over iterations: grey = idle slot (a bubble)"},
+                          plot_bgcolor="#ffffff")
         return fig
 
     def frame(self, position: int) -> tuple[list[dict], dict]:
@@ -187,7 +194,7 @@ class BubbleTimeline(View):
         for f, y in zip(frames, self._title_y):  # subplot titles, rewritten with the running utilisation
             fig_annotations.append({"text": f.title, "xref": "paper", "yref": "paper", "x": 0.5, "y": y,
                                     "xanchor": "center", "yanchor": "bottom", "showarrow": False,
-                                    "font": {"size": 12}})
+                                    "font": {"size": round(SMALL_PX * self.text_scale)}})
         layout["annotations"] = fig_annotations
         return traces, layout
 

@@ -67,12 +67,15 @@ def fragmentation_refusals(steps: Sequence[ContiguousStep]) -> list[tuple[int, O
 
 
 def contiguous_frame(steps: Sequence[ContiguousStep], position: int, *, colors: dict | None = None,
-                     label: str | None = None, refusals: list | None = None) -> ContiguousFrame:
+                     label: str | None = None, refusals: list | None = None,
+                     label_of: Callable[[int], str] | None = None) -> ContiguousFrame:
     """Arrays for the slot line after ``steps[position]`` (pure).
 
     ``colors`` maps request ids to colours (a stable colour per request);
-    ``refusals`` may pass a precomputed :func:`fragmentation_refusals` list.
+    ``refusals`` may pass a precomputed :func:`fragmentation_refusals` list;
+    ``label_of`` names a position the way the controls do (default ``t=position``).
     """
+    label_of = label_of or (lambda i: f"t={i}")
     snap = steps[position].snapshot
     colors = colors if colors is not None else {}
     runs = snap.runs
@@ -94,7 +97,7 @@ def contiguous_frame(steps: Sequence[ContiguousStep], position: int, *, colors: 
         "internal_waste": snap.internal_waste,
         "first_refusal": refusals[0][0] if refusals else None,
     }
-    label = label if label is not None else f"t={position}"
+    label = label if label is not None else label_of(position)
     title = (
         f"Contiguous allocator at {label}: {snap.total_free} slots free in {len(holes)} hole{'s' * (len(holes) != 1)}, "
         f"largest {snap.largest_hole}" + SMALL + f"{snap.reserved_slots}/{snap.num_slots} slots reserved, "
@@ -105,7 +108,7 @@ def contiguous_frame(steps: Sequence[ContiguousStep], position: int, *, colors: 
         title += (SMALL + f"<b style='color:#d62728'>refused {r.request_id!s} ({r.requested} slots) although "
                   f"{r.total_free} are free in total: largest hole {r.largest_hole}</b></span>")
     elif shown:
-        title += SMALL + f"first refusal by fragmentation at position {shown[0][0]}</span>"
+        title += SMALL + f"first refusal by fragmentation at {label_of(shown[0][0])}</span>"
     return ContiguousFrame(
         run_starts=np.array([r.start for r in runs], dtype=np.int64),
         run_lengths=np.array([r.num_slots for r in runs], dtype=np.int64),
@@ -225,17 +228,18 @@ class ContiguousTraceSim:
 class ContiguousMemoryView(View):
     """The contiguous baseline allocator, step by step (see the module docstring)."""
 
-    height = 440
+    height = 480
+    title_lines = 3  # the state, the reservations, and a refusal
 
     def __init__(self, steps: Sequence[ContiguousStep] | None = None, *, controls: bool = True,
-                 interval_ms: int = 250, width: int | None = None, _sim: ContiguousTraceSim | None = None) -> None:
+                 interval_ms: int | None = None, width: int | None = None, _sim: ContiguousTraceSim | None = None) -> None:
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         self._sim = _sim
         self._steps = list(steps) if steps is not None else []
         self._colors: dict = {}
         self._refusals: list | None = None
         self.sync()
-        self.position = max(self.num_positions() - 1, 0)
+        self.open_at_default()
 
     @classmethod
     def from_trace(cls, trace, *, block_size: int | None = None, num_slots: int | None = None,
@@ -263,6 +267,14 @@ class ContiguousMemoryView(View):
             return f"step {self._sim.replay.records[position].step}"
         return f"t={position}"
 
+    def default_position(self) -> int:
+        """The first refusal by fragmentation, the moment lesson 03 is about; else the last step."""
+        if self._refusals is None:
+            self._refusals = fragmentation_refusals(self.steps)
+        if self._refusals:
+            return self._refusals[0][0]
+        return max(self.num_positions() - 1, 0)
+
     def _color(self, request_id) -> str:
         if request_id not in self._colors:
             self._colors[request_id] = PALETTE[len(self._colors) % len(PALETTE)]
@@ -274,7 +286,15 @@ class ContiguousMemoryView(View):
         for r in self.steps[position].snapshot.runs:
             self._color(r.request_id)
         return contiguous_frame(self.steps, position, colors=self._colors, label=self.position_label(position),
-                                refusals=self._refusals)
+                                refusals=self._refusals, label_of=self.position_label)
+
+    def _x(self, positions) -> np.ndarray:
+        """What the time axis shows for positions: engine steps for a trace, t for a scripted scenario."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._sim is not None and len(self._sim.replay):
+            steps = np.array([r.step for r in self._sim.replay.records[: len(self.steps)]], dtype=np.int64)
+            return steps[positions] if positions.size else positions
+        return positions
 
     def base_figure(self):
         import plotly.graph_objects as go
@@ -299,20 +319,21 @@ class ContiguousMemoryView(View):
                                  hovertemplate="refused %{y} slots at %{x}<extra></extra>"), row=2, col=1)
         num_slots = self.steps[0].snapshot.num_slots if self.steps else 1
         fig.update_layout(
-            barmode="overlay", height=self.height, margin={"l": 60, "r": 10, "t": 95, "b": 40},
-            title={"text": "Contiguous allocator", "font": {"size": 13}}, legend={"orientation": "h", "y": -0.2},
+            barmode="overlay", height=self.height, margin={"l": 60, "r": 10, "b": 40},
+            title={"text": "Contiguous allocator"}, legend={"orientation": "h", "y": -0.2},
             plot_bgcolor="#fafafa",
         )
         fig.update_xaxes(range=[0, num_slots], row=1, col=1)
         fig.update_yaxes(showticklabels=False, row=1, col=1)
-        fig.update_xaxes(title_text="position", row=2, col=1)
+        fig.update_xaxes(title_text="engine step" if self._sim is not None else "t",
+                         row=2, col=1)
         fig.update_yaxes(title_text="slots", rangemode="tozero", row=2, col=1)
         return fig
 
     def frame(self, position: int) -> tuple[list[dict], dict]:
         f = self.compute(position)
         y_runs = ["memory"] * len(f.run_starts)
-        xs = np.arange(len(f.total_free))
+        xs = self._x(np.arange(len(f.total_free)))
         traces = [
             {"x": f.run_lengths, "base": f.run_starts, "y": y_runs, "hovertext": f.run_labels,
              "marker": {"color": f.run_colors}},
@@ -321,7 +342,7 @@ class ContiguousMemoryView(View):
             {"x": f.hole_lengths, "base": f.hole_starts, "y": ["memory"] * len(f.hole_starts)},
             {"x": xs, "y": f.total_free},
             {"x": xs, "y": f.largest_hole},
-            {"x": f.refusal_positions, "y": f.refusal_sizes},
+            {"x": self._x(f.refusal_positions), "y": f.refusal_sizes},
         ]
         layout = {"title": {"text": f.title}, "xaxis": {"range": [0, f.figures["num_slots"]]}}
         return traces, layout

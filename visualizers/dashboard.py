@@ -37,13 +37,16 @@ from .trace_io import save_chrome_trace, save_trace
 
 __all__ = ["Dashboard"]
 
+#: Below this width a dashboard panel moves onto a row of its own.
+MIN_PANEL_PX = 560
+
 
 class Dashboard(DisplaysAsWidget):
     """Block tables, memory map, bubbles, contiguous baseline and throughput of one engine or trace."""
 
     def __init__(self, llm=None, *, trace=None, block_size: int | None = None, fps: float = 4.0,
-                 interval_ms: int = 250, rows_per_page: int = 16, max_cells: int = 4096,
-                 num_slots: int | None = None, reserve_tokens=None, panel_width: int = 560) -> None:
+                 interval_ms: int | None = None, rows_per_page: int = 16, max_cells: int = 4096,
+                 num_slots: int | None = None, reserve_tokens=None, panel_width: int | None = None) -> None:
         self.engine = getattr(llm, "engine", llm)
         num_blocks = None
         if self.engine is not None:
@@ -57,18 +60,20 @@ class Dashboard(DisplaysAsWidget):
         self._reserve = reserve_tokens
         self._sim = ContiguousTraceSim(self.replay, None, self._reserve_for if isinstance(reserve_tokens, dict)
                                        else reserve_tokens)
-        # Fixed widths: a plot inside a widget box cannot always learn the box's width when it is
-        # first drawn, and then keeps plotly's default of 700 px, cropped. Two panels side by side
-        # need 2 x panel_width; on a narrower screen the rows wrap.
+        # Widths follow the output area (fit_to_width): two panels side by side where there is room
+        # for two of MIN_PANEL_PX (their titles need it), one above the other where there is not; the
+        # controls stick to the top of the notebook either way. A panel_width fixes the widths.
+        self.panel_width = panel_width
         half = {"controls": False, "width": panel_width}
         self.block_table = BlockTableView(self.replay, rows_per_page=rows_per_page, **half)
         self.memory_map = MemoryMapView(self.replay, max_cells=max_cells, **half)
         self.bubbles = BubbleTimeline(self.replay, num_slots=num_slots, **half)
         self.contiguous = ContiguousMemoryView(_sim=self._sim, **half)
-        self.throughput = ThroughputPanel(self.replay, controls=False, width=2 * panel_width)
+        self.throughput = ThroughputPanel(self.replay, controls=False,
+                                          width=2 * panel_width if panel_width else None)
         self.views: list[View] = [self.block_table, self.memory_map, self.bubbles, self.contiguous, self.throughput]
-        self.position = max(len(self.replay) - 1, 0)
-        self._at_end = True
+        self.position = self.block_table.default_position()  # the busiest step of a replayed trace
+        self._at_end = self.position >= len(self.replay) - 1
         self._interval_ms = interval_ms
         self._controls: PlaybackControls | None = None
         self._widget = None
@@ -183,6 +188,8 @@ class Dashboard(DisplaysAsWidget):
         results = {out.request_id: out for out in outputs}
         metrics = {rid: out.metrics for rid, out in results.items() if out.metrics is not None}
         self.throughput.metrics.update(metrics)
+        # the run is over and its last step is empty (every request has left): open on the busiest one
+        self.show(self.block_table.default_position())
         self.throughput.redraw()
         return outputs
 
@@ -192,19 +199,38 @@ class Dashboard(DisplaysAsWidget):
         if self._widget is None:
             import ipywidgets as widgets
 
+            from .base import fit_to_width
+
             def row(*views):
-                return widgets.HBox([v.widget for v in views], layout=widgets.Layout(flex_flow="row wrap"))
+                for v in views:  # each panel grows to share the row; below MIN_PANEL_PX the row wraps
+                    v.widget.layout.flex = f"1 1 {MIN_PANEL_PX}px"
+                    v.widget.layout.width = "auto" if len(views) > 1 else "100%"
+                return widgets.HBox([v.widget for v in views],
+                                    layout=widgets.Layout(flex_flow="row wrap", width="100%"))
 
             header = widgets.HTML("<b>kvpaging dashboard</b> — block tables, physical pool, batch slots, "
                                   "the contiguous baseline and throughput, step by step")
+            # The controls stay in reach: they stick to the top of the notebook while the panels scroll
+            # by. A sticky element sticks inside its nearest box that clips or scrolls, so the boxes
+            # between the dashboard and the notebook's scroller (the output area's, the widget box's)
+            # let their content show instead; the panels fit their width (fit_to_width) anyway.
+            style = widgets.HTML(
+                "<style>"
+                ".jp-OutputArea:has(.kvpaging-dashboard), .jp-OutputArea-child:has(.kvpaging-dashboard),"
+                " .jp-OutputArea-output:has(.kvpaging-dashboard), .kvpaging-dashboard"
+                " {overflow: visible !important; min-width: 0 !important;}"
+                " .kvpaging-dashboard > .kvpaging-controls {position: sticky; top: 0; z-index: 10;"
+                " background: var(--jp-layout-color0, white); border-bottom: 1px solid #ddd;}</style>")
             rows = [
+                fit_to_width(),
+                style,
                 header,
                 self.controls.widget,
                 row(self.block_table, self.memory_map),
                 row(self.bubbles, self.contiguous),
                 row(self.throughput),
             ]
-            self._widget = widgets.VBox(rows)
+            self._widget = widgets.VBox(rows, layout=widgets.Layout(width="100%", min_width="0"))
             self._widget.add_class("kvpaging-dashboard")
         return self._widget
 
@@ -215,6 +241,17 @@ class Dashboard(DisplaysAsWidget):
         return "\n\n".join(view.summary(position) for view in self.views)
 
     # -- export -----------------------------------------------------------------------------------------
+    def display_static(self, max_frames: int = 30) -> None:
+        """Every view's static animation as plotly's notebook output, on the dashboard's step.
+
+        Saved in a notebook, they render with no kernel, untrusted and offline.
+        """
+        from .static import display_figure
+
+        for view in self.views:
+            view.position = self.position
+            display_figure(view.static_figure(max_frames), text=view.summary(self.position))
+
     def to_html(self, path=None, *, self_contained: bool = True, max_frames: int = 60) -> str:
         """Every view's static animation on one HTML page (each with its own play button and slider)."""
         parts = []

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import PALETTE, SMALL, TraceView, discrete_colorscale
+from .base import CELL_PX, PALETTE, TraceView, discrete_colorscale, small_lines
 from .replay import TraceReplay, pool_arrays
 
 __all__ = ["MemoryMapView", "MemoryMapFrame", "memory_map_frame", "pool_figures", "FREE", "CACHED_FREE", "SHARED"]
@@ -151,9 +151,9 @@ def memory_map_frame(replay: TraceReplay, position: int, *, max_cells: int = 409
     title = (
         f"KV pool after step {record.step}: {figures['used_blocks']}/{num_blocks} blocks used "
         f"({figures['usage']:.0%})" + (f", {k} blocks per cell" if k > 1 else "")
-        + SMALL + f"{figures['tokens_stored']} tokens in {figures['allocated_slots']} allocated slots · "
-        f"internal fragmentation {figures['internal_fragmentation']:.1%} · "
-        f"sharing saves {figures['shared_savings_blocks']} blocks</span>"
+        + small_lines([f"{figures['tokens_stored']} tokens in {figures['allocated_slots']} allocated slots",
+                       f"internal fragmentation {figures['internal_fragmentation']:.1%}",
+                       f"sharing saves {figures['shared_savings_blocks']} blocks"], max_chars=60)
     )
     return MemoryMapFrame(z, customdata, text, partial_x, partial_y, k, figures, title)
 
@@ -176,9 +176,10 @@ class MemoryMapView(TraceView):
     """
 
     height = 460
+    title_lines = 3  # the pool, and its figures in up to two small lines
 
     def __init__(self, trace=None, *, block_size: int | None = None, max_cells: int = 4096,
-                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+                 controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         self.max_cells = max_cells
 
@@ -192,7 +193,7 @@ class MemoryMapView(TraceView):
         fig.add_trace(go.Heatmap(
             z=[[None]], colorscale=discrete_colorscale(COLORS), zmin=-0.5, zmax=len(COLORS) - 0.5,
             showscale=False, xgap=1, ygap=1, hovertemplate=HOVER_ONE, texttemplate="%{text}",
-            textfont={"size": 9}, name="blocks",
+            textfont={"size": CELL_PX - 1}, name="blocks",
         ))
         fig.add_trace(go.Scatter(
             x=[], y=[], mode="markers", name="partly filled",
@@ -206,9 +207,10 @@ class MemoryMapView(TraceView):
                                      marker={"symbol": "square", "size": 12, "color": color,
                                              "line": {"width": 1, "color": "#999"}}))
         fig.update_layout(
-            height=self.height, margin={"l": 60, "r": 10, "t": 70, "b": 40},
-            title={"text": "KV pool", "font": {"size": 13}},
-            xaxis={"showgrid": False, "zeroline": False, "title": "column (block id = row label + column)"},
+            height=self.height, margin={"l": 60, "r": 10, "b": 40},
+            title={"text": "KV pool"},
+            xaxis={"showgrid": False, "zeroline": False,
+                   "title": "column (block id = row label + column; in a cell: tokens it holds)"},
             yaxis={"showgrid": False, "zeroline": False, "autorange": "reversed", "title": "first block of row"},
             legend={"orientation": "h", "y": -0.12}, plot_bgcolor="#fafafa",
         )

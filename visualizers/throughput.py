@@ -158,11 +158,15 @@ class ThroughputPanel(TraceView):
     height = 520
 
     def __init__(self, trace=None, *, block_size: int | None = None, metrics: dict | None = None,
-                 controls: bool = True, interval_ms: int = 250, width: int | None = None) -> None:
+                 controls: bool = True, interval_ms: int | None = None, width: int | None = None) -> None:
         super().__init__(trace, block_size=block_size, controls=controls, interval_ms=interval_ms, width=width)
         self.metrics = dict(metrics) if metrics else {}
         self.tracker = LatencyTracker()
         self.sync()
+
+    def default_position(self) -> int:
+        """The last step: the panel draws the whole run up to its position."""
+        return max(len(self.replay) - 1, 0)
 
     def sync(self) -> None:
         for record in self.replay.records[self.tracker.num_records:]:
@@ -197,8 +201,8 @@ class ThroughputPanel(TraceView):
         fig.add_trace(go.Bar(x=[], y=[], name="inter-token (median, bar to p90)", marker_color="#17becf",
                              error_y={"type": "data", "symmetric": False, "array": [], "arrayminus": []},
                              hovertemplate="%{x}: %{y:.2f} ms<extra>median gap</extra>"), row=2, col=2)
-        fig.update_layout(barmode="stack", height=self.height, margin={"l": 50, "r": 10, "t": 80, "b": 40},
-                          title={"text": "Throughput and latency", "font": {"size": 13}},
+        fig.update_layout(barmode="stack", height=self.height, margin={"l": 50, "r": 10, "b": 40},
+                          title={"text": "Throughput and latency"},
                           legend={"orientation": "h", "y": -0.15}, plot_bgcolor="#fafafa")
         fig.update_yaxes(title_text="tokens", row=1, col=1)
         fig.update_yaxes(title_text="blocks in use", tickformat=".0%", range=[0, 1.05], row=1, col=2)

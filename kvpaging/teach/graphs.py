@@ -265,10 +265,10 @@ def read_results_table(path: str | Path | None = None, marker: str = CUDA_GRAPHS
 # ------------------------------------------------------------------ pictures
 
 def show_figure(fig) -> None:
-    """Display a plotly figure as static HTML that loads plotly.js from the CDN (keeps notebooks small)."""
-    from IPython.display import HTML, display
+    """Display a plotly figure as plotly's notebook output (renders offline, untrusted, with no kernel)."""
+    from ..visualizers.static import display_figure
 
-    display(HTML(fig.to_html(include_plotlyjs="cdn", full_html=False)))
+    display_figure(fig)
 
 
 def step_time_figure(series: dict[str, dict[int, float]], title: str = "Decode step time vs batch size"):

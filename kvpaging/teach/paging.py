@@ -31,22 +31,22 @@ __all__ = [
 def show(view, max_frames: int = 30, live: bool = True) -> None:
     """Display a view: the live widget (in Jupyter) and a static plotly animation that renders without a kernel.
 
-    The static copy loads plotly.js from the CDN (``include_plotlyjs="cdn"``), so
-    the notebook stays small; its frames are at most ``max_frames`` sampled steps.
+    The static copy is plotly's own notebook output (the ``application/vnd.plotly.v1+json``
+    mime bundle), which JupyterLab draws itself, offline and untrusted; its frames are at
+    most ``max_frames`` sampled steps, and it opens on the step the live view shows.
     """
-    from IPython.display import HTML, display
+    from IPython.display import display
 
     if live:
         display(view)
-    html = view.static_figure(max_frames).to_html(include_plotlyjs="cdn", full_html=False, auto_play=False)
-    display(HTML(html))
+    view.display_static(max_frames)
 
 
 def show_figure(fig) -> None:
-    """A plain plotly figure as static HTML (plotly.js from the CDN)."""
-    from IPython.display import HTML, display
+    """A plain plotly figure as plotly's notebook output (renders offline, untrusted, with no kernel)."""
+    from ..visualizers.static import display_figure
 
-    display(HTML(fig.to_html(include_plotlyjs="cdn", full_html=False)))
+    display_figure(fig)
 
 
 @contextlib.contextmanager
