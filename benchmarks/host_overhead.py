@@ -24,6 +24,7 @@ without input preparation. Its BlockManager needs ``pip install xxhash``.
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import random
 import statistics
@@ -72,8 +73,9 @@ def run(args) -> dict:
             "hit_rate": bm.stats().prefix_cache_hit_rate}
 
 
-def run_nano_vllm(args, path: str) -> dict:
-    """nano-vllm's Scheduler + BlockManager on the same workload (sampled tokens replaced as for kvpaging).
+def run_nano_vllm(args, path: str, with_input_preparation: bool = True) -> dict:
+    """nano-vllm's Scheduler + BlockManager on the same workload (sampled tokens replaced as for kvpaging),
+    with or without its input preparation between ``schedule`` and ``postprocess``.
 
     Its package ``__init__`` imports the model code (CUDA, flash-attn), so the package
     is registered by hand and only the engine modules are imported from ``path``."""
@@ -102,7 +104,7 @@ def run_nano_vllm(args, path: str) -> dict:
         prompt = (system + [rng.randrange(32000) for _ in range(p)])[:p]
         sched.add(NanoSequence(prompt, NanoParams(max_tokens=rng.randint(100, 1024), ignore_eos=True)))
     tokens = [rng.randrange(32000) for _ in range(4096)]
-    runner = _nano_input_preparation(path, args.block_size)
+    runner = _nano_input_preparation(path, args.block_size) if with_input_preparation else None
     t_sched = t_prep = 0.0
     seq_steps = steps = 0
     clock = time.process_time  # this process's CPU time: other work on the machine does not count
@@ -110,7 +112,8 @@ def run_nano_vllm(args, path: str) -> dict:
         t0 = clock()
         seqs, is_prefill = sched.schedule()
         t1 = clock()
-        runner.prepare_prefill(seqs) if is_prefill else runner.prepare_decode(seqs)
+        if runner is not None:
+            runner.prepare_prefill(seqs) if is_prefill else runner.prepare_decode(seqs)
         t2 = clock()
         n, k = len(seqs), steps % 2048
         sched.postprocess(seqs, tokens[k : k + n] if k + n <= 4096 else tokens[:n], is_prefill)
@@ -170,12 +173,16 @@ def main() -> None:
     args = ap.parse_args()
     # With --nano-vllm the two engines take turns (kvpaging, nano-vllm, kvpaging, ...), so that both meet
     # the same machine; the first run of each warms up. Ratios are the median of the per-turn ratios.
-    runs, nano_runs = [], []
+    runs, nano_runs, nano_alone = [], [], []
     for k in range(args.repeats + 1):
+        gc.collect()  # each run starts without the last one's garbage (requests and sequences refer to each other)
         runs.append(run(args))
         if args.nano_vllm:
+            gc.collect()
             nano_runs.append(run_nano_vllm(args, args.nano_vllm))
-    runs, nano_runs = runs[1:], nano_runs[1:]
+            gc.collect()  # and its scheduler + block manager alone, as in its own engine loop before the GPU work
+            nano_alone.append(run_nano_vllm(args, args.nano_vllm, with_input_preparation=False))
+    runs, nano_runs, nano_alone = runs[1:], nano_runs[1:], nano_alone[1:]
     r = runs[0]
     sched = statistics.median(x["sched_us"] for x in runs)
     prep = statistics.median(x["prep_us"] for x in runs)
@@ -189,23 +196,24 @@ def main() -> None:
     if args.nano_vllm:
         nano = statistics.median(x["sched_us"] for x in nano_runs)
         nano_prep = statistics.median(x["prep_us"] for x in nano_runs)
+        alone = statistics.median(x["sched_us"] for x in nano_alone)
         print(f"nano-vllm (median of {args.repeats}; steps={nano_runs[0]['steps']} "
               f"sequence-steps={nano_runs[0]['seq_steps']}):")
         print(f"  scheduler + block manager: {nano:.3f} us per sequence-step")
         print(f"  input preparation:         {nano_prep:.3f} us per sequence-step")
         print(f"  total host overhead:       {nano + nano_prep:.3f} us per sequence-step")
+        print(f"  scheduler + block manager, run without its input preparation: {alone:.3f} us per sequence-step")
 
-        def ratio(ours, theirs) -> str:
-            values = [ours(a) / theirs(b) for a, b in zip(runs, nano_runs)]
+        def ratio(ours, theirs, their_runs=nano_runs) -> str:
+            values = [ours(a) / theirs(b) for a, b in zip(runs, their_runs)]
             return f"{statistics.median(values):.2f}x (turns: {', '.join(f'{v:.2f}' for v in values)})"
 
         print("kvpaging / nano-vllm, median of the turns:")
         print(f"  scheduler + block manager:                 {ratio(lambda x: x['sched_us'], lambda y: y['sched_us'])}")
         print(f"  both with input preparation:               "
               f"{ratio(lambda x: x['sched_us'] + x['prep_us'], lambda y: y['sched_us'] + y['prep_us'])}")
-        print(f"  kvpaging's total / nano-vllm's scheduler:  "
-              f"{ratio(lambda x: x['sched_us'] + x['prep_us'], lambda y: y['sched_us'])}")
-
+        print(f"  kvpaging's total / nano-vllm's scheduler + block manager run alone: "
+              f"{ratio(lambda x: x['sched_us'] + x['prep_us'], lambda y: y['sched_us'], nano_alone)}")
 
 if __name__ == "__main__":
     main()
