@@ -215,8 +215,9 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     sequences; their positions, slots, context lengths and block tables are
     computed for all of them at once with numpy, from the rows of the block
     manager's table array. Each prefill chunk adds a few numpy operations (its
-    tokens are copied once). A step costs a few tens of microseconds plus about
-    a tenth of a microsecond per decode (``benchmarks/host_overhead.py``).
+    tokens are copied once). On the 2-core VM of ``benchmarks/RESULTS.md`` a step
+    costs some tens of microseconds plus about 0.3 us per decode
+    (``benchmarks/host_overhead.py``).
     """
     bs = out.block_size
     table_array = out.table_array
