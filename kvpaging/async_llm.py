@@ -147,7 +147,8 @@ class AsyncLLM:
 
     From then on the engine belongs to that thread: go through this object (``generate``,
     ``add_request``, ``abort``, or ``call(fn)`` to run ``fn(engine)`` between two steps), never
-    ``LLM.generate`` or ``engine.step`` on the same engine from another thread. Observers may be
+    ``LLM.generate`` or ``engine.step`` on the same engine from another thread: the engine refuses
+    those with a ``RuntimeError`` (``LLMEngine.owner_thread``) until ``shutdown()``. Observers may be
     attached (``Dashboard().attach(async_llm)``): they only receive step records.
     ``stat_logger`` (optional) hears about every step and output, on the engine thread.
     """
@@ -156,6 +157,8 @@ class AsyncLLM:
         self.engine = getattr(engine, "engine", engine)  # an LLM holds its LLMEngine as .engine
         if not isinstance(self.engine, LLMEngine):
             raise TypeError(f"AsyncLLM serves an LLMEngine (or an LLM), got {type(engine).__name__}")
+        if self.engine.owner_thread is not None:
+            raise ValueError(f"the engine is already served by the thread {self.engine.owner_thread.name!r}")
         if self.engine.has_unfinished_requests():
             raise ValueError("the engine has unfinished requests: AsyncLLM needs an idle engine to own")
         # The server tokenizes prompts and applies chat templates on its own copy: a Hugging Face fast
@@ -170,6 +173,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # orders "is it dead?" + "send" against "die" + "drain"
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvpaging-engine", daemon=True)
+        self.engine.owner_thread = self._thread  # from now on only that thread may queue, abort or step
         self._thread.start()
 
     # -- the front ----------------------------------------------------------------------------
@@ -268,6 +272,12 @@ class AsyncLLM:
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.engine.owner_thread = None  # the engine is the caller's again
+
+    def _loop(self) -> None:
         engine = self.engine
         busy = False
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self.observers = StepObservers()
         self._batch_ids = itertools.count()
         self._streaming: set[str] = set()  # unfinished requests that report every step (not FINAL_ONLY)
+        self.owner_thread: threading.Thread | None = None  # set while a server's engine thread owns it
 
     @property
     def tokenizer(self):
@@ -87,6 +89,15 @@ class LLMEngine:
         self.inputs.tokenizer = tokenizer
 
     # -- requests -----------------------------------------------------------------------------
+    def _check_thread(self) -> None:
+        """While a server (``AsyncLLM``) owns the engine, only its thread may queue, abort or step."""
+        owner = self.owner_thread
+        if owner is not None and owner is not threading.current_thread():
+            raise RuntimeError(
+                f"this engine is being served by the thread {owner.name!r} (AsyncLLM, kvpaging serve): "
+                "send requests through the server, or shut it down first; LLM.generate and engine.step "
+                "from another thread would corrupt its state")
+
     def add_request(
         self,
         request_id: str,
@@ -95,6 +106,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Everything is checked first: a refused request changes nothing."""
+        self._check_thread()
         params = SamplingParams() if params is None else params
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -107,6 +119,7 @@ class LLMEngine:
 
     def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-") -> list[str]:
         """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued."""
+        self._check_thread()
         checked = [self.inputs.check(p, sp) for p, sp in zip(prompts, params)]
         ids = []
         for (text, token_ids), sp in zip(checked, params):
@@ -133,6 +146,7 @@ class LLMEngine:
         request failed in the model's forward pass, ``RequestFailedError`` is raised once
         all are done, carrying every output: a failed request is never counted as served.
         """
+        self._check_thread()
         if self.scheduler.requests:
             pending = sorted(self.scheduler.requests)
             raise RuntimeError(
@@ -176,6 +190,7 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def abort_request(self, request_id: str) -> None:
+        self._check_thread()
         if request_id not in self.scheduler.requests:
             raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
         request = self.scheduler.abort_request(request_id)
@@ -223,6 +238,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and forward pass. Returns the outputs of the requests it advanced,
         oldest first (a FINAL_ONLY request's only when it finished)."""
+        self._check_thread()
         start = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule(now=start)

@@ -159,3 +159,25 @@ def test_shutdown_fails_requests_in_flight_and_joins_the_thread(async_llm):
 async def _drain(generator):
     async for _ in generator:
         pass
+
+
+def test_while_served_the_engine_refuses_other_threads_and_is_theirs_again_after_shutdown(one_thread, reference):
+    prompts, expected = reference
+    llm = LLM(tiny("qwen3"), num_blocks=32, max_model_len=256)
+    served = AsyncLLM(llm)
+    try:
+        with pytest.raises(RuntimeError, match="kvpaging-engine"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="served"):
+            llm.engine.step()
+        with pytest.raises(ValueError, match="already served"):
+            AsyncLLM(llm)
+
+        async def through_the_server():
+            return [o async for o in served.generate(prompts[0], GREEDY, "r0")][-1]
+
+        assert asyncio.run(through_the_server()).outputs[0].token_ids == expected[0]
+    finally:
+        served.shutdown()
+    assert llm.engine.owner_thread is None
+    assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
