@@ -289,11 +289,7 @@ class AsyncLLM:
                     commands = [self._commands.get()]  # idle: sleep until something arrives
                 else:
                     commands = []
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
+                commands += _drain(self._commands)
                 for command in commands:
                     if command[0] == "stop":
                         self._stop()
@@ -371,17 +367,22 @@ class AsyncLLM:
             error.__cause__ = cause
         with self._lock:
             self._dead = error
-            pending = []
-            while True:
-                try:
-                    pending.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            pending = _drain(self._commands)
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
         for command in pending:
             _refuse(command, error)
+
+
+def _drain(commands: queue.SimpleQueue) -> list:
+    """Every command waiting in the queue now, oldest first (without waiting for more)."""
+    taken = []
+    while True:
+        try:
+            taken.append(commands.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 def _refuse(command: tuple, error: BaseException) -> None:

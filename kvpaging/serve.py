@@ -534,6 +534,25 @@ class _Piece:
     prompt_token_ids: list[int] | None  # its prompt's tokens, with the choice's first piece only
 
 
+async def _sse_events(head: dict, streams: list[RequestStream], request: Request, n: int, every_token: bool,
+                      chunk, include_usage: bool, usage, first: list[dict] = ()):
+    """A streamed response's server-sent events: ``first`` (if any), then one chunk per piece of output
+    (``chunk(piece)`` makes its choice), then the usage chunk when asked and every request finished, then
+    ``[DONE]``. An engine failure becomes an error event in the stream (its status line is long sent)."""
+    for event in first:
+        yield _sse(event)
+    finals = []
+    try:
+        async for p in _pieces(streams, request, n, every_token, finals):
+            yield _sse({**head, "choices": [chunk(p)]})
+    except (EngineGenerateError, EngineDeadError) as error:
+        yield _error_event(error)
+    else:
+        if include_usage and finals and all(o is not None and o.finished for o in finals):
+            yield _sse({**head, "choices": [], "usage": usage(finals)})
+    yield "data: [DONE]\n\n"
+
+
 async def _pieces(streams: list[RequestStream], request: Request, n: int, every_token: bool, finals: list):
     """The stream's pieces, choice by choice, as the outputs come: deltas of the cumulative outputs.
 
@@ -679,21 +698,11 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         # a model without a tokenizer has no text at all: each new token then gets its (empty) chunk
         every_token = with_logprobs or req.return_token_ids or server.tokenizer is None
 
-        async def events():
-            finals = []
-            try:
-                async for p in _pieces(streams, request, req.n, every_token, finals):
-                    chunk = choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.text_offset,
-                                   p.prompt_token_ids)
-                    yield _sse({**head, "choices": [chunk]})
-            except (EngineGenerateError, EngineDeadError) as error:
-                yield _error_event(error)
-            else:
-                if include_usage and finals and all(o is not None and o.finished for o in finals):
-                    yield _sse({**head, "choices": [], "usage": server.usage(finals)})
-            yield "data: [DONE]\n\n"
+        def chunk(p) -> dict:
+            return choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.text_offset, p.prompt_token_ids)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        events = _sse_events(head, streams, request, req.n, every_token, chunk, include_usage, server.usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -736,27 +745,18 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": served_model_name}
 
-        async def events():
-            # OpenAI's order: each choice first says its role, then its content in pieces, then why it ended
-            for i in range(req.n):
-                yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            finals = []
-            try:
-                async for p in _pieces(streams, request, req.n, req.logprobs or req.return_token_ids, finals):
-                    chunk = {"index": p.index, "delta": {"content": p.text} if p.text else {},
-                             "logprobs": server.chat_logprobs(p.token_ids, p.logprobs) if req.logprobs else None,
-                             "finish_reason": p.completion.finish_reason, "stop_reason": p.completion.stop_reason,
-                             **extras(p.token_ids, p.prompt_token_ids)}
-                    yield _sse({**head, "choices": [chunk]})
-            except (EngineGenerateError, EngineDeadError) as error:
-                yield _error_event(error)
-            else:
-                if include_usage and finals and all(o is not None and o.finished for o in finals):
-                    yield _sse({**head, "choices": [], "usage": server.usage(finals)})
-            yield "data: [DONE]\n\n"
+        def chunk(p) -> dict:
+            return {"index": p.index, "delta": {"content": p.text} if p.text else {},
+                    "logprobs": server.chat_logprobs(p.token_ids, p.logprobs) if req.logprobs else None,
+                    "finish_reason": p.completion.finish_reason, "stop_reason": p.completion.stop_reason,
+                    **extras(p.token_ids, p.prompt_token_ids)}
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        # OpenAI's order: each choice first says its role, then its content in pieces, then why it ended
+        roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]} for i in range(req.n)]
+        events = _sse_events(head, streams, request, req.n, bool(req.logprobs or req.return_token_ids), chunk,
+                             include_usage, server.usage, first=roles)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     return app
 
