@@ -79,6 +79,12 @@ class KVCacheStats:
     prefix_hit_tokens: int
     num_cow_copies: int
     num_evictions: int
+    # High-water marks since the block manager's last reset_peak_stats(), exact: taken after every
+    # change that can raise them, so a peak reached and undone within one engine step still counts.
+    peak_used_blocks: int = 0  # the most blocks in use at once
+    table_blocks_at_peak: int = 0  # what the tables pointed at, at that same moment
+    peak_table_blocks: int = 0  # the most blocks the tables pointed at (possibly at another moment)
+    peak_savings_blocks: int = 0  # the most blocks sharing saved at once (table blocks minus used blocks)
 
     @property
     def internal_fragmentation(self) -> float:
@@ -174,6 +180,7 @@ class BlockManager:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_cow_copies = 0
+        self.reset_peak_stats()
 
     # -- queries -------------------------------------------------------------
     @property
@@ -222,7 +229,32 @@ class BlockManager:
             prefix_hit_tokens=self._prefix_hit_tokens,
             num_cow_copies=self._num_cow_copies,
             num_evictions=pool.num_evictions,
+            peak_used_blocks=self._peak_used_blocks,
+            table_blocks_at_peak=self._table_blocks_at_peak,
+            peak_table_blocks=self._peak_table_blocks,
+            peak_savings_blocks=self._peak_savings_blocks,
         )
+
+    def reset_peak_stats(self) -> None:
+        """Start the high-water marks in ``stats()`` afresh, from the present state
+        (as ``torch.cuda.reset_peak_memory_stats`` does for GPU memory)."""
+        self._peak_used_blocks = self._table_blocks_at_peak = self._peak_table_blocks = 0
+        self._peak_savings_blocks = 0
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        """Raise the high-water marks to the present state. Called at the end of every method that
+        can add a used block or a table entry (allocate, append, fork, a prefix-cache swap); the
+        others only lower both, so the marks are exact peaks, not samples."""
+        used = self.num_blocks - self.pool.free_queue.num_free_blocks
+        tables = self._num_table_blocks
+        if used > self._peak_used_blocks:
+            self._peak_used_blocks = used
+            self._table_blocks_at_peak = tables
+        if tables > self._peak_table_blocks:
+            self._peak_table_blocks = tables
+        if tables - used > self._peak_savings_blocks:
+            self._peak_savings_blocks = tables - used
 
     # -- prefix cache --------------------------------------------------------
     def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
@@ -287,6 +319,7 @@ class BlockManager:
                 else:
                     pool.cache_block(block, h, toks, parent)
             hashes.append(h)
+        self._note_peak()
 
     # -- allocation ------------------------------------------------------------
     def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
@@ -323,6 +356,7 @@ class BlockManager:
         self._prefix_query_tokens += prefix_hit.num_prompt_tokens
         self._prefix_hit_tokens += st.num_tokens
         self._grow(st, num_new_tokens)
+        self._note_peak()
         return True
 
     def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
@@ -352,6 +386,7 @@ class BlockManager:
         if cow:
             self._copy_on_write(st, last)
         self._grow(st, num_new_tokens)
+        self._note_peak()
         return True
 
     def append_decode_slots(self, tables: list[SequenceBlocks], rows: list[int], positions: list[int]) -> int:
@@ -389,6 +424,8 @@ class BlockManager:
             slow += 1
         served = len(rows) - served
         self.pool.num_filled_slots += served - slow  # the fast path's fills, counted once (BlockPool.fill's counter)
+        if slow:
+            self._note_peak()
         return served
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
@@ -436,6 +473,7 @@ class BlockManager:
         self._tables.set_prefix(child.row, child.block_ids)
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks)
+        self._note_peak()
 
     def free(self, seq_id: Hashable) -> None:
         """Return a finished, aborted or preempted sequence's blocks to the pool.
@@ -510,6 +548,10 @@ class BlockManager:
             _check(block.ref_cnt == owners.get(block.block_id, 0),
                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
         _check(self._num_table_blocks == sum(len(st.blocks) for st in self._seqs.values()), "table block count")
+        used = self.pool.num_used_blocks
+        _check(self._peak_used_blocks >= used and self._peak_table_blocks >= self._num_table_blocks
+               and self._peak_savings_blocks >= self._num_table_blocks - used, "high-water marks below the present")
+        _check(self._table_blocks_at_peak <= self._peak_table_blocks, "tables at the peak above the tables' peak")
 
 
 def _check(condition: bool, message: str) -> None:

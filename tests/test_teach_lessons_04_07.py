@@ -100,25 +100,61 @@ def test_completion_seed_matches_engine(chatty):
     assert len({tuple(c.token_ids) for c in shared.outputs}) > 1
 
 
-def test_peak_watcher_reads_one_step(chatty):
-    """The figures at the peak come from the same step: check them against the step records."""
+def _watch_every_change(bm) -> list[tuple[int, int]]:
+    """(blocks in use, blocks the tables point at) after every call of a block manager method that
+    changes its state, read from the pool's free count and the tables themselves."""
+    states: list[tuple[int, int]] = []
+
+    def wrap(name):
+        method = getattr(bm, name)
+
+        def watched(*args, **kwargs):
+            result = method(*args, **kwargs)
+            tables = sum(len(bm.get_block_table(s)) for s in list(bm._seqs))
+            states.append((bm.num_blocks - bm.num_free_blocks, tables))
+            return result
+        setattr(bm, name, watched)
+
+    for name in ("allocate_sequence", "append_slots", "append_decode_slots", "fork", "free", "cache_full_blocks",
+                 "copies_made"):
+        wrap(name)
+    return states
+
+
+@pytest.mark.parametrize("scenario", ["rollouts", "separate"])
+def test_peak_watcher_exact_peaks(chatty, scenario):
+    """The watcher's figures are the exact peaks over every change of the block tables, not samples taken
+    after each step: checked against the state after every block manager call."""
     llm = _make(chatty)
-    watcher = PeakWatcher(llm.engine)
-    llm.engine.add_observer(watcher)
-    llm.engine.keep_trace, llm.engine.trace = True, []
-    # a long shared prompt and rollouts that end at different steps: the tables peak while all are alive,
-    # the blocks in use later, so the figures at the peak of use differ from the tables' own peak
-    llm.generate([[3, 4, 5, 6, 7] * 14], SamplingParams(n=6, temperature=1.0, seed=1, max_tokens=60), use_tqdm=False)
-    trace = list(llm.engine.trace)
-    used = [r.num_used_blocks for r in trace]
-    first_peak = trace[used.index(max(used))]
-    assert _table_blocks(first_peak) < max(_table_blocks(r) for r in trace), "the scenario must separate the two peaks"
+    engine = llm.engine
+    engine.keep_trace, engine.trace = True, []
+    states = _watch_every_change(engine.block_manager)
+    watcher = PeakWatcher(engine)
+    engine.add_observer(watcher)
+    prompt = [3, 4, 5, 6, 7] * 14  # 70 tokens: 4 full blocks and a partly filled one
+    if scenario == "rollouts":
+        # rollouts that end at different steps: the tables peak while all are alive, the blocks in use
+        # later, so the figures at the peak of use differ from the tables' own peak
+        llm.generate([prompt], SamplingParams(n=6, temperature=1.0, seed=1, max_tokens=60), use_tqdm=False)
+    else:
+        # separate requests for one prompt, computed in the same step: each holds its own copy of the
+        # prompt's blocks until the step ends and the duplicates are swapped for the cached ones and freed
+        llm.generate([prompt] * 6, [SamplingParams(temperature=1.0, seed=k, max_tokens=20) for k in range(6)],
+                     use_tqdm=False)
+    used = [u for u, _ in states]
+    at_peak = next(t for u, t in states if u == max(used))
     assert watcher.peak_used_blocks == max(used)
-    assert watcher.step_of_peak == first_peak.step
-    assert watcher.table_blocks_at_peak == _table_blocks(first_peak)
-    assert watcher.savings_at_peak == _table_blocks(first_peak) - max(used)
-    assert watcher.peak_table_blocks == max(_table_blocks(r) for r in trace)
-    assert watcher.peak_savings_blocks == max(_table_blocks(r) - r.num_used_blocks for r in trace)
+    assert watcher.table_blocks_at_peak == at_peak
+    assert watcher.savings_at_peak == at_peak - max(used)
+    assert watcher.peak_table_blocks == max(t for _, t in states)
+    assert watcher.peak_savings_blocks == max(t - u for u, t in states)
+    sampled = [r.num_used_blocks for r in engine.trace]  # what an observer sees after each step
+    if scenario == "rollouts":
+        assert at_peak < watcher.peak_table_blocks, "the scenario must separate the two peaks"
+    else:
+        # the peak is reached and undone within the first step: sampling after steps misses it
+        assert watcher.peak_used_blocks > max(sampled) and watcher.step_of_peak == engine.trace[0].step
+        assert watcher.peak_used_blocks >= 6 * 5
 
 
 def test_preview():

@@ -37,36 +37,41 @@ def preview(text: str, width: int = 80) -> str:
 
 
 class PeakWatcher:
-    """An engine observer that keeps the busiest step's figures, all read at that same step.
+    """An engine observer that reports the block manager's exact peaks over the steps it watched.
 
-    ``peak_used_blocks`` is the most blocks held at once; ``table_blocks_at_peak``
-    is what the block tables pointed at in that same step (a shared block counted
-    once per table: the blocks the same sequences would hold without sharing), so
-    ``savings_at_peak`` is an honest difference of two figures taken together.
-    ``peak_table_blocks`` and ``peak_savings_blocks`` are maxima over all steps,
-    each possibly reached at a different step.
+    ``peak_used_blocks`` is the most blocks held at once, even when they were
+    allocated and freed again within one step (say, a prompt computed and then
+    swapped for a cached twin): the block manager raises its high-water marks
+    after every change, and the watcher only reads them (it resets them when it
+    starts). ``table_blocks_at_peak`` is what the block tables pointed at at
+    that same moment (a shared block counted once per table: the blocks the same
+    sequences would hold without sharing), so ``savings_at_peak`` is an honest
+    difference of two figures taken together. ``peak_table_blocks`` and
+    ``peak_savings_blocks`` are the peaks of those two figures, each possibly
+    reached at another moment. ``step_of_peak`` is the step in which use peaked.
     """
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        engine.block_manager.reset_peak_stats()
         self.peak_used_blocks = 0
         self.table_blocks_at_peak = 0
-        self.step_of_peak = -1  # the first step at which use peaked
+        self.step_of_peak = -1  # the first step in which use reached its peak
         self.peak_table_blocks = 0
         self.peak_savings_blocks = 0
 
     def __call__(self, record) -> None:
         st = self.engine.block_manager.stats()
-        if st.num_used_blocks > self.peak_used_blocks:
-            self.peak_used_blocks = st.num_used_blocks
-            self.table_blocks_at_peak = st.num_table_blocks
+        if st.peak_used_blocks > self.peak_used_blocks:
             self.step_of_peak = record.step
-        self.peak_table_blocks = max(self.peak_table_blocks, st.num_table_blocks)
-        self.peak_savings_blocks = max(self.peak_savings_blocks, st.shared_savings_blocks)
+        self.peak_used_blocks = st.peak_used_blocks
+        self.table_blocks_at_peak = st.table_blocks_at_peak
+        self.peak_table_blocks = st.peak_table_blocks
+        self.peak_savings_blocks = st.peak_savings_blocks
 
     @property
     def savings_at_peak(self) -> int:
-        """Blocks the tables point at minus blocks held, at the step of peak use."""
+        """Blocks the tables point at minus blocks held, at the moment of peak use."""
         return self.table_blocks_at_peak - self.peak_used_blocks
 
 
@@ -74,10 +79,10 @@ class PeakWatcher:
 class SharingRun:
     n: int
     shared: bool
-    peak_used_blocks: int  # blocks actually held at the busiest step
-    table_blocks_at_peak: int  # blocks the tables pointed at in that same step (a shared block once per table)
-    peak_table_blocks: int  # the most blocks the tables pointed at, in any step
-    peak_savings_blocks: int  # max over steps of stats().shared_savings_blocks (not necessarily at the peak)
+    peak_used_blocks: int  # the most blocks actually held at once
+    table_blocks_at_peak: int  # blocks the tables pointed at at that same moment (a shared block once per table)
+    peak_table_blocks: int  # the most blocks the tables pointed at, at any moment
+    peak_savings_blocks: int  # the most blocks sharing saved at once (not necessarily at the peak)
     cow_copies: int
     outputs: list  # token id lists, one per completion
     trace: list
@@ -87,7 +92,7 @@ class SharingRun:
 
     @property
     def savings_at_peak(self) -> int:
-        """Blocks saved at the step of peak use: ``table_blocks_at_peak - peak_used_blocks``."""
+        """Blocks saved at the moment of peak use: ``table_blocks_at_peak - peak_used_blocks``."""
         return self.table_blocks_at_peak - self.peak_used_blocks
 
     @property
