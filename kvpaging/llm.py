@@ -145,9 +145,9 @@ class LLM:
         prompts, params = normalize_batch(prompts, sampling_params)
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            from .progress import progress_bar
 
-            bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            bar = progress_bar(total=len(prompts), desc="Processed prompts", unit="req")
         try:
             return self.engine.run_batch(prompts, params, prefix="gen-",
                                          on_finish=None if bar is None else lambda _: bar.update(1))

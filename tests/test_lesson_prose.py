@@ -117,3 +117,12 @@ def test_scanner_catches_a_typed_figure():
     assert typed_figures(_nb("1,024 tokens at 3.5x", output="1024 tokens, 3.5x")) == []
     assert [v for _, v, _ in typed_figures(_nb("844 tok/s and 1.8x"))] == ["844", "1.8"]
     assert typed_figures(_nb("## Step 42\nsee lesson 11 on Qwen3-0.6B; `n=64`, [x](y/12.html)\n## Exercises\n1. try 512")) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(LESSONS)))
+def test_no_unfinished_progress_bars(path):
+    """A saved notebook shows finished progress bars (kvpaging.progress), never a widget frozen at 0%."""
+    nb = json.loads(path.read_text())
+    frozen = [(i, _text(o)[:80]) for i, cell in enumerate(nb["cells"]) for o in cell.get("outputs", [])
+              if re.search(r"\b0%\|", _text(o))]
+    assert not frozen, f"{path.relative_to(LESSONS)}: progress bars saved unfinished: {frozen}"

@@ -220,7 +220,7 @@ def time_prefill_and_decode(llm, prompt_len: int, batch: int = 1, decode_steps: 
     ``batch * prompt_len``), each later one a single new token per sequence (a
     decode step). One extra warm-up repeat is not counted.
     """
-    from tqdm.auto import tqdm
+    from ..progress import track
 
     from ..sampling_params import SamplingParams
 
@@ -232,7 +232,7 @@ def time_prefill_and_decode(llm, prompt_len: int, batch: int = 1, decode_steps: 
     generator = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     prefill, decode = [], []
-    for r in tqdm(range(repeats + 1), desc=f"batch {batch}, prompt {prompt_len}", disable=not progress):
+    for r in track(range(repeats + 1), desc=f"batch {batch}, prompt {prompt_len}", disable=not progress):
         for i in range(batch):
             prompt = torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
             engine.add_request(f"timing-{seed}-{r}-{i}", prompt, params)

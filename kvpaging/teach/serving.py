@@ -426,9 +426,9 @@ def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, 
     results = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import progress_bar
 
-        bar = tqdm(total=len(names) * repeats, desc="engines", unit="run")
+        bar = progress_bar(total=len(names) * repeats, desc="engines", unit="run")
     try:
         for name in names:
             fn = ENGINES[name]
