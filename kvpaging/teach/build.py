@@ -1,0 +1,256 @@
+"""Build it yourself, then check it against kvpaging's own component (lessons 04 and 05).
+
+Each checker runs a learner's few dozen lines against the component kvpaging
+itself uses, on many random cases, and says exactly where the two first differ:
+which case, which operation, what each side answered. Nothing is compared with
+figures written down here: the reference is the engine's own code.
+
+- :func:`check_block_allocator`: a block allocator (allocate, append one token,
+  free; with ``fork=True`` also fork and copy-on-write) against
+  :class:`kvpaging.BlockManager` with prefix caching off.
+- :func:`check_paged_attention`: a decode attention that reads keys and values
+  through block tables, against :func:`kvpaging.kernels.reference.paged_decode_attention`.
+
+Block ids are the allocator's own business (which free block comes next is a
+policy), so tables are compared up to a renaming of blocks: two allocators
+agree when, after every operation, the same sequences share the same blocks at
+the same positions, they hold as many blocks, and they agree on every refusal.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention"]
+
+
+# -- the block allocator -------------------------------------------------------------------------
+@dataclass
+class AllocatorCheck:
+    """What :func:`check_block_allocator` found. ``passed`` is True when nothing differed."""
+
+    passed: bool
+    workloads: int  # random workloads run (up to the first difference)
+    operations: int  # operations compared
+    refusals: int  # operations both allocators refused (no free block)
+    copies: int  # copy-on-write copies the reference made
+    difference: str = ""  # where the two first differ, and how
+
+    def __repr__(self) -> str:
+        if self.passed:
+            return (f"OK: your allocator matches kvpaging's BlockManager on {self.workloads} random workloads "
+                    f"({self.operations:,} operations, {self.refusals} refused for lack of blocks, "
+                    f"{self.copies} copy-on-write copies).")
+        return f"DIFFERS after {self.operations:,} matching operations.\n{self.difference}"
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython's display)
+
+
+def _free_count(alloc) -> int:
+    n = alloc.num_free_blocks
+    return n() if callable(n) else n
+
+
+def _same_shape(mine: dict, ref: dict) -> str:
+    """'' when the two sets of tables are equal up to a renaming of block ids, else what differs."""
+    if set(mine) != set(ref):
+        return f"live sequences differ: yours {sorted(mine)}, kvpaging's {sorted(ref)}"
+    to_ref: dict[int, int] = {}
+    to_mine: dict[int, int] = {}
+    for seq in sorted(ref):
+        a, b = list(mine[seq]), list(ref[seq])
+        if len(a) != len(b):
+            return f"sequence {seq!r} holds {len(a)} blocks in yours, {len(b)} in kvpaging's"
+        for pos, (x, y) in enumerate(zip(a, b)):
+            if to_ref.setdefault(x, y) != y or to_mine.setdefault(y, x) != x:
+                return (f"sequence {seq!r}, position {pos}: in kvpaging's tables that block is also at "
+                        f"{_places(ref, y, (seq, pos))}; in yours, at {_places(mine, x, (seq, pos))} "
+                        "(a block shared where it should not be, or not shared where it should)")
+    return ""
+
+
+def _places(tables: dict, block: int, skip: tuple) -> str:
+    """Every (sequence, position) holding ``block``, but ``skip``; 'nowhere else' when none."""
+    places = [(s, i) for s in sorted(tables) for i, b in enumerate(tables[s]) if b == block and (s, i) != skip]
+    return ", ".join(f"{s!r} position {i}" for s, i in places) or "no other place"
+
+
+def _one_workload(make, num_blocks: int, block_size: int, num_ops: int, rng: random.Random, fork: bool,
+                  totals: dict) -> str:
+    from ..block_manager import BlockManager
+
+    ref = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    mine = make(num_blocks, block_size)
+    live: list[str] = []
+    next_id = 0
+    history: list[str] = []
+    for _ in range(num_ops):
+        kinds = ["allocate"] * 3 + ["append"] * (8 if live else 0) + ["free"] * (2 if live else 0)
+        if fork and live:
+            kinds += ["fork"] * 2
+        kind = rng.choice(kinds)
+        free_before = _free_count(ref)
+        if kind == "allocate":
+            seq, next_id = f"s{next_id}", next_id + 1
+            n = rng.randint(1, 3 * block_size)
+            op = f"allocate({seq!r}, {n})"
+            got, want = mine.allocate(seq, n), ref.allocate_sequence(seq, n)
+            if want:
+                live.append(seq)
+        elif kind == "append":
+            seq = rng.choice(live)
+            op = f"append({seq!r})"
+            copies = ref.stats().num_cow_copies
+            got, want = mine.append(seq), ref.append_slots(seq, 1)
+            totals["copies"] += ref.stats().num_cow_copies - copies
+            ref.copies_made()  # the engine copies the block's data now
+        elif kind == "free":
+            seq = rng.choice(live)
+            op = f"free({seq!r})"
+            got = want = None
+            mine.free(seq)
+            ref.free(seq)
+            live.remove(seq)
+        else:
+            parent, child = rng.choice(live), f"s{next_id}"
+            next_id += 1
+            op = f"fork({parent!r}, {child!r})"
+            got = want = None
+            mine.fork(parent, child)
+            ref.fork(parent, child)
+            live.append(child)
+        history.append(op)
+        where = f"operation {len(history)}: {op}"
+        if got != want:
+            return (f"{where}: yours returned {got!r}, kvpaging's {want!r} ({free_before} blocks were free)"
+                    + _recent(history))
+        if want is False:
+            totals["refusals"] += 1
+        if _free_count(mine) != _free_count(ref):
+            return (f"{where}: yours has {_free_count(mine)} free blocks, kvpaging's {_free_count(ref)}"
+                    + _recent(history))
+        tables_mine = {s: list(mine.table(s)) for s in live}
+        tables_ref = {s: ref.get_block_table(s) for s in live}
+        for s, t in tables_mine.items():
+            bad = [b for b in t if not 0 <= b < num_blocks]
+            if bad:
+                return f"{where}: sequence {s!r} holds block ids {bad}, outside 0..{num_blocks - 1}" + _recent(history)
+        diff = _same_shape(tables_mine, tables_ref)
+        if diff:
+            return (f"{where}: {diff}\n  your tables:      {tables_mine}\n  kvpaging's tables: {tables_ref}"
+                    + _recent(history))
+        totals["operations"] += 1
+    return ""
+
+
+def _recent(history: list[str], n: int = 6) -> str:
+    return "\n  the operations up to it: " + "; ".join(history[-n:])
+
+
+def check_block_allocator(make, fork: bool = False, workloads: int = 40, ops: int = 60, num_blocks: int = 10,
+                          block_size: int = 4, seed: int = 0) -> AllocatorCheck:
+    """Run ``make(num_blocks, block_size)`` (your allocator's class) against kvpaging's BlockManager.
+
+    Your allocator needs:
+
+    - ``allocate(seq_id, num_tokens) -> bool``: blocks for a new sequence's first
+      ``num_tokens`` tokens; False, changing nothing, when too few blocks are free;
+    - ``append(seq_id) -> bool``: a slot for one more token (a new block only when
+      the last one is full; with ``fork``, a copy of a shared, partly filled last
+      block first: copy-on-write); False, changing nothing, when no block is free;
+    - ``free(seq_id)``: give the sequence's blocks back (a shared block stays with
+      its other holders);
+    - ``table(seq_id) -> list[int]``: the sequence's block table;
+    - ``num_free_blocks`` (an attribute, property or method);
+    - with ``fork=True``, ``fork(parent_id, child_id)``: the child shares every
+      block of the parent, no data is copied.
+
+    Each of ``workloads`` random workloads (``ops`` random operations on a pool of
+    ``num_blocks`` blocks of ``block_size`` slots, small so that the pool runs
+    out) is run on both; after every operation the answers, the free counts and
+    the tables (up to a renaming of block ids) must agree.
+    """
+    totals = {"operations": 0, "refusals": 0, "copies": 0}
+    rng = random.Random(seed)
+    for w in range(workloads):
+        diff = _one_workload(make, num_blocks, block_size, ops, rng, fork, totals)
+        if diff:
+            return AllocatorCheck(False, w + 1, totals["operations"], totals["refusals"], totals["copies"],
+                                  f"workload {w + 1} (pool of {num_blocks} blocks of {block_size} slots), {diff}")
+    return AllocatorCheck(True, workloads, totals["operations"], totals["refusals"], totals["copies"])
+
+
+# -- attention through block tables ----------------------------------------------------------------
+@dataclass
+class AttentionCheck:
+    """What :func:`check_paged_attention` found. ``passed`` is True when every case agreed."""
+
+    passed: bool
+    cases: int
+    max_abs_diff: float  # over all cases compared
+    difference: str = ""
+    shapes: list = field(default_factory=list, repr=False)
+
+    def __repr__(self) -> str:
+        if self.passed:
+            return (f"OK: your attention matches kvpaging's reference on {self.cases} random paged caches "
+                    f"(largest difference {self.max_abs_diff:.1e}).")
+        return f"DIFFERS: {self.difference}"
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731
+
+
+def check_paged_attention(fn, cases: int = 12, seed: int = 0, atol: float = 1e-4) -> AttentionCheck:
+    """Run ``fn(query, k_cache, v_cache, block_tables, seq_lens, scale)`` against kvpaging's torch reference.
+
+    Shapes, as in ``kvpaging.kernels``: ``query [batch, num_heads, head_dim]``; caches
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables`` int32
+    ``[batch, max_blocks]`` (entries past a sequence's last block are junk: never read
+    them); ``seq_lens`` int32 ``[batch]``. Returns ``[batch, num_heads, head_dim]``.
+    Query head ``h`` reads K/V head ``h // (num_heads // num_kv_heads)`` (grouped-query
+    attention). The cases vary the batch, the lengths (1, a whole block, ragged), the
+    block size and the heads per K/V head; blocks lie in a random order.
+    """
+    from ..kernels import reference
+    from ..kernels.testing import random_paged_kv
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    shapes = []
+    for case in range(1, cases + 1):
+        block_size = rng.choice([1, 2, 4, 8, 16])
+        num_kv_heads = rng.choice([1, 2])
+        num_heads = num_kv_heads * rng.choice([1, 2, 4])
+        head_dim = rng.choice([4, 8, 16])
+        lens = [rng.choice([1, block_size, rng.randint(1, 40)]) for _ in range(rng.randint(1, 4))]
+        kv = random_paged_kv(lens, num_kv_heads, head_dim, block_size, generator=g)
+        kv.block_tables = kv.block_tables.clone()
+        query = torch.randn(len(lens), num_heads, head_dim, generator=g)
+        scale = head_dim ** -0.5
+        want = reference.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+        shape = dict(seq_lens=lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim)
+        shapes.append(shape)
+        try:
+            got = fn(query.clone(), kv.k_cache.clone(), kv.v_cache.clone(), kv.block_tables.clone(),
+                     kv.seq_lens.clone(), scale)
+        except Exception as exc:  # the learner's code: report, don't crash the checker
+            return AttentionCheck(False, case, worst, f"case {case} {shape}: your function raised "
+                                  f"{type(exc).__name__}: {exc}", shapes)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+            got_shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return AttentionCheck(False, case, worst, f"case {case} {shape}: your output's shape is {got_shape}, "
+                                  f"expected {tuple(want.shape)}", shapes)
+        err = (got.float() - want.float()).abs()
+        worst = max(worst, float(err.max()))
+        if float(err.max()) > atol:
+            b, h, _ = (int(i) for i in torch.nonzero(err == err.max())[0])
+            return AttentionCheck(False, case, worst, (
+                f"case {case} {shape}: sequence {b} (length {lens[b]}), query head {h} differs by "
+                f"{float(err.max()):.3g} (reads K/V head {h // (num_heads // num_kv_heads)}, blocks "
+                f"{kv.block_tables[b, : -(-lens[b] // block_size)].tolist()})"), shapes)
+    return AttentionCheck(True, cases, worst, "", shapes)

@@ -1,0 +1,152 @@
+"""The build-it checkers of lessons 04 and 05 (kvpaging.teach.build): a correct learner's answer passes,
+and each classic mistake is caught and located."""
+
+import torch
+
+from kvpaging.teach.build import check_block_allocator, check_paged_attention
+
+
+# A learner's answer, written from the lesson's description (not from kvpaging's code).
+class MyAllocator:
+    def __init__(self, num_blocks, block_size):
+        self.block_size = block_size
+        self.free_blocks = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.tables, self.lengths = {}, {}
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_blocks)
+
+    def table(self, seq):
+        return self.tables[seq]
+
+    def _take(self):
+        b = self.free_blocks.pop()
+        self.refs[b] = 1
+        return b
+
+    def allocate(self, seq, n):
+        need = -(-n // self.block_size)
+        if need > len(self.free_blocks):
+            return False
+        self.tables[seq] = [self._take() for _ in range(need)]
+        self.lengths[seq] = n
+        return True
+
+    def append(self, seq):
+        table, n = self.tables[seq], self.lengths[seq]
+        if n % self.block_size == 0:          # last block full: a new one
+            if not self.free_blocks:
+                return False
+            table.append(self._take())
+        elif self.refs[table[-1]] > 1:        # shared, partly filled: copy on write
+            if not self.free_blocks:
+                return False
+            self.refs[table[-1]] -= 1
+            table[-1] = self._take()
+        self.lengths[seq] = n + 1
+        return True
+
+    def fork(self, parent, child):
+        self.tables[child] = list(self.tables[parent])
+        self.lengths[child] = self.lengths[parent]
+        for b in self.tables[child]:
+            self.refs[b] += 1
+
+    def free(self, seq):
+        for b in self.tables.pop(seq):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_blocks.append(b)
+        del self.lengths[seq]
+
+
+def my_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        t = torch.arange(n)
+        blocks = block_tables[b, t // block_size].long()
+        keys = k_cache[blocks, t % block_size]
+        values = v_cache[blocks, t % block_size]
+        for h in range(num_heads):
+            kv = h // group
+            scores = (keys[:, kv] @ query[b, h]) * scale
+            out[b, h] = torch.softmax(scores, dim=0) @ values[:, kv]
+    return out
+
+
+def test_a_correct_allocator_passes():
+    plain = check_block_allocator(MyAllocator)
+    assert plain.passed and plain.operations == 40 * 60 and plain.refusals > 0, plain
+    forked = check_block_allocator(MyAllocator, fork=True)
+    assert forked.passed and forked.copies > 0 and forked.refusals > 0, forked
+    assert "matches kvpaging's BlockManager" in repr(forked)
+
+
+class NoCopyOnWrite(MyAllocator):
+    def append(self, seq):
+        table, n = self.tables[seq], self.lengths[seq]
+        if n % self.block_size == 0:
+            if not self.free_blocks:
+                return False
+            table.append(self._take())
+        self.lengths[seq] = n + 1
+        return True
+
+
+class Leaky(MyAllocator):
+    def free(self, seq):
+        self.tables.pop(seq)
+        del self.lengths[seq]
+
+
+class OneTooMany(MyAllocator):
+    def allocate(self, seq, n):
+        return super().allocate(seq, n + 1)
+
+
+class ForkOutOfOrder(MyAllocator):
+    """Shares the parent's blocks, but lists them in another order: the free counts agree, the tables do not."""
+
+    def fork(self, parent, child):
+        super().fork(parent, child)
+        self.tables[child].reverse()
+
+
+def test_mistakes_are_caught_and_located():
+    nocow = check_block_allocator(NoCopyOnWrite, fork=True)
+    assert not nocow.passed and "append(" in nocow.difference and "free blocks" in nocow.difference
+    leak = check_block_allocator(Leaky)
+    assert not leak.passed and "free(" in leak.difference.splitlines()[0]
+    greedy = check_block_allocator(OneTooMany)
+    assert not greedy.passed and "free blocks" in greedy.difference
+    shared = check_block_allocator(ForkOutOfOrder, fork=True)
+    assert not shared.passed and "fork(" in shared.difference and "position 2" in shared.difference, shared
+    assert "DIFFERS after" in repr(shared) and "workload 1" in shared.difference
+
+
+def test_attention_checker():
+    ok = check_paged_attention(my_paged_attention)
+    assert ok.passed and ok.cases == 12 and ok.max_abs_diff < 1e-5, ok
+    assert any(s["num_heads"] > s["num_kv_heads"] > 1 for s in ok.shapes), "a case must tell GQA head orders apart"
+
+    def interleaved_heads(q, k, v, bt, sl, s):  # query head h reads K/V head h % num_kv_heads: a classic slip
+        nh, nkv = q.shape[1], k.shape[2]
+        perm = [(h % nkv) * (nh // nkv) + h // nkv for h in range(nh)]
+        return my_paged_attention(q, k, v, bt, sl, s)[:, perm]
+
+    def drops_last_token(q, k, v, bt, sl, s):
+        return my_paged_attention(q, k, v, bt, torch.clamp(sl - 1, min=1), s)
+
+    for wrong, where in ((interleaved_heads, "query head"), (drops_last_token, "sequence")):
+        res = check_paged_attention(wrong)
+        assert not res.passed and where in res.difference, res
+    crash = check_paged_attention(lambda *args: 1 / 0)
+    assert not crash.passed and "ZeroDivisionError" in crash.difference
+    shape = check_paged_attention(lambda q, *args: q[:, :1])
+    assert not shape.passed and "shape" in shape.difference
