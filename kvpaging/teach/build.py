@@ -38,12 +38,13 @@ class AllocatorCheck:
     refusals: int  # operations both allocators refused (no free block)
     copies: int  # copy-on-write copies the reference made
     difference: str = ""  # where the two first differ, and how
+    fork: bool = False  # whether fork and copy-on-write were checked
 
     def __repr__(self) -> str:
         if self.passed:
             return (f"OK: your allocator matches kvpaging's BlockManager on {self.workloads} random workloads "
-                    f"({self.operations:,} operations, {self.refusals} refused for lack of blocks, "
-                    f"{self.copies} copy-on-write copies).")
+                    f"({self.operations:,} operations, {self.refusals} refused for lack of blocks"
+                    + (f", {self.copies} copy-on-write copies)." if self.fork else ")."))
         return f"DIFFERS after {self.operations:,} matching operations.\n{self.difference}"
 
     _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython's display)
@@ -179,8 +180,8 @@ def check_block_allocator(make, fork: bool = False, workloads: int = 40, ops: in
         diff = _one_workload(make, num_blocks, block_size, ops, rng, fork, totals)
         if diff:
             return AllocatorCheck(False, w + 1, totals["operations"], totals["refusals"], totals["copies"],
-                                  f"workload {w + 1} (pool of {num_blocks} blocks of {block_size} slots), {diff}")
-    return AllocatorCheck(True, workloads, totals["operations"], totals["refusals"], totals["copies"])
+                                  f"workload {w + 1} (pool of {num_blocks} blocks of {block_size} slots), {diff}", fork)
+    return AllocatorCheck(True, workloads, totals["operations"], totals["refusals"], totals["copies"], fork=fork)
 
 
 # -- attention through block tables ----------------------------------------------------------------
