@@ -3,7 +3,7 @@ and each classic mistake is caught and located."""
 
 import torch
 
-from kvpaging.teach.build import check_block_allocator, check_paged_attention
+from kvpaging.teach.build import check_block_allocator, check_paged_attention, check_step_planner
 
 
 # A learner's answer, written from the lesson's description (not from kvpaging's code).
@@ -150,3 +150,48 @@ def test_attention_checker():
     assert not crash.passed and "ZeroDivisionError" in crash.difference
     shape = check_paged_attention(lambda q, *args: q[:, :1])
     assert not shape.passed and "shape" in shape.difference
+
+
+def plan_step(running, waiting, budget, max_num_seqs):
+    """A learner's one step of continuous batching with chunked prefill, from lesson 07's description."""
+    planned = {}
+    for seq_id, left in running:  # running sequences first, in arrival order
+        if budget == 0:
+            break
+        planned[seq_id] = min(left, budget)
+        budget -= planned[seq_id]
+    seats = len(running)
+    for seq_id, left in waiting:  # then the queue, while budget and seats last
+        if budget == 0 or seats == max_num_seqs:
+            break
+        planned[seq_id] = min(left, budget)
+        budget -= planned[seq_id]
+        seats += 1
+    return planned
+
+
+def test_step_planner_checker():
+    ok = check_step_planner(plan_step)
+    assert ok.passed and ok.steps > 500 and ok.chunked > 0 and ok.capped > 0, ok
+
+    def no_chunking(running, waiting, budget, cap):  # a prompt must fit whole, as before chunked prefill
+        planned = plan_step(running, [], budget, cap)
+        budget -= sum(planned.values())
+        for seq_id, left in waiting[: max(0, cap - len(running))]:
+            if left > budget:
+                break
+            planned[seq_id], budget = left, budget - left
+        return planned
+
+    def newcomers_first(running, waiting, budget, cap):  # the queue before the running decodes
+        planned = plan_step([], waiting[: max(0, cap - len(running))], budget, cap)
+        return planned | plan_step(running, [], budget - sum(planned.values()), cap)
+
+    def ignores_cap(running, waiting, budget, cap):
+        return plan_step(running, waiting, budget, 10**6)
+
+    for wrong in (no_chunking, newcomers_first, ignores_cap):
+        res = check_step_planner(wrong)
+        assert not res.passed and "yours:" in res.difference and "kvpaging's:" in res.difference, (wrong, res)
+    crash = check_step_planner(lambda *args: 1 / 0)
+    assert not crash.passed and "ZeroDivisionError" in crash.difference

@@ -10,6 +10,9 @@ figures written down here: the reference is the engine's own code.
   :class:`kvpaging.BlockManager` with prefix caching off.
 - :func:`check_paged_attention`: a decode attention that reads keys and values
   through block tables, against :func:`kvpaging.kernels.reference.paged_decode_attention`.
+- :func:`check_step_planner` (lesson 07): one step of continuous batching with
+  chunked prefill (who runs, with how many tokens, under a token budget and a
+  sequence cap), against :class:`kvpaging.scheduler.Scheduler`'s own decisions.
 
 Block ids are the allocator's own business (which free block comes next is a
 policy), so tables are compared up to a renaming of blocks: two allocators
@@ -24,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention"]
+__all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention", "PlannerCheck",
+           "check_step_planner"]
 
 
 # -- the block allocator -------------------------------------------------------------------------
@@ -255,3 +259,83 @@ def check_paged_attention(fn, cases: int = 12, seed: int = 0, atol: float = 1e-4
                 f"{float(err.max()):.3g} (reads K/V head {h // (num_heads // num_kv_heads)}, blocks "
                 f"{kv.block_tables[b, : -(-lens[b] // block_size)].tolist()})"), shapes)
     return AttentionCheck(True, cases, worst, "", shapes)
+
+
+# -- one step of continuous batching with chunked prefill ------------------------------------------
+@dataclass
+class PlannerCheck:
+    """What :func:`check_step_planner` found. ``passed`` is True when every step agreed."""
+
+    passed: bool
+    workloads: int
+    steps: int  # steps compared
+    chunked: int  # prompts kvpaging cut into chunks (a prompt that did not fit the step's budget)
+    capped: int  # steps in which the sequence cap kept a waiting request out
+    difference: str = ""
+
+    def __repr__(self) -> str:
+        if self.passed:
+            return (f"OK: your planner matches kvpaging's scheduler on {self.workloads} random workloads "
+                    f"({self.steps:,} steps, {self.chunked} prompts cut into chunks, {self.capped} steps at the "
+                    "sequence cap).")
+        return f"DIFFERS after {self.steps:,} matching steps.\n{self.difference}"
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731
+
+
+def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck:
+    """Run ``plan(running, waiting, budget, max_num_seqs)`` against kvpaging's scheduler, step by step.
+
+    ``running`` lists the running sequences in arrival order and ``waiting`` the queue,
+    each as ``(seq_id, tokens_to_compute)``: 1 for a sequence that decodes its next
+    token, more for a prompt not yet (fully) computed. ``budget`` is the step's token
+    budget (``max_num_batched_tokens``), ``max_num_seqs`` the most sequences running
+    at once. Return ``{seq_id: num_tokens}`` for the sequences this step computes (a
+    list of pairs also works).
+
+    Each random workload has its own budget and cap, and requests (prompts of 1 to
+    100 tokens, 1 to 12 new tokens) arriving over the first steps. The pool is large
+    enough that no one is ever preempted: this checks the plan, not the memory.
+    After every step, your plan must equal the scheduler's.
+    """
+    from ..block_manager import BlockManager
+    from ..sampling_params import SamplingParams
+    from ..scheduler import Scheduler
+    from ..sequence import Request
+
+    rng = random.Random(seed)
+    steps = chunked = capped = 0
+    for w in range(1, workloads + 1):
+        budget = rng.choice([8, 16, 32, 64])
+        cap = rng.randint(2, 6)
+        arrivals: dict[int, list[tuple[int, int]]] = {}
+        for _ in range(rng.randint(3, 12)):
+            arrivals.setdefault(rng.randint(0, 15), []).append((rng.randint(1, 100), rng.randint(1, 12)))
+        bm = BlockManager(num_blocks=256, block_size=16, enable_prefix_caching=False)
+        sched = Scheduler(bm, max_num_seqs=cap, max_num_batched_tokens=budget, max_model_len=4096)
+        step = 0
+        while step <= max(arrivals) or sched.has_unfinished():
+            for prompt_len, max_tokens in arrivals.get(step, []):
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                sched.add_request(Request(f"r{len(sched.requests)}", [7] * prompt_len, params, float(step)))
+            step += 1
+            running = [(s.seq_id, len(s.token_ids) - s.num_computed_tokens) for s in sched.running]
+            waiting = [(s.seq_id, len(s.token_ids) - s.num_computed_tokens) for s in sched.waiting]
+            where = (f"workload {w} (budget {budget} tokens, at most {cap} sequences), step {step}:\n"
+                     f"  running {running}\n  waiting {waiting}")
+            try:
+                mine = dict(plan(list(running), list(waiting), budget, cap))
+            except Exception as exc:  # the learner's code: report, don't crash the checker
+                return PlannerCheck(False, w, steps, chunked, capped, f"{where}\n  your plan raised "
+                                    f"{type(exc).__name__}: {exc}")
+            out = sched.schedule(now=float(step))
+            want = {s.seq.seq_id: s.num_new_tokens for s in out.scheduled}
+            if mine != want:
+                return PlannerCheck(False, w, steps, chunked, capped,
+                                    f"{where}\n  yours:      {mine}\n  kvpaging's: {want}")
+            steps += 1
+            waiting_ids = {seq_id for seq_id, _ in waiting}
+            chunked += sum(1 for s in out.chunks if s.seq.seq_id in waiting_ids and not s.sample)
+            capped += bool(sched.waiting) and len(sched.running) >= cap
+            sched.update(out, [7] * len(out.samples))
+    return PlannerCheck(True, workloads, steps, chunked, capped)
