@@ -322,3 +322,18 @@ def test_long_prompt_arrives_fails_loudly_when_a_step_fails():
 
     with pytest.raises(RequestFailedError):
         long_prompt_arrives(make, 64, num_running=2, decode_tokens=6, long_prompt_len=40, arrive_after=3, vocab=512)
+
+
+def test_kernel_walkthrough_cuts_live_source():
+    """Lesson 04 reads the Triton kernel beside the reference: every step's lines are found in the live
+    source files (the lesson itself runs them under Triton's interpreter), and a lost anchor is a clear error."""
+    from kvpaging.teach import kernel_reading as kr
+
+    w = kr.read_decode_kernel()
+    assert len(w.rows) == len(kr.STEPS) == 5
+    for title, _, ref, ker in w.rows:
+        assert ref.strip() and ker.strip(), title
+    assert "block_tables[b, t // block_size]" in w._repr_html_()
+    assert "tl.exp2(m - m_new)" in repr(w) and "torch.softmax" in repr(w)
+    with pytest.raises(LookupError, match="no longer in _decode_split_kernel"):
+        kr.cut("_decode_split_kernel", "a line that is not there", "x")
