@@ -337,3 +337,22 @@ def test_kernel_walkthrough_cuts_live_source():
     assert "tl.exp2(m - m_new)" in repr(w) and "torch.softmax" in repr(w)
     with pytest.raises(LookupError, match="no longer in _decode_split_kernel"):
         kr.cut("_decode_split_kernel", "a line that is not there", "x")
+
+
+def test_grpo_step_memory_matches_the_count(model):
+    """One GRPO sampling step's peak blocks, measured on the engine (shared and unshared), equal the count by
+    hand, for a prompt that fills its last block and one that does not."""
+    from kvpaging.teach.sharing import grpo_step_blocks, grpo_step_memory
+
+    def make(enable_prefix_caching=True):
+        return _make(model, num_blocks=512, max_num_seqs=64, max_num_batched_tokens=1024,
+                     enable_prefix_caching=enable_prefix_caching)
+
+    prompts = [list(range(10, 42)), list(range(50, 87))]  # 32 tokens (2 full blocks) and 37 (a partial third)
+    rows = grpo_step_memory(make, prompts, group_sizes=(1, 3, 6), rollout_len=20)
+    for r in rows:
+        assert (r.shared_peak, r.unshared_peak) == (r.shared_blocks, r.unshared_blocks), r
+    # the count itself, by hand for group 3: 51 and 56 stored tokens per rollout -> 4 blocks each
+    assert grpo_step_blocks([32, 37], 3, 20, 16, shared=False) == 3 * 4 + 3 * 4
+    assert grpo_step_blocks([32, 37], 3, 20, 16, shared=True) == (2 + 3 * 2) + (2 + 3 * 2)
+    assert rows[0].ratio == 1.0 and rows[1].ratio < rows[2].ratio

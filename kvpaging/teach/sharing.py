@@ -18,6 +18,9 @@ __all__ = [
     "PrefixRequest",
     "prefix_cache_run",
     "prefix_cache_demo",
+    "GRPOStepMemory",
+    "grpo_step_blocks",
+    "grpo_step_memory",
 ]
 
 
@@ -216,3 +219,69 @@ def prefix_cache_demo(llm, system_len: int = 96, num_users: int = 6, question_le
         llm.generate([p], params, use_tqdm=False)
         stats.append(llm.engine.block_manager.stats())
     return prompts, stats
+
+
+@dataclass
+class GRPOStepMemory:
+    """One GRPO sampling step (``len(prompt_lens)`` prompts, ``group_size`` rollouts each): its peak KV blocks,
+    measured on the engine with the rollouts sharing their prompt and as separate requests, and counted."""
+
+    group_size: int
+    shared_peak: int  # measured: one request per prompt with SamplingParams(n=group_size)
+    unshared_peak: int  # measured: group_size separate requests per prompt, prefix caching off
+    shared_blocks: int  # counted by grpo_step_blocks(..., shared=True)
+    unshared_blocks: int  # counted by grpo_step_blocks(..., shared=False)
+
+    @property
+    def ratio(self) -> float:
+        return self.unshared_peak / self.shared_peak
+
+
+def grpo_step_blocks(prompt_lens, group_size: int, rollout_len: int, block_size: int, shared: bool) -> int:
+    """KV blocks a GRPO sampling step holds when every rollout has written its last token, counted by hand.
+
+    A rollout of ``rollout_len`` tokens stores ``prompt_len + rollout_len - 1`` tokens: its last sampled
+    token is never fed back. Unshared, each rollout holds all its blocks. Shared, the prompt's full blocks
+    are stored once per prompt, and each rollout holds the rest: its own copy of the prompt's partly
+    filled last block (copy-on-write), then its own blocks.
+    """
+    total = 0
+    for p in prompt_lens:
+        per_rollout = -(-(p + rollout_len - 1) // block_size)
+        if shared:
+            full = p // block_size
+            total += full + group_size * (per_rollout - full)
+        else:
+            total += group_size * per_rollout
+    return total
+
+
+def grpo_step_memory(make_llm, prompts, group_sizes, rollout_len: int = 64, seed: int = 0) -> list[GRPOStepMemory]:
+    """Run one GRPO sampling step per group size, shared and unshared, and measure each one's peak blocks.
+
+    ``make_llm(enable_prefix_caching=...)`` builds a fresh engine; its token budget must hold every prompt of
+    the step at once, so that all rollouts run side by side (as a trainer's sampling step does). Rollouts have
+    a fixed length (``ignore_eos``) so that the two runs, and the count, describe the same work.
+    """
+    rows = []
+    block_size = None
+    lens = [len(p) for p in prompts]
+    for g in group_sizes:
+        peaks = {}
+        for shared in (True, False):
+            llm = make_llm(enable_prefix_caching=shared)
+            block_size = llm.engine.config.block_size
+            watcher = PeakWatcher(llm.engine)
+            llm.engine.add_observer(watcher)
+            if shared:
+                params = SamplingParams(n=g, temperature=1.0, seed=seed, max_tokens=rollout_len, ignore_eos=True)
+                llm.generate(list(prompts), params, use_tqdm=False)
+            else:
+                params = [SamplingParams(temperature=1.0, seed=completion_seed(seed, k), max_tokens=rollout_len,
+                                         ignore_eos=True) for _ in prompts for k in range(g)]
+                llm.generate([p for p in prompts for _ in range(g)], params, use_tqdm=False)
+            peaks[shared] = watcher.peak_used_blocks
+        rows.append(GRPOStepMemory(g, peaks[True], peaks[False],
+                                   grpo_step_blocks(lens, g, rollout_len, block_size, True),
+                                   grpo_step_blocks(lens, g, rollout_len, block_size, False)))
+    return rows
