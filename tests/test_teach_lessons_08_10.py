@@ -311,3 +311,25 @@ def test_notebook_saved_executed_and_small(name):
     text = json.dumps(nb)
     # figures are plotly's own notebook output, which JupyterLab draws offline and untrusted: no script from a CDN
     assert "cdn.plot.ly" not in text and "<script" not in text
+
+
+def test_run_events_reads_refusals_and_preemptions():
+    """serving.run_events finds the contiguous baseline's first refusal and every preemption, checked against the
+    step records and the allocator's arithmetic."""
+    from kvpaging import LLM, SamplingParams
+    from kvpaging.models import tiny
+    from kvpaging.teach.serving import run_events
+    from kvpaging.visualizers import Dashboard
+
+    llm = LLM(tiny("qwen3", num_hidden_layers=1), num_blocks=12, block_size=4, max_model_len=48, max_num_seqs=6)
+    dash = Dashboard(llm)
+    prompts = [list(range(10, 10 + n)) for n in (6, 7, 5, 6, 8, 5)]
+    dash.run(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    ev = run_events(dash)
+    assert ev.num_slots == 48
+    # the contiguous baseline reserves prompt + max_tokens: 18 + 19 fit in 48 slots, the third (17) does not
+    assert ev.refused_step == 1 and ev.refused.requested == 5 + 12 and ev.refused.total_free == 48 - 18 - 19
+    assert ev.waited_steps >= 1 and ev.paged_running_then == 6
+    records = dash.replay.records
+    assert [s for s, _, _ in ev.preemptions] == [r.step for r in records for _ in r.preempted]
+    assert ev.preemptions, "12 blocks of 4 for six growing sequences must run dry"

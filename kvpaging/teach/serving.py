@@ -29,6 +29,8 @@ import torch
 from ..kernels import cpu_backend
 
 __all__ = [
+    "RunEvents",
+    "run_events",
     "Workload",
     "make_workload",
     "make_chat_workload",
@@ -536,3 +538,46 @@ def throughput_figure(results: list[EngineResult]):
     fig.update_layout(title="Useful output tokens per second (same model, same workload, same run)",
                       yaxis_title="useful tokens / s", height=360, width=760)
     return fig
+
+
+@dataclass
+class RunEvents:
+    """Lesson 10's reading of a served run: the contiguous baseline's first refusal and the engine's preemptions."""
+
+    num_slots: int  # token slots of the pool (blocks x block size), the contiguous baseline's size too
+    refused_step: int | None  # the step at which the contiguous baseline first refused a request (None: never)
+    refused: object | None  # its kvpaging.contiguous.OutOfMemory: request, slots asked, free in total, largest hole
+    waited_steps: int  # how many steps that request then waited for a hole
+    paged_running_then: int  # sequences the paged engine ran in that same step
+    paged_used_then: int  # blocks the paged engine held in that same step
+    preemptions: list  # (step, request id, blocks in use before) for every preemption of the paged engine
+
+
+def run_events(dash) -> RunEvents:
+    """What happened in a :class:`~kvpaging.visualizers.Dashboard`'s run, read from its step records and its
+    contiguous panel (the same requests replayed on a contiguous allocator of the same size)."""
+    from ..contiguous import OutOfMemory
+
+    replay = dash.replay
+    dash.contiguous.sync()
+    steps = dash.contiguous.steps
+    refusal = next(((s.index, r) for s in steps for r in s.results if isinstance(r, OutOfMemory)), None)
+    waited = 0
+    if refusal is not None:
+        rid = refusal[1].request_id
+        waited = sum(1 for s in steps for r in s.results if isinstance(r, OutOfMemory) and r.request_id == rid)
+    records = replay.records
+    pre = []
+    for i, rec in enumerate(records):
+        before = records[i - 1].num_used_blocks if i else 0
+        pre += [(rec.step, replay.request_of(sid), before) for sid in rec.preempted]
+    at = records[refusal[0]] if refusal is not None else None
+    return RunEvents(
+        num_slots=replay.num_blocks * replay.block_size,
+        refused_step=at.step if at is not None else None,
+        refused=refusal[1] if refusal is not None else None,
+        waited_steps=waited,
+        paged_running_then=len(at.scheduled) if at is not None else 0,
+        paged_used_then=at.num_used_blocks if at is not None else 0,
+        preemptions=pre,
+    )
