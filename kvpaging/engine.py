@@ -258,7 +258,8 @@ class LLMEngine:
             self.observers.emit(out, start, sched, self.block_manager, finished=failed)
             return self._outputs(failed, failed)
         listening = self.observers.listening
-        result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening)
+        result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening,
+                              top_logprobs=sampled.top_logprobs)
         now = time.perf_counter()
         for seq in result.sampled:
             if seq.index == 0:  # completion 0's token times: time to first token, inter-token latency

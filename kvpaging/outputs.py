@@ -17,6 +17,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[float] | None = None  # logprob of each chosen token, when asked for
+    # with SamplingParams(logprobs=k), k > 0: the k most likely tokens at each position, {token id: logprob}
+    # (vLLM folds both into one list of dicts of Logprob objects; here the chosen token's stays a float)
+    top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
 
@@ -74,6 +77,7 @@ def request_output(req) -> RequestOutput:
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=math.fsum(lp) if lp else None,
                 logprobs=list(lp) if lp is not None else None,
+                top_logprobs=list(seq.output_top_logprobs) if req.params.logprobs else None,
                 finish_reason=seq.status.value if seq.status.is_finished else None,
                 stop_reason=seq.stop_reason,
             )

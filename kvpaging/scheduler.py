@@ -324,7 +324,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None,
-               keep_tables: bool = False) -> UpdateResult:
+               keep_tables: bool = False, top_logprobs: list[dict[int, float]] | None = None) -> UpdateResult:
         """Take a successful step's results: one call per step, after the forward pass and the sampler.
 
         Records the computed tokens and offers newly full blocks to the prefix cache,
@@ -356,6 +356,9 @@ class Scheduler:
         if logprobs is not None:
             for seq, logprob in zip(samples, logprobs):
                 seq.output_logprobs.append(logprob)
+            if top_logprobs is not None:
+                for seq, top in zip(samples, top_logprobs):
+                    seq.output_top_logprobs.append(top)
         # The decodes are the first samples: each has computed one more token. Every sampler then gets its
         # token; one whose token may end it (a stop token, stop strings to look for, its last allowed length)
         # is looked at closely.

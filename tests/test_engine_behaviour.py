@@ -118,6 +118,33 @@ def test_logprobs_are_the_models_and_add_up(ref):
     assert_pool_clean(llm)
 
 
+def test_top_logprobs_are_the_models_top_k(ref):
+    """SamplingParams(logprobs=k), k > 0: each completion carries the k most likely tokens at every position,
+    as a full forward pass ranks them, whatever its batch neighbours asked for; k = 0 or None carries none."""
+    prompt, other, third = prompts_of(9, 5, 7, seed=21)
+    llm = build_llm(make_model(ARCH))
+    top3, top1, none, forked = llm.generate(
+        [prompt, other, third, prompt],
+        [greedy_params(5, logprobs=3), SamplingParams(temperature=1.2, seed=5, max_tokens=5, ignore_eos=True, logprobs=1),
+         greedy_params(5, logprobs=0), SamplingParams(n=2, temperature=1.0, seed=6, max_tokens=5, ignore_eos=True,
+                                                       logprobs=2)],
+        use_tqdm=False,
+    )
+    assert none.outputs[0].top_logprobs is None and none.outputs[0].logprobs is not None
+    for p, out, k in [(prompt, top3.outputs[0], 3), (other, top1.outputs[0], 1),
+                      (prompt, forked.outputs[0], 2), (prompt, forked.outputs[1], 2)]:
+        assert len(out.top_logprobs) == len(out.token_ids) == 5
+        for i, top in enumerate(out.top_logprobs):
+            expected = torch.log_softmax(ref.last_logits(p + out.token_ids[:i]), dim=-1)
+            values, ids = expected.topk(k)
+            assert list(top) == ids.tolist(), f"position {i}"
+            assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-3)
+    # greedy: the chosen token is the first of the top ones, with the same logprob
+    for token, lp, top in zip(top3.outputs[0].token_ids, top3.outputs[0].logprobs, top3.outputs[0].top_logprobs):
+        assert next(iter(top)) == token and top[token] == pytest.approx(lp, abs=1e-6)
+    assert_pool_clean(llm)
+
+
 @pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k=1", "top_p~0", "min_p=1"])
 def test_filters_that_keep_only_the_top_token_sample_greedily(ref, params):
     prompts = prompts_of(6, 13, seed=150)
