@@ -86,6 +86,10 @@ class EngineConfig:
     cpu_fast_layers: on a CPU, run a float32 model's linear layers on oneDNN and its RMSNorms
         in one C pass (``kvpaging.kernels.cpu.layers``). Off by default: the engine then runs
         the model's own layers, exactly what ``generate()`` runs.
+    tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
+        one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/tensor_parallel.py``).
+        The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
+        per rank, as in vLLM, and ``num_blocks`` counts blocks of every rank's share of the heads.
     """
 
     block_size: int = 16
@@ -102,6 +106,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     cpu_fast_layers: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -123,6 +128,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         check_bool("cpu_fast_layers", self.cpu_fast_layers)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
 
     # -- resolving "auto" --------------------------------------------------------------------
     @property
@@ -173,9 +179,15 @@ class EngineConfig:
         elif limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
 
+        tp = self.tensor_parallel_size
+        if tp > 1:
+            from .tensor_parallel import check_tensor_parallel
+
+            check_tensor_parallel(model, tp, kv_dtype, self.cpu_fast_layers)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size
+            # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
+            bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size // tp
             num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
         if num_blocks * self.block_size < max_model_len:
             raise ValueError(
