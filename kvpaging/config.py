@@ -183,7 +183,7 @@ class EngineConfig:
         if tp > 1:
             from .tensor_parallel import check_tensor_parallel
 
-            check_tensor_parallel(model, tp, kv_dtype, self.cpu_fast_layers)
+            check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
         num_blocks = self.num_blocks
         if num_blocks is None:
             # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes

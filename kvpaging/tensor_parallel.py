@@ -175,20 +175,35 @@ def shard_model(model, rank: int, tp: int, styles: dict[str, str], device=None):
     embedding and the LM head keep rows ``[rank*n/tp, (rank+1)*n/tp)``; row-parallel weights keep
     those columns, and their bias lives on rank 0 only (the all-reduce adds it once).
     """
-    memo: dict[int, torch.Tensor] = {}
+    parts: dict[int, tuple[torch.Tensor, bool]] = {}  # the user's tensor's id -> (its part, is a parameter)
     for module_name, module in model.named_modules():
         style = styles.get(module_name)
         tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for leaf, tensor in tensors:
-            if id(tensor) in memo:  # a tied weight: the embedding and the LM head split the same way
+            if id(tensor) in parts:  # a tied weight: the embedding and the LM head split the same way
                 continue
             part = tensor.detach()
             if style in ("colwise", "vocab", "lm_head"):
                 part = part.chunk(tp, dim=0)[rank]
             elif style == "rowwise":
                 part = part.chunk(tp, dim=1)[rank] if leaf == "weight" else (part if rank == 0 else torch.zeros_like(part))
-            part = part.to(device=device, copy=True).contiguous()
-            memo[id(tensor)] = nn.Parameter(part, requires_grad=False) if isinstance(tensor, nn.Parameter) else part
+            parts[id(tensor)] = (part, isinstance(tensor, nn.Parameter))
+    # The parts are copied into one buffer per dtype, so that a shard travels to its worker as a few
+    # shared-memory segments rather than one per tensor (a file descriptor each: the fork server
+    # passes at most 256 with one process).
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    sizes: dict[torch.dtype, int] = {}
+    offsets = {}
+    for key, (part, _) in parts.items():
+        start = sizes.get(part.dtype, 0)
+        offsets[key] = start
+        sizes[part.dtype] = start + -(-part.numel() // 64) * 64  # each view starts 64 elements along: aligned
+    buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+    memo: dict[int, torch.Tensor] = {}
+    for key, (part, is_parameter) in parts.items():
+        view = buffers[part.dtype][offsets[key]:offsets[key] + part.numel()].view(part.shape)
+        view.copy_(part)
+        memo[key] = nn.Parameter(view, requires_grad=False) if is_parameter else view
     import copy
 
     shard = copy.deepcopy(model, memo)
