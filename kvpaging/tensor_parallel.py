@@ -44,7 +44,7 @@ breaks its peers' sockets, so rank 0's next collective fails within milliseconds
 out after ``STEP_TIMEOUT`` (a worker alive but stuck). Any failure on rank 0 during a step also ends the
 group (its workers would be left mid-layer): the workers are stopped and further steps are refused.
 ``LLM.shutdown()``, garbage collection and interpreter exit (``weakref.finalize``) stop the workers;
-a worker whose parent disappears exits by itself.
+a worker whose rank 0 disappears (killed outright) exits by itself within a second.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import datetime
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import traceback
@@ -136,11 +137,9 @@ def check_tensor_parallel(model, tp: int, kv_cache_dtype: str = "auto", cpu_fast
     for field, value in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
                          ("intermediate_size", getattr(config, "intermediate_size", 0)), ("vocab size", vocab)):
         if value % tp:
-            divisors = [d for d in range(1, value + 1) if value % d == 0] if value else []
             raise ValueError(
                 f"tensor_parallel_size={tp} does not divide {name}'s {field}={value}: each rank must hold an equal "
-                f"share (sizes this model can use: {', '.join(map(str, _common_divisors(model)))}; "
-                f"divisors of {field}: {divisors[:12]})")
+                f"share (sizes this model can use: {', '.join(map(str, _common_divisors(model)))})")
     shard_styles(model)
     if kv_cache_dtype.startswith("fp8"):
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with tensor_parallel_size={tp}: FP8 calibration runs "
@@ -317,7 +316,7 @@ class TensorParallelRunner(ModelRunner):
                 shard = shard_model(model, rank, tp, styles, device="cpu")
                 process = ctx.Process(target=_worker_main, name=f"kvpaging-tp-rank{rank}", daemon=True,
                                       args=(rank, tp, store.port, shard, styles, config, str(worker_device),
-                                            threads))
+                                            threads, os.getpid()))
                 process.start()  # pickles the shard into shared memory for the worker
                 del shard
                 self.worker_processes.append(process)
@@ -456,12 +455,12 @@ def _worker_context():
 
 
 def _worker_main(rank: int, tp: int, port: int, shard, styles: dict[str, str], config: EngineConfig,
-                 device_name: str, threads: int) -> None:
+                 device_name: str, threads: int, rank0_pid: int) -> None:
     """A worker's life: build its runner over its shard, join the group, then run the steps rank 0 sends."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it then stops the workers
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_without_rank0, args=(rank0_pid,), daemon=True).start()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     try:
         torch.set_num_threads(threads)
@@ -494,18 +493,20 @@ def _worker_main(rank: int, tp: int, port: int, shard, styles: dict[str, str], c
             runner.run(inputs, [tuple(p) for p in pairs.view(-1, 2).tolist()], bool(all_positions))
     except BaseException:  # noqa: BLE001 - tell rank 0 why, then leave at once (closing the sockets)
         text = traceback.format_exc()
-        try:
-            store.set(f"error/{rank}", text)
-        except Exception:  # noqa: BLE001
-            pass
-        print(f"kvpaging tensor-parallel worker rank {rank} failed:\n{text}", flush=True, file=__import__("sys").stderr)
+        print(f"kvpaging tensor-parallel worker rank {rank} failed:\n{text}", flush=True, file=sys.stderr)
+        # rank 0 reads the traceback from the store; if rank 0 is gone, the store's client would retry
+        # for seconds, so the report gets a second at most
+        report = threading.Thread(target=store.set, args=(f"error/{rank}", text), daemon=True)
+        report.start()
+        report.join(1.0)
         os._exit(1)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Leave when the parent is gone: the fork server, which exits when rank 0's process ends
-    (even when it is killed outright, when no one could stop this worker)."""
+def _exit_without_rank0(rank0_pid: int) -> None:
+    """Leave within a second once rank 0's process is gone (killed outright, it could not stop this worker)."""
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(rank0_pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
             os._exit(1)
