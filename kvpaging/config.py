@@ -90,6 +90,7 @@ class EngineConfig:
         one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/tensor_parallel.py``).
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
         per rank, as in vLLM, and ``num_blocks`` counts blocks of every rank's share of the heads.
+        On a CPU every rank runs the caller's torch thread count: set it to cores // N first.
     """
 
     block_size: int = 16

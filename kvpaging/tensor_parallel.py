@@ -33,9 +33,11 @@ no checkpoint (random weights, a user's fine-tuned model in memory), from a proc
 keeps its forward pass in plain tensors; so it reads the plan and cuts plain tensors itself, with forward hooks
 for the collectives. The user's model is only read: every rank's tensors are new ones.
 
-Processes: the workers (ranks 1..N-1) are ``torch.multiprocessing`` spawn processes, daemons, one per
-GPU on CUDA (NCCL) or CPU processes over gloo. Each receives its shard with the spawn arguments (torch
-moves the tensors through shared memory). Each rank gets its own process group object (no global
+Processes: the workers (ranks 1..N-1) are ``torch.multiprocessing`` processes (started by its fork
+server, see ``_worker_context``), daemons, one per GPU on CUDA (NCCL) or CPU processes over gloo. Each
+receives its shard with its start arguments (torch moves the tensors through shared memory). On a CPU
+every rank runs as many torch threads as the caller's process has when the ``LLM`` is made: for N ranks
+on C cores, call ``torch.set_num_threads(C // N)`` first, or the ranks fight over the cores. Each rank gets its own process group object (no global
 ``init_process_group``), so several tensor-parallel engines can live in one process.
 
 Faults: a worker that raises writes its traceback into the group's store and exits; a dead worker
@@ -306,7 +308,12 @@ class TensorParallelRunner(ModelRunner):
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         self._store = store
         ctx = _worker_context()
-        threads = max(1, torch.get_num_threads() // tp)  # each rank its share of this process's threads
+        threads = torch.get_num_threads()  # every rank runs as many threads as the caller's process
+        cores = os.cpu_count() or 1
+        if device.type == "cpu" and tp * threads > cores:
+            logger.warning("tensor_parallel_size=%d ranks x %d torch threads each > %d CPU cores: the ranks will wait "
+                           "on one another at every all-reduce; call torch.set_num_threads(%d) before making the LLM",
+                           tp, threads, cores, max(1, cores // tp))
         self.worker_processes: list = []
         self._group_box: list = []  # the process group, once made (the finalizer reads it from here)
         self._finalizer = weakref.finalize(self, _stop_workers, self.worker_processes, self._group_box, device)
