@@ -346,8 +346,11 @@ class TensorParallelRunner(ModelRunner):
         try:
             self._broadcast_step(inputs, out.blocks_to_copy, all_positions)
             return self.run(inputs, out.blocks_to_copy, all_positions)
-        except BaseException as error:  # the ranks are out of step now: none of them can go on
+        except Exception as error:  # the ranks are out of step now: none of them can go on
             raise self._fail(error) from error
+        except BaseException as interrupt:  # Ctrl-C: the same, and the caller still gets the interrupt
+            self._fail(interrupt)
+            raise
 
     def _broadcast_step(self, inputs: StepInputs, pairs: list[tuple[int, int]], all_positions: bool) -> None:
         tables = inputs.block_tables
@@ -369,15 +372,15 @@ class TensorParallelRunner(ModelRunner):
             raise TensorParallelError(f"this tensor-parallel engine has failed ({self._broken}); make a new LLM")
         if not self._finalizer.alive:
             raise TensorParallelError("this tensor-parallel engine has been shut down; make a new LLM")
-        for rank, process in enumerate(self.worker_processes, 1):
-            if process.exitcode is not None:
-                raise self._fail(None)
+        if any(process.exitcode is not None for process in self.worker_processes):
+            raise self._fail(None)
 
     def _fail(self, error: BaseException | None) -> TensorParallelError:
         """Stop every worker and say why the group ended: the dead or failing workers first."""
-        deadline = time.monotonic() + 2.0  # a worker that raised is writing its traceback and exiting
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self.worker_processes):
-            time.sleep(0.01)
+        if error is None or isinstance(error, RuntimeError):  # a collective failed: a worker may be exiting
+            deadline = time.monotonic() + 2.0  # (one that raised writes its traceback first)
+            while time.monotonic() < deadline and all(p.exitcode is None for p in self.worker_processes):
+                time.sleep(0.01)
         reasons = []
         for rank, process in enumerate(self.worker_processes, 1):
             if process.exitcode is None:
@@ -390,7 +393,8 @@ class TensorParallelRunner(ModelRunner):
         if not reasons:
             reasons.append(f"rank 0 failed during a step ({type(error).__name__}: {error})")
         self._broken = TensorParallelError("; ".join(reasons))
-        self._finalizer()  # stop the others
+        self._group_box.clear()  # the group is out of step: the workers are terminated, not asked
+        self._finalizer()
         logger.error("tensor-parallel group ended: %s", self._broken)
         return TensorParallelError(f"tensor parallelism failed: {self._broken}; this engine cannot run any more "
                                    "(make a new LLM)")
@@ -427,18 +431,19 @@ def _exit_description(exitcode: int) -> str:
 
 
 def _stop_workers(processes: list, group_box: list, device: torch.device) -> None:
-    """Ask the workers to stop, then terminate and finally kill any that are still there."""
+    """Ask the workers to stop (when the group is in step), then terminate and finally kill any that
+    are still there."""
     if group_box and all(p.exitcode is None for p in processes):
         group = group_box.pop()
         try:
             header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
             header[0] = _STOP
             group.broadcast(header, 0).wait(datetime.timedelta(seconds=STOP_TIMEOUT_S))
-        except Exception:  # noqa: BLE001 - they will be terminated below
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for process in processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - they are terminated below
             pass
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.exitcode is None:
             process.terminate()

@@ -229,3 +229,21 @@ def test_dropping_the_llm_stops_its_workers():
     llm.shutdown()
     with pytest.raises(RequestFailedError, match="has been shut down"):
         llm.generate(prompts()[:1], greedy_params(2), use_tqdm=False)
+
+
+def test_ctrl_c_on_rank_0_mid_step_stops_the_workers_and_still_interrupts():
+    llm = LLM(make_model("llama"), block_size=4, num_blocks=32, max_model_len=64, tensor_parallel_size=2)
+    pids = worker_pids(llm)
+
+    def interrupt(module, args, output):  # rank 0 stops half way through the layers; the worker waits in layer 1
+        raise KeyboardInterrupt
+
+    llm.engine.model.model.layers[0].register_forward_hook(interrupt)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts(), greedy_params(4), use_tqdm=False)
+    assert_gone(pids)
+    assert time.monotonic() - start < 5.0
+    with pytest.raises(RequestFailedError, match=r"rank 0 failed during a step \(KeyboardInterrupt"):
+        llm.generate(prompts()[:1], greedy_params(2), use_tqdm=False)
+    assert_pool_clean(llm)
