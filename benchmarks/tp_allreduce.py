@@ -74,8 +74,6 @@ def main() -> None:
              for r in range(1, args.ranks)]
     for p in procs:
         p.start()
-    from kvpaging.tensor_parallel import _make_group  # noqa: F401 - rank 0 joins below
-
     rows = measure(0, args.ranks, store.port, args.device, args.hidden, args.tokens, args.iters, args.dtype)
     for p in procs:
         p.join()
