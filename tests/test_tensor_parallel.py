@@ -4,7 +4,7 @@ The reference is transformers' ``generate()`` (greedy, batch 1) on a second mode
 from the same seed (``engine_helpers.Reference``), and the same engine settings with
 ``tensor_parallel_size=1``. The runs go through every path that decides how the KV is
 computed and stored: chunked prefill, preemption, prefix-cache hits, n > 1 with
-copy-on-write, on tiny Llama and Qwen2 models (2 ranks) and on the trained SmolLM2
+copy-on-write, on tiny Llama, Qwen2 and Qwen3 models (2 ranks, the C and the torch attention backends) and on the trained SmolLM2
 (9 query heads and 3 KV heads: 3 ranks).
 
 Faults: a worker killed outright, and one that raises, end in a ``TensorParallelError``
@@ -63,16 +63,17 @@ def assert_gone(pids: list[int], within: float = 5.0) -> None:
     assert not left, f"worker processes {left} are still there"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_ranks_give_the_tokens_of_one_and_of_generate(arch):
+# "auto" is the C decode kernel (tests/test_kernels_cpu.py); Qwen3 adds per-head q/k norms (replicated)
+@pytest.mark.parametrize("arch, backend", [("llama", "auto"), ("qwen2", "torch"), ("qwen3", "auto")])
+def test_two_ranks_give_the_tokens_of_one_and_of_generate(arch, backend):
     ref = Reference(arch)
     model = make_model(arch)
     before = {name: t.clone() for name, t in model.state_dict().items()}
     attn = model.config._attn_implementation
 
-    one = LLM(model, **SETTINGS)
+    one = LLM(model, attention_backend=backend, **SETTINGS)
     expected = run_scenario(one)
-    two = LLM(model, tensor_parallel_size=2, **SETTINGS)
+    two = LLM(model, tensor_parallel_size=2, attention_backend=backend, **SETTINGS)
     try:
         two.engine.keep_trace = True
         two.engine.trace = []
