@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 def measure(rank: int, ranks: int, port: int, device: str, hidden: int, tokens: list[int], iters: int,
             dtype: str) -> list[tuple[int, float, float]]:
-    from kvpaging.tensor_parallel import _make_group
+    from kvpaging.tensor_parallel import _make_groups
 
     torch.set_num_threads(1)
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    group = _make_group(dev, store, rank, ranks)
+    group = _make_groups(dev, store, rank, ranks)[1]  # the group the model's all-reduces use
     rows = []
     for n in tokens:
         x = torch.randn(n, hidden, dtype=getattr(torch, dtype), device=dev)

@@ -20,8 +20,9 @@ are gathered to rank 0.
 
 Rank 0 is the caller's own process. It alone runs the scheduler, the block manager and the sampler:
 one copy of the block tables serves every rank, because block b holds the same token slots on every
-rank (only for different heads). Each step, rank 0 broadcasts the step's inputs (a fixed-size header,
-then one int64 payload: token ids, positions, slots, block tables, lengths, copy-on-write pairs);
+rank (only for different heads). Each step, rank 0 broadcasts the step's inputs (a fixed-size header
+of sizes, over gloo even on GPUs, then one int64 payload on the device: token ids, positions, slots,
+block tables, lengths, copy-on-write pairs);
 then every rank runs the same forward pass over its shard. Prefix-cache hits and copy-on-write need
 nothing more: they are block-table decisions, and every rank applies the same ones.
 
@@ -269,14 +270,20 @@ def _gather_to_rank0(group, rank: int, tp: int, tensor: torch.Tensor) -> torch.T
     return tensor  # a worker's logits are not used
 
 
-def _make_group(device: torch.device, store, rank: int, size: int):
-    """This engine's own process group (NCCL on CUDA, gloo on the CPU); no global state is touched."""
-    store = dist.PrefixStore("kvpaging-tp", store)
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = STEP_TIMEOUT
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, STEP_TIMEOUT)
+def _make_groups(device: torch.device, store, rank: int, size: int):
+    """This engine's own process groups, ``(control, data)``; no global state is touched.
+
+    ``control`` carries the step headers (and the stop): gloo, on the CPU. A worker waits there
+    between steps for as long as the user likes, and on a GPU a pending NCCL broadcast would be a
+    kernel spinning on the device all that time. ``data`` carries the step's input tensors and the
+    model's collectives: NCCL on CUDA; on a CPU it is the same gloo group.
+    """
+    control = dist.ProcessGroupGloo(dist.PrefixStore("kvpaging-tp-control", store), rank, size, STEP_TIMEOUT)
+    if device.type != "cuda":
+        return control, control
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = STEP_TIMEOUT
+    return control, dist.ProcessGroupNCCL(dist.PrefixStore("kvpaging-tp-data", store), rank, size, options)
 
 
 def _gather_ints(group, rank: int, tp: int, value: int, device) -> list[int]:
@@ -316,8 +323,8 @@ class TensorParallelRunner(ModelRunner):
                            "on one another at every all-reduce; call torch.set_num_threads(%d) before making the LLM",
                            tp, threads, cores, max(1, cores // tp))
         self.worker_processes: list = []
-        self._group_box: list = []  # the process group, once made (the finalizer reads it from here)
-        self._finalizer = weakref.finalize(self, _stop_workers, self.worker_processes, self._group_box, device)
+        self._group_box: list = []  # the control group, once made (the finalizer reads it from here)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.worker_processes, self._group_box)
         try:
             for rank in range(1, tp):
                 worker_device = torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
@@ -330,15 +337,14 @@ class TensorParallelRunner(ModelRunner):
                 self.worker_processes.append(process)
             super().__init__(shard_model(model, 0, tp, styles), config)  # rank 0's shard and KV cache
             self._wait_until_ready()
-            group = _make_group(self.device, store, 0, tp)
-            self._group_box.append(group)
+            control, group = _make_groups(self.device, store, 0, tp)
+            self._group_box.append(control)
             install_collectives(self.model, styles, group, 0, tp)
             self.rank_kv_cache_bytes = _gather_ints(group, 0, tp, self.kv_cache_bytes, self.device)
         except BaseException:
             self._finalizer()
             raise
-        self._group = group
-        self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        self._control, self._group = control, group
 
     # -- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
@@ -359,12 +365,11 @@ class TensorParallelRunner(ModelRunner):
                  inputs.seq_lens, inputs.prefill_cu_seqlens_q, inputs.logits_indices]
         if pairs:
             parts.append(torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1))
-        header = self._header
-        header[:] = torch.tensor([_STEP, inputs.input_ids.shape[1], tables.shape[0], tables.shape[1],
-                                  inputs.prefill_cu_seqlens_q.shape[0], inputs.logits_indices.shape[0],
-                                  inputs.num_decodes, len(pairs), int(all_positions)])
+        header = torch.tensor([_STEP, inputs.input_ids.shape[1], tables.shape[0], tables.shape[1],
+                               inputs.prefill_cu_seqlens_q.shape[0], inputs.logits_indices.shape[0],
+                               inputs.num_decodes, len(pairs), int(all_positions)], dtype=torch.int64)
         payload = torch.cat([p.to(torch.int64) for p in parts])
-        self._group.broadcast(header.to(self.device), 0).wait()
+        self._control.broadcast(header, 0).wait()
         self._group.broadcast(payload, 0).wait()
 
     # -- faults and shutdown --------------------------------------------------------------------
@@ -431,13 +436,13 @@ def _exit_description(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def _stop_workers(processes: list, group_box: list, device: torch.device) -> None:
+def _stop_workers(processes: list, group_box: list) -> None:
     """Ask the workers to stop (when the group is in step), then terminate and finally kill any that
     are still there."""
     if group_box and all(p.exitcode is None for p in processes):
         group = group_box.pop()
         try:
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
+            header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
             header[0] = _STOP
             group.broadcast(header, 0).wait(datetime.timedelta(seconds=STOP_TIMEOUT_S))
             deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -484,12 +489,12 @@ def _worker_main(rank: int, tp: int, port: int, shard, styles: dict[str, str], c
         runner = ModelRunner(shard, config)
         del shard
         store.set(f"ready/{rank}", "1")
-        group = _make_group(device, store, rank, tp)
+        control, group = _make_groups(device, store, rank, tp)
         install_collectives(runner.model, styles, group, rank, tp)
         _gather_ints(group, rank, tp, runner.kv_cache_bytes, device)
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)  # on the CPU: the control group is gloo
         while True:
-            group.broadcast(header, 0, IDLE_TIMEOUT).wait()
+            control.broadcast(header, 0, IDLE_TIMEOUT).wait()
             op, num_tokens, num_seqs, width, num_cu, num_logits, num_decodes, num_pairs, all_positions = header.tolist()
             if op == _STOP:
                 break

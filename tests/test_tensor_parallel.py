@@ -207,7 +207,7 @@ def test_a_worker_that_raises_ends_in_its_error():
     pids = worker_pids(llm)
     runner = llm.engine.runner
     # rank 0 sends an operation the worker does not know: the worker raises and leaves
-    runner._group.broadcast(torch.full((9,), 99, dtype=torch.int64), 0).wait()
+    runner._control.broadcast(torch.full((9,), 99, dtype=torch.int64), 0).wait()
     with pytest.raises(RequestFailedError) as failed:
         llm.generate(prompts(), greedy_params(4), use_tqdm=False)
     message = str(failed.value.__cause__)
