@@ -39,8 +39,10 @@ server, see ``_worker_context``), daemons, one per GPU on CUDA (NCCL) or CPU pro
 receives its shard with its start arguments (torch moves the tensors through shared memory). On a CPU
 every rank runs as many torch threads as the caller's process has when the ``LLM`` is made: for N ranks
 on C cores, call ``torch.set_num_threads(C // N)`` first, or the ranks fight over the cores. Each
-engine makes its own process group object (no global ``init_process_group``), so several
-tensor-parallel engines can live in one process.
+engine makes its own process group objects (no global ``init_process_group``), so several
+tensor-parallel engines can live in one process. As with any spawn-style start, a worker imports
+the caller's main script again (not a notebook): a script that makes a tensor-parallel ``LLM``
+does so under ``if __name__ == "__main__":``, or each worker would try to make one too.
 
 Faults: a worker that raises writes its traceback into the group's store and exits; a dead worker
 breaks its peers' sockets, so rank 0's next collective fails within milliseconds and the engine raises
