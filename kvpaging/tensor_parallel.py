@@ -423,7 +423,9 @@ class TensorParallelRunner(ModelRunner):
                     text = self._worker_error(rank)
                     raise TensorParallelError(
                         f"tensor-parallel worker rank {rank} {_exit_description(process.exitcode)} while starting"
-                        + (f":\n{text}" if text else ""))
+                        + (f":\n{text}" if text else
+                           " (its traceback is on stderr; if this is a script, make the LLM under "
+                           "if __name__ == '__main__': every worker imports the main script again)"))
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel workers not ready after {START_TIMEOUT_S:.0f} s")
             time.sleep(0.01)
