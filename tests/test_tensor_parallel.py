@@ -161,6 +161,24 @@ def test_blocks_per_rank_double_at_the_same_memory_per_rank():
         two.shutdown()
 
 
+def test_teacher_forced_logits_equal_the_models_own_forward():
+    """Every position's logits over the whole vocabulary, through the paged path in chunks (the
+    LM head's gather, ``all_positions``), against one plain forward pass of transformers."""
+    from kvpaging.kv_accuracy import teacher_forced_logits
+
+    model = make_model("qwen3")
+    tokens = random_prompt(37, seed=5)
+    with torch.no_grad():
+        expected = model(torch.tensor([tokens])).logits[0].float()
+    llm = LLM(model, block_size=4, num_blocks=32, max_model_len=64, tensor_parallel_size=2)
+    try:
+        got = teacher_forced_logits(llm, tokens, chunk_size=16)
+    finally:
+        llm.shutdown()
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
 def test_sizes_the_model_cannot_split_are_refused_before_anything_starts():
     model = make_model("llama")  # 8 query heads, 2 KV heads
     children = multiprocessing.active_children()
