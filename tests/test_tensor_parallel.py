@@ -161,12 +161,23 @@ def test_blocks_per_rank_double_at_the_same_memory_per_rank():
         two.shutdown()
 
 
-def test_teacher_forced_logits_equal_the_models_own_forward():
+@pytest.mark.parametrize("arch", ["qwen3", "llama with biases"])
+def test_teacher_forced_logits_equal_the_models_own_forward(arch):
     """Every position's logits over the whole vocabulary, through the paged path in chunks (the
-    LM head's gather, ``all_positions``), against one plain forward pass of transformers."""
+    LM head's gather, ``all_positions``), against one plain forward pass of transformers. Llama with
+    biases on every projection: column-parallel biases are split, row-parallel ones added once."""
     from kvpaging.kv_accuracy import teacher_forced_logits
 
-    model = make_model("qwen3")
+    if arch == "qwen3":
+        model = make_model("qwen3")
+    else:
+        model = make_model("llama", attention_bias=True, mlp_bias=True)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):  # built as zeros: give them values that matter
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+        assert model.model.layers[0].mlp.down_proj.bias.abs().sum() > 0
     tokens = random_prompt(37, seed=5)
     with torch.no_grad():
         expected = model(torch.tensor([tokens])).logits[0].float()
