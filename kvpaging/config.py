@@ -189,7 +189,12 @@ class EngineConfig:
         if num_blocks is None:
             # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
             bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size // tp
-            num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
+            # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
+            shard_bytes = 0
+            if tp > 1 and dev.type == "cuda":
+                shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) // tp
+            num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
+                                    shard_bytes)
         if num_blocks * self.block_size < max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
@@ -211,12 +216,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"the model's dtype {dtype} cannot be a KV cache dtype; use float32, bfloat16 or float16")
 
 
-def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None) -> int:
+def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None,
+               still_to_allocate: int = 0) -> int:
     if budget is None:
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             # like vLLM: the whole process may use `utilization` of the device; the KV pool gets what is left
-            budget = int(total * utilization) - (total - free)
+            budget = int(total * utilization) - (total - free) - still_to_allocate
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // bytes_per_block
