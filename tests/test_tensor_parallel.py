@@ -130,7 +130,7 @@ def test_trained_model_on_three_ranks_equals_generate():
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=num_tokens)
             expected.append(out[0, len(ids):].tolist())
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide LlamaForCausalLM's "
-                                         r"num_key_value_heads=3 .*sizes this model can use: 1, 3\)"):
+                                         r"num_key_value_heads=3: .*sizes this model can use: 1, 3\)"):
         LLM(model, tok, tensor_parallel_size=2, num_blocks=16, max_model_len=128)
     # every prompt goes in chunks of at most 16 tokens; the second prompt starts once the first is
     # computed, and finds the chat template's system prompt, which both share, in the prefix cache
