@@ -55,6 +55,7 @@ a worker whose rank 0 disappears (killed outright) exits by itself within a seco
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import os
@@ -172,8 +173,9 @@ def _common_divisors(model) -> list[int]:
 
 # ------------------------------------------------------------------------------------- the shards
 
-def shard_model(model, rank: int, tp: int, styles: dict[str, str], device=None):
-    """A copy of ``model`` holding rank ``rank``'s share of every weight, on ``device`` (default: the model's).
+def shard_model(model, rank: int, tp: int, styles: dict[str, str], device=None, shared: bool = False):
+    """A copy of ``model`` holding rank ``rank``'s share of every weight, on ``device`` (default: the
+    model's); with ``shared``, in shared memory, ready to be sent to a worker without another copy.
 
     Every tensor of the copy is new (the user's model is only read, and shipping the copy to a
     worker through shared memory cannot move the user's tensors). Column-parallel weights, the
@@ -204,13 +206,13 @@ def shard_model(model, rank: int, tp: int, styles: dict[str, str], device=None):
         offsets[key] = start
         sizes[part.dtype] = start + -(-part.numel() // 64) * 64  # each view starts 64 elements along: aligned
     buffers = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+    if shared:
+        buffers = {dtype: buffer.share_memory_() for dtype, buffer in buffers.items()}
     memo: dict[int, torch.Tensor] = {}
     for key, (part, is_parameter) in parts.items():
         view = buffers[part.dtype][offsets[key]:offsets[key] + part.numel()].view(part.shape)
         view.copy_(part)
         memo[key] = nn.Parameter(view, requires_grad=False) if is_parameter else view
-    import copy
-
     shard = copy.deepcopy(model, memo)
     for module in shard.modules():  # their sizes, as the shard's repr shows them
         if type(module) is nn.Linear:
@@ -330,7 +332,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             for rank in range(1, tp):
                 worker_device = torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
-                shard = shard_model(model, rank, tp, styles, device="cpu")
+                shard = shard_model(model, rank, tp, styles, device="cpu", shared=True)
                 process = ctx.Process(target=_worker_main, name=f"kvpaging-tp-rank{rank}", daemon=True,
                                       args=(rank, tp, store.port, shard, styles, config, str(worker_device),
                                             threads, os.getpid()))
