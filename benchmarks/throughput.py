@@ -20,6 +20,13 @@ Two workloads:
     python benchmarks/throughput.py --model smollm2 --requests 48 --repeats 3
     python benchmarks/throughput.py --threads 1 --repeats 3             # tiny Qwen3, 48 requests
     python benchmarks/throughput.py --device cuda --model Qwen3-0.6B --requests 256 --dtype bfloat16
+
+``--tensor-parallel-size N`` adds kvpaging with N ranks beside kvpaging with one; ``--threads T``
+then gives the one-process engine T threads and each of the N ranks T // N, so both use T cores:
+
+    python benchmarks/throughput.py --tensor-parallel-size 2 --threads 2 --skip static,cb --repeats 3
+    python benchmarks/throughput.py --device cuda --model Qwen3-8B --dtype bfloat16 --requests 256 \
+        --tensor-parallel-size 2 --skip static,cb --repeats 3          # a machine with 2 GPUs
 """
 
 from __future__ import annotations
@@ -61,6 +68,20 @@ def run_kvpaging(model, work: Workload, args) -> serving.Run:
                                 attention_backend=args.attention_backend, cpu_fast_layers=args.cpu_fast_layers)
 
 
+def run_kvpaging_tensor_parallel(model, work: Workload, args) -> serving.Run:
+    """kvpaging on ``--tensor-parallel-size`` ranks, each with its share of ``--threads`` on a CPU."""
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, threads // args.tensor_parallel_size))  # every rank runs this many
+    try:
+        return serving.run_kvpaging(model, work, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+                                    tensor_parallel_size=args.tensor_parallel_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_static_generate(model, work: Workload, args) -> serving.Run:
     return serving.run_static_generate(model, work, batch_size=args.hf_batch_size,
                                        cpu_fast_layers=args.cpu_fast_layers)
@@ -92,6 +113,8 @@ def main() -> None:
                          "(kvpaging.kernels.cpu.layers) instead of the model's own layers")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="also run kvpaging split across this many processes (GPUs on CUDA), beside one")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds in which every engine runs once; each engine's median is reported")
@@ -104,6 +127,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     engines = {"kvpaging": run_kvpaging}
+    if args.tensor_parallel_size > 1:
+        engines[f"kvpaging tensor_parallel_size={args.tensor_parallel_size}"] = run_kvpaging_tensor_parallel
     if "static" not in skip:
         engines["transformers generate() (static)"] = run_static_generate
     if "cb" not in skip:

@@ -28,7 +28,8 @@ from .sampler import Sampler, SamplerOutput, make_generator
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .config import EngineConfig
-from .errors import DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError
+from .errors import (DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError,
+                     TensorParallelError)
 from .kv_math import (
     KV_CACHE_DTYPES,
     dtype_nbytes,
@@ -48,6 +49,7 @@ __all__ = [
     "EngineGenerateError",
     "EngineConfig",
     "RequestFailedError",
+    "TensorParallelError",
     "SamplingParams",
     "RequestOutputKind",
     "RequestOutput",

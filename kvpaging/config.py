@@ -86,6 +86,11 @@ class EngineConfig:
     cpu_fast_layers: on a CPU, run a float32 model's linear layers on oneDNN and its RMSNorms
         in one C pass (``kvpaging.kernels.cpu.layers``). Off by default: the engine then runs
         the model's own layers, exactly what ``generate()`` runs.
+    tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
+        one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/tensor_parallel.py``).
+        The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
+        per rank, as in vLLM, and ``num_blocks`` counts blocks of every rank's share of the heads.
+        On a CPU every rank runs the caller's torch thread count: set it to cores // N first.
     """
 
     block_size: int = 16
@@ -102,6 +107,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     cpu_fast_layers: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -123,6 +129,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         check_bool("cpu_fast_layers", self.cpu_fast_layers)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
 
     # -- resolving "auto" --------------------------------------------------------------------
     @property
@@ -173,10 +180,21 @@ class EngineConfig:
         elif limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
 
+        tp = self.tensor_parallel_size
+        if tp > 1:
+            from .tensor_parallel import check_tensor_parallel
+
+            check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size
-            num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes)
+            # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
+            bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size // tp
+            # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
+            shard_bytes = 0
+            if tp > 1 and dev.type == "cuda":
+                shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) // tp
+            num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
+                                    shard_bytes)
         if num_blocks * self.block_size < max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
@@ -198,12 +216,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"the model's dtype {dtype} cannot be a KV cache dtype; use float32, bfloat16 or float16")
 
 
-def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None) -> int:
+def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None,
+               still_to_allocate: int = 0) -> int:
     if budget is None:
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             # like vLLM: the whole process may use `utilization` of the device; the KV pool gets what is left
-            budget = int(total * utilization) - (total - free)
+            budget = int(total * utilization) - (total - free) - still_to_allocate
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // bytes_per_block

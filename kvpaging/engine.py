@@ -56,10 +56,15 @@ class LLMEngine:
         config = (config if config is not None else EngineConfig()).resolve(model)
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, config)
-        self.model = self.runner.model  # the private copy the engine runs
+        if config.tensor_parallel_size > 1:  # worker processes hold the other ranks' shards
+            from .tensor_parallel import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(model, config)
+        else:
+            self.runner = ModelRunner(model, config)
+        self.model = self.runner.model  # the private copy the engine runs (with tensor parallelism: rank 0's shard)
         self.device = self.runner.device
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
         self.scheduler = Scheduler(
@@ -182,6 +187,11 @@ class LLMEngine:
                 f"{', ...' if len(failed) > 5 else ''}): {type(first).__name__}: {first}. The others finished; "
                 "every output is in this error's .outputs", outputs, failed) from first
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done when the engine is garbage
+        collected, and at interpreter exit). A shut-down tensor-parallel engine cannot step again."""
+        self.runner.shutdown()
 
     def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache entry no running sequence uses (vLLM's name); returns how many blocks.

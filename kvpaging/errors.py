@@ -1,7 +1,7 @@
 """Exceptions with names that say what went wrong. The ones about bad input are ValueErrors."""
 
 __all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError", "RequestFailedError",
-           "InvariantError"]
+           "InvariantError", "TensorParallelError"]
 
 
 class SequenceNotFoundError(ValueError):
@@ -37,4 +37,12 @@ class InvariantError(AssertionError):
 
     Raised explicitly rather than with ``assert``, so the checks the tests rely on
     still run under ``python -O``.
+    """
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker process died, raised, or stopped answering (``tensor_parallel_size > 1``).
+
+    The ranks run every layer in lockstep, so the group cannot go on without one of them: the
+    remaining workers are stopped, and the engine refuses further steps with this error (make a new ``LLM``).
     """

@@ -52,6 +52,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         trust_remote_code: bool = False,
         cpu_fast_layers: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """Load ``model`` (a model object, a local folder, a hub id, or "smollm2") and start an engine on it.
 
@@ -66,7 +67,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling=scheduling, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            cpu_fast_layers=cpu_fast_layers,
+            cpu_fast_layers=cpu_fast_layers, tensor_parallel_size=tensor_parallel_size,
         )
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
@@ -77,6 +78,11 @@ class LLM:
         if tokenizer is None:
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         self.engine = LLMEngine(model, tokenizer, config=config)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``); a no-op otherwise.
+        Dropping the ``LLM``, or leaving the interpreter, does the same."""
+        self.engine.shutdown()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block that no running sequence uses; returns how many were forgotten."""

@@ -75,7 +75,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = config_hf.num_hidden_layers
-        self.num_kv_heads = getattr(config_hf, "num_key_value_heads", None) or config_hf.num_attention_heads
+        # this rank's KV heads: all of them, or 1/tensor_parallel_size of them (kvpaging/tensor_parallel.py)
+        kv_heads = getattr(config_hf, "num_key_value_heads", None) or config_hf.num_attention_heads
+        self.num_kv_heads = kv_heads // config.tensor_parallel_size
         self.head_dim = getattr(config_hf, "head_dim", None) or config_hf.hidden_size // config_hf.num_attention_heads
         self.kv_cache_dtype = config.kv_torch_dtype
         self.backend_name = config.attention_backend
@@ -102,7 +104,8 @@ class ModelRunner:
         self.graphs = None
         # Only the Triton kernels are capture-safe (no host syncs, padding slots skipped in-kernel);
         # the torch backend checks and masks its padding on the host, so it always runs eagerly.
-        if not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton":
+        if (not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton"
+                and config.tensor_parallel_size == 1):  # a graph would have to capture the all-reduces too
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():
@@ -137,6 +140,9 @@ class ModelRunner:
             raise ValueError(f"FP8 calibration saw no keys/values for layers {missing}")
         return [((k / FP8_MAX).clamp(min=MIN_SCALE), (v / FP8_MAX).clamp(min=MIN_SCALE)) for k, v in
                 (amax[i] for i in range(self.num_layers))]
+
+    def shutdown(self) -> None:
+        """Nothing to release here (a tensor-parallel runner stops its worker processes)."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -173,12 +179,15 @@ class ModelRunner:
             **{ATTN_NAME: meta},
         ).logits
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
         (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
-        self.copy_blocks(out.blocks_to_copy)
-        inputs = prepare_step_inputs(out, self.device)
+        return self.run(prepare_step_inputs(out, self.device), out.blocks_to_copy, all_positions)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, blocks_to_copy: list[tuple[int, int]], all_positions: bool = False) -> torch.Tensor:
+        """``execute`` once the step's inputs are built (a tensor-parallel worker receives them ready-made)."""
+        self.copy_blocks(blocks_to_copy)
         num_tokens = inputs.input_ids.shape[1]
         if self.graphs is not None and not all_positions and inputs.num_decodes == num_tokens:
             size = self.graphs.padded_size(num_tokens)
