@@ -502,6 +502,7 @@ class BlockManager:
         that were held back for them go to the free queue."""
         self._blocks_to_copy.clear()
         self.pool.release_held()
+        self._note_peak()  # the sources held back are free now: fewer used blocks, as many in the tables
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
@@ -549,8 +550,9 @@ class BlockManager:
                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
         _check(self._num_table_blocks == sum(len(st.blocks) for st in self._seqs.values()), "table block count")
         used = self.pool.num_used_blocks
-        _check(self._peak_used_blocks >= used and self._peak_table_blocks >= self._num_table_blocks
-               and self._peak_savings_blocks >= self._num_table_blocks - used, "high-water marks below the present")
+        _check(self._peak_used_blocks >= used, "high-water mark of used blocks below the present")
+        _check(self._peak_table_blocks >= self._num_table_blocks, "high-water mark of table blocks below the present")
+        _check(self._peak_savings_blocks >= self._num_table_blocks - used, "high-water mark of savings below the present")
         _check(self._table_blocks_at_peak <= self._peak_table_blocks, "tables at the peak above the tables' peak")
 
 
