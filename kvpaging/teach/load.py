@@ -156,7 +156,9 @@ def _ms(seconds: float | None) -> float | None:
 def serve(llm, name: str = "kvpaging"):
     """Serve ``llm`` (idle) on a free local port from this process: a ``BackgroundServer``, stop it with ``.stop()``.
 
-    Its engine keeps no trace; ``run_load(..., engine=server.llm.engine)`` listens to its steps while it runs.
+    The same app as ``kvpaging serve``; ``server.url`` is its address, ``server.llm`` the ``AsyncLLM`` in front of
+    the engine (a ``Dashboard`` can attach to it), and ``run_load(server, ...)`` listens to the engine's steps
+    for as long as its run lasts.
     """
     from ..serve import BackgroundServer, create_app
 
