@@ -26,6 +26,21 @@ or let it start ``kvpaging serve`` for the run (a subprocess on a free port, sto
 
     python benchmarks/serving.py --launch "tiny-qwen3 --max-model-len 512" --dataset random \\
         --input-len 64 --output-len 32 --num-prompts 64 --request-rate inf
+
+or sweep several rates over several servers it starts, kvpaging's and ``transformers serve``'s
+(``--target KIND:SERVE_ARGS``, repeatable; the rates run in turn, and at each rate every target
+runs once, the order rotating from one rate to the next so that the machine's drift hits each
+alike); it prints a markdown table of every run at the end::
+
+    OMP_NUM_THREADS=1 python benchmarks/serving.py --dataset chat --num-prompts 16 --output-len 48 \\
+        --warmup 2 --request-rate 0.5 1 2 4 inf \\
+        --target "kvpaging:smollm2" --target "kvpaging:smollm2 --scheduling static" \\
+        --target "transformers:smollm2 --continuous-batching" --target "transformers:smollm2"
+
+``transformers:smollm2`` serves the shipped trained model's cache through ``transformers serve``
+(a copy of its folder whose config names ``LlamaForCausalLM``; see ``transformers_model_folder``).
+``transformers serve`` takes a prompt only as a string and refuses ``ignore_eos``, so against it use
+``--dataset chat``.
 """
 
 from __future__ import annotations
@@ -37,10 +52,12 @@ import math
 import os
 import random
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -206,20 +223,19 @@ def report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def launch(serve_args: str, api_key: str | None) -> tuple[subprocess.Popen, str, str]:
-    """Start ``python -m kvpaging.serve SERVE_ARGS`` on a free port; wait until /health answers."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = shlex.split(serve_args)
-    env = {**os.environ, **({"KVPAGING_API_KEY": api_key} if api_key else {})}
-    process = subprocess.Popen([sys.executable, "-m", "kvpaging.serve", *args, "--port", str(port),
-                                "--log-level", "warning"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+        return s.getsockname()[1]
+
+
+def wait_until_up(process: subprocess.Popen, url: str, name: str, api_key: str | None = None,
+                  timeout_s: float = 300) -> str:
+    """Wait until ``url``/health answers 200; return the server's first model id."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"kvpaging serve exited with status {process.returncode}")
+            raise RuntimeError(f"{name} exited with status {process.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 break
@@ -227,11 +243,86 @@ def launch(serve_args: str, api_key: str | None) -> tuple[subprocess.Popen, str,
             pass
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError("kvpaging serve did not come up within 300 s")
+            raise RuntimeError(f"{name} did not come up within {timeout_s:.0f} s")
         time.sleep(0.2)
-    model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
-                      timeout=10).json()["data"][0]["id"]
-    return process, url, model
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+
+
+def launch(serve_args: str, api_key: str | None) -> tuple[subprocess.Popen, str, str]:
+    """Start ``python -m kvpaging.serve SERVE_ARGS`` on a free port; wait until /health answers."""
+    port = free_port()
+    env = {**os.environ, **({"KVPAGING_API_KEY": api_key} if api_key else {})}
+    process = subprocess.Popen([sys.executable, "-m", "kvpaging.serve", *shlex.split(serve_args),
+                                "--port", str(port), "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    return process, url, wait_until_up(process, url, "kvpaging serve", api_key)
+
+
+def transformers_model_folder(model: str, folder: str) -> str:
+    """A folder ``transformers serve`` can load: for ``smollm2``, the trained model's cache, copied.
+
+    ``transformers serve`` picks the model class from the config's ``architectures``, which the
+    cache (dequantized from a GGUF file) does not name. So ``folder`` gets links to the cache's
+    files and its own copy of ``config.json`` with ``"architectures": ["LlamaForCausalLM"]``;
+    the cache itself is left as it is. Any other model is passed through unchanged.
+    """
+    from kvpaging.trained import resolve_trained_name, trained_path
+
+    if resolve_trained_name(model) is None:
+        return model
+    cache = trained_path(model)
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(cache):
+        if name != "config.json" and not os.path.exists(os.path.join(folder, name)):
+            os.symlink(os.path.join(cache, name), os.path.join(folder, name))
+    with open(cache / "config.json") as f:
+        config = json.load(f)
+    config.setdefault("architectures", ["LlamaForCausalLM"])
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return folder
+
+
+def launch_transformers(serve_args: str, folder: str) -> tuple[subprocess.Popen, str, str]:
+    """Start ``transformers serve MODEL [OPTIONS]`` (SERVE_ARGS) on a free port, on the CPU unless told."""
+    args = shlex.split(serve_args)
+    model, options = transformers_model_folder(args[0], folder), args[1:]
+    if not any(a.startswith("--device") for a in options):
+        options += ["--device", "cpu"]
+    port = free_port()
+    # the `transformers` command of this Python's transformers (the same entry point its script calls)
+    command = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
+               "serve", model, *options,
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    # it logs a line per request even at --log-level warning: into a file beside the model folder
+    log = open(os.path.join(os.path.dirname(folder), f"transformers-serve-{port}.log"), "w")
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
+                               stderr=subprocess.STDOUT)
+    log.close()  # the child holds its own handle
+    url = f"http://127.0.0.1:{port}"
+    try:
+        return process, url, wait_until_up(process, url, "transformers serve")
+    except RuntimeError as error:
+        with open(log.name) as f:
+            raise RuntimeError(f"{error}; its log ends:\n{f.read()[-2000:]}") from None
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (rate, target): throughput and the latency percentiles, in milliseconds."""
+    def ms(value):
+        return "-" if value is None else f"{value:,.0f}"
+
+    lines = ["| rate (req/s) | target | done | req/s | output tok/s | TTFT median | TTFT p99 | TPOT median | "
+             "TPOT p99 | ITL p99 | E2E median |", "|---" * 11 + "|"]
+    for row in rows:
+        s = row["summary"]
+        done = f"{s['completed']}" + (f" ({s['failed']} failed)" if s["failed"] else "")
+        lines.append(f"| {row['rate']:g} | {row['target']} | {done} | {s['request_throughput']:.2f} | "
+                     f"{s['output_throughput']:.1f} | {ms(s['ttft_ms']['median'])} | {ms(s['ttft_ms']['p99'])} | "
+                     f"{ms(s['tpot_ms']['median'])} | {ms(s['tpot_ms']['p99'])} | {ms(s['itl_ms']['p99'])} | "
+                     f"{ms(s['e2e_ms']['median'])} |")
+    return "\n".join(lines)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -239,6 +330,10 @@ def make_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
     where.add_argument("--launch", metavar="SERVE_ARGS", help="start `kvpaging serve SERVE_ARGS` for the run")
+    where.add_argument("--target", action="append", metavar="KIND:SERVE_ARGS",
+                       help="repeatable: start each of these servers, e.g. 'kvpaging:smollm2 --scheduling static' "
+                            "or 'transformers:smollm2 --continuous-batching' (`transformers serve`), and run every "
+                            "rate against each in turn (the order rotates from rate to rate)")
     p.add_argument("--model", help="the model name to ask for (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("KVPAGING_API_KEY"))
     p.add_argument("--dataset", choices=("chat", "random"), default="random")
@@ -246,46 +341,91 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=64, help="random: prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="random: output tokens; chat: the most per answer")
     p.add_argument("--vocab-size", type=int, default=4096, help="random: token ids are drawn from [3, this)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                   help="requests per second (inf: all at once); several values: a sweep, one run per rate")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="send this many of the requests, all at once and unmeasured, to each server first")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the summary (and the settings) as JSON")
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
+def start_target(spec: str, api_key: str | None, workdir: str) -> tuple[subprocess.Popen, str, str]:
+    kind, _, serve_args = spec.partition(":")
+    if kind == "kvpaging":
+        return launch(serve_args, api_key)
+    if kind == "transformers":
+        return launch_transformers(serve_args, os.path.join(workdir, "transformers-model"))
+    raise SystemExit(f"--target {spec!r}: the kind before ':' must be kvpaging or transformers")
+
+
+def main(argv: list[str] | None = None):
+    """One run: print its report and return its summary. A sweep (several rates or targets): print each
+    run's report and a markdown table of all; return the list of {"target", "rate", "summary"}."""
     args = make_parser().parse_args(argv)
-    process = None
-    base_url, model = args.base_url, args.model
-    try:
-        if args.launch:
-            process, base_url, launched = launch(args.launch, args.api_key)
-            model = model or launched
-        elif model is None:
-            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-            model = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-        rng = random.Random(args.seed)
-        if args.dataset == "chat":
-            requests, endpoint = chat_requests(args.num_prompts, args.output_len), "/v1/chat/completions"
-        else:
-            requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, rng)
-            endpoint = "/v1/completions"
-        results, duration = asyncio.run(run_load(base_url, model, requests, endpoint, args.request_rate,
-                                                 args.max_concurrency, args.seed, args.api_key))
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(60)
-    summary = summarize(results, duration)
-    print(f"model {model} at {base_url}, dataset {args.dataset}, {args.num_prompts} requests, "
-          f"rate {args.request_rate}/s, seed {args.seed}")
-    print(report(summary))
+    rng = random.Random(args.seed)
+    if args.dataset == "chat":
+        requests, endpoint = chat_requests(args.num_prompts, args.output_len), "/v1/chat/completions"
+    else:
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, rng)
+        endpoint = "/v1/completions"
+    servers = []  # (label, process or None, base url, model)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvpaging-bench-") as workdir:
+        try:
+            if args.target:
+                for spec in args.target:
+                    process, url, model = start_target(spec, args.api_key, workdir)
+                    servers.append((spec, process, url, args.model or model))
+            elif args.launch:
+                process, url, model = launch(args.launch, args.api_key)
+                servers.append((f"kvpaging:{args.launch}", process, url, args.model or model))
+            else:
+                model = args.model
+                if model is None:
+                    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+                    model = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
+                                      timeout=10).json()["data"][0]["id"]
+                servers.append((args.base_url, None, args.base_url, model))
+            for label, _, url, model in servers:
+                if args.warmup:
+                    asyncio.run(run_load(url, model, requests[:args.warmup], endpoint, math.inf, None, args.seed,
+                                         args.api_key))
+            for i, rate in enumerate(args.request_rate):
+                turn = i % len(servers)  # interleaved: each target goes first in turn, so drift hits all alike
+                for label, _, url, model in servers[turn:] + servers[:turn]:
+                    results, duration = asyncio.run(run_load(url, model, requests, endpoint, rate,
+                                                             args.max_concurrency, args.seed, args.api_key))
+                    summary = summarize(results, duration)
+                    print(f"{label}: model {model} at {url}, dataset {args.dataset}, {args.num_prompts} requests, "
+                          f"rate {rate}/s, seed {args.seed}", flush=True)
+                    print(report(summary), flush=True)
+                    rows.append({"target": label, "rate": rate, "model": model, "summary": summary})
+        finally:
+            for _, process, _, _ in servers:
+                if process is not None:
+                    process.terminate()
+                    try:
+                        process.wait(60)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+    order = {label: k for k, (label, *_) in enumerate(servers)}
+    rows.sort(key=lambda row: (row["rate"], order[row["target"]]))
+    settings = {k: v for k, v in vars(args).items() if k != "api_key"}
+    if len(rows) > 1:
+        print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": {k: v for k, v in vars(args).items() if k != "api_key"}, "model": model,
-                       **summary}, f, indent=2, default=str)
-    return summary
+            if len(rows) == 1:
+                json.dump({"settings": settings, "model": rows[0]["model"], **rows[0]["summary"]}, f, indent=2,
+                          default=str)
+            else:
+                json.dump({"settings": settings, "runs": rows}, f, indent=2, default=str)
+    return rows[0]["summary"] if len(rows) == 1 else rows
 
 
 if __name__ == "__main__":
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the servers it started are stopped too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()

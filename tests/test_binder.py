@@ -47,7 +47,7 @@ def _strip_for_offline(lines: list[str]) -> list[str]:
     return out
 
 
-def _dry_run(requirement_lines: list[str], tmp_path: Path, extras: str = "[notebook]") -> subprocess.CompletedProcess:
+def _dry_run(requirement_lines: list[str], tmp_path: Path, extras: str = "[notebook,serve]") -> subprocess.CompletedProcess:
     req = tmp_path / "requirements.txt"
     req.write_text("\n".join(_strip_for_offline(requirement_lines)) + "\n")
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
@@ -64,7 +64,7 @@ def test_binder_files_are_complete():
     assert spec.operator == "==" and spec.version.endswith("+cpu"), "pin an exact CPU build, e.g. torch==2.13.0+cpu"
     post = (BINDER / "postBuild").read_text()
     assert post.startswith("#!") and (BINDER / "postBuild").stat().st_mode & 0o111, "postBuild must be executable"
-    assert 'pip install --no-cache-dir -e ".[notebook]"' in post
+    assert 'pip install --no-cache-dir -e ".[notebook,serve]"' in post  # lesson 11 serves from the notebook
     runtime = (BINDER / "runtime.txt").read_text().strip()
     assert re.fullmatch(r"python-3\.(1[0-3])", runtime), runtime
 
@@ -90,7 +90,8 @@ def test_binder_requirements_resolve_with_the_package(tmp_path):
     versions = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
     (spec,) = _torch_pin().specifier
     assert Version(versions["torch"]).base_version == Version(spec.version).base_version
-    for name in ("kvpaging", "transformers", "jupyterlab", "ipywidgets", "plotly", "anywidget"):
+    for name in ("kvpaging", "transformers", "jupyterlab", "ipywidgets", "plotly", "anywidget", "openai", "fastapi",
+                 "uvicorn"):
         assert name in versions, f"{name} missing from the resolved install"
 
 

@@ -494,8 +494,9 @@ def test_static_html_export_plays_offline_with_every_frame_inside_its_axes(tmp_p
 
 # -- saved lessons, no kernel, offline -------------------------------------------------------------------------
 # Lessons whose saved figures must draw from the notebook file alone: the contiguous allocator's animation (03),
-# the batch-slot grids (06) and the dashboard's static copies (10).
-SAVED_LESSONS = ["03_fragmentation_and_oom.ipynb", "06_continuous_batching.ipynb", "10_putting_it_together.ipynb"]
+# the batch-slot grids (06), the dashboard's static copies (10) and the load test's curves and timelines (11).
+SAVED_LESSONS = ["03_fragmentation_and_oom.ipynb", "06_continuous_batching.ipynb", "10_putting_it_together.ipynb",
+                 "11_serving_under_load.ipynb"]
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 

@@ -10,6 +10,7 @@ brings the tokens back); text checks use the shipped trained model.
 import asyncio
 import inspect
 import json
+import math
 import os
 import signal
 import socket
@@ -570,6 +571,33 @@ def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
     assert json.loads(out.read_text())["model"] == "tiny"
     assert books(tiny_server) == (0, 0)
     assert bench.percentiles([0.001, 0.002, 0.003, 0.004, 0.005])["median"] == pytest.approx(3.0)
+    # several rates: one run each on the same server, and a markdown table of all
+    rows = bench.main(["--base-url", tiny_server.url, "--dataset", "random", "--num-prompts", "3", "--input-len", "4",
+                       "--output-len", "2", "--request-rate", "inf", "40", "--warmup", "1"])
+    assert [(row["rate"], row["summary"]["completed"]) for row in rows] == [(40, 3), (math.inf, 3)]
+    table = bench.markdown_table(rows).splitlines()
+    assert len(table) == 4 and table[2].startswith(f"| 40 | {tiny_server.url} | 3 | ")
+    assert books(tiny_server) == (0, 0)
+
+
+def test_the_serving_benchmark_gives_transformers_serve_a_copy_of_the_trained_model(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from kvpaging.trained import trained_path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    cache = trained_path("smollm2")
+    before = (cache / "config.json").read_bytes()
+    folder = Path(bench.transformers_model_folder("smollm2", str(tmp_path / "m")))
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (cache / "config.json").read_bytes() == before  # the cache itself is left alone
+    assert (folder / "model.safetensors").resolve() == (cache / "model.safetensors").resolve()
+    assert bench.transformers_model_folder("some/hub-model", str(tmp_path / "x")) == "some/hub-model"
 
 
 def test_an_engine_failure_answers_503_to_waiting_and_later_requests_and_health_says_so(one_thread):
