@@ -25,8 +25,7 @@ Nothing a client sends names a model, a file or code to load: the served model
 is fixed at start, and the chat template is the model's own (a client's Jinja
 template would be code run on the server).
 
-Where kvpaging differs from vLLM: no ``echo``, no penalties, and ``logprobs`` reports the
-chosen token's log-probability only (the engine's outputs do not carry the top alternatives).
+Where kvpaging differs from vLLM: no ``echo`` and no penalties.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: far more than max_model_len t
 MAX_PROMPTS_PER_REQUEST = 64  # a batch of prompts in one completion request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # the most alternatives per token (vLLM's default max_logprobs; OpenAI allows 5 for completions)
 GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long before they are cancelled
 
 
@@ -457,19 +457,29 @@ class _Server:
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
+    def completion_logprobs(self, token_ids, logprobs, offset: int, top=None) -> dict:
+        """OpenAI's completions ``logprobs``: each token's text, log-probability and offset in the text, and with
+        ``logprobs=k > 0`` the k most likely tokens at each position (text -> log-probability)."""
         tokens = [self.token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        alternatives = None if top is None else [{self.token_text(t): lp for t, lp in d.items()} for d in top]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives,
+                "text_offset": offsets}
 
-    def chat_logprobs(self, token_ids, logprobs) -> dict:
-        content = []
-        for t, lp in zip(token_ids, logprobs):
+    def chat_logprobs(self, token_ids, logprobs, top=None) -> dict:
+        """OpenAI's chat ``logprobs``: per token its text, log-probability and bytes, and its ``top_logprobs``
+        (the k most likely tokens, each the same shape; empty unless the request asked for k > 0)."""
+        def entry(t, lp) -> dict:
             token = self.token_text(t)
-            content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+            return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+            alternatives = [entry(a, alp) for a, alp in top[i].items()] if top is not None else []
+            content.append({**entry(t, lp), "top_logprobs": alternatives})
         return {"content": content}
 
 
@@ -530,6 +540,7 @@ class _Piece:
     text: str
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None  # the k most likely tokens at each new position, when asked
     text_offset: int  # where ``text`` starts in the choice's whole text
     prompt_token_ids: list[int] | None  # its prompt's tokens, with the choice's first piece only
 
@@ -573,7 +584,8 @@ async def _pieces(streams: list[RequestStream], request: Request, n: int, every_
             finished = c.finish_reason is not None
             if not text and not finished and not (new_ids and every_token):
                 continue
-            yield _Piece(index, c, text, new_ids, (c.logprobs or [])[s.num_tokens:], len(s.text),
+            top = c.top_logprobs[s.num_tokens:] if c.top_logprobs is not None else None
+            yield _Piece(index, c, text, new_ids, (c.logprobs or [])[s.num_tokens:], top, len(s.text),
                          output.prompt_token_ids if s.num_tokens == 0 and not s.text else None)
             s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
 
@@ -664,9 +676,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             raise _bad_request("suffix is not supported by kvpaging", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise _bad_request("best_of is not supported by kvpaging (only best_of = n)", "best_of")
-        if req.logprobs is not None and req.logprobs != 0:
-            raise _bad_request("kvpaging reports the chosen token's log-probability only: logprobs must be 0",
-                               "logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise _bad_request(f"logprobs must be from 0 to {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
         prompts = server.completion_prompts(req.prompt)
         params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
                   for _, ids in prompts]
@@ -676,9 +687,9 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                 "model": served_model_name}
         with_logprobs = req.logprobs is not None
 
-        def choice(index, c, text, token_ids, logprobs, offset, prompt_token_ids) -> dict:
+        def choice(index, c, text, token_ids, logprobs, top, offset, prompt_token_ids) -> dict:
             out = {"index": index, "text": text,
-                   "logprobs": server.completion_logprobs(token_ids, logprobs, offset) if with_logprobs else None,
+                   "logprobs": server.completion_logprobs(token_ids, logprobs, offset, top) if with_logprobs else None,
                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 out["token_ids"] = list(token_ids)
@@ -690,8 +701,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             finals = await _final_outputs(streams, request)
             if finals is None:
                 return Response(status_code=499)  # the client has gone: nobody reads this
-            choices = [choice(i * req.n + c.index, c, c.text, c.token_ids, c.logprobs or [], 0, o.prompt_token_ids)
-                       for i, o in enumerate(finals) for c in o.outputs]
+            choices = [choice(i * req.n + c.index, c, c.text, c.token_ids, c.logprobs or [], c.top_logprobs, 0,
+                              o.prompt_token_ids) for i, o in enumerate(finals) for c in o.outputs]
             return {**head, "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -699,7 +710,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         every_token = with_logprobs or req.return_token_ids or server.tokenizer is None
 
         def chunk(p) -> dict:
-            return choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.text_offset, p.prompt_token_ids)
+            return choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.top_logprobs, p.text_offset,
+                          p.prompt_token_ids)
 
         events = _sse_events(head, streams, request, req.n, every_token, chunk, include_usage, server.usage)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -709,14 +721,15 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
     async def chat_completions(request: Request):
         req = _parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        if req.top_logprobs:
-            raise _bad_request("kvpaging reports the chosen token's log-probability only: top_logprobs must be 0",
-                               "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise _bad_request(f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {req.top_logprobs}", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise _bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise _bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         text, ids = server.chat_prompt(req.messages)
-        params = server.sampling_params(req, len(ids), max_tokens, 0 if req.logprobs else None,
+        params = server.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                         final_only=not req.stream)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await server.start(request_id, [(text, ids)], [params])
@@ -735,7 +748,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             if finals is None:
                 return Response(status_code=499)
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": server.chat_logprobs(c.token_ids, c.logprobs or []) if req.logprobs else None,
+                        "logprobs": (server.chat_logprobs(c.token_ids, c.logprobs or [], c.top_logprobs)
+                                     if req.logprobs else None),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                         **extras(c.token_ids, finals[0].prompt_token_ids)}
                        for c in finals[0].outputs]
@@ -747,7 +761,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
 
         def chunk(p) -> dict:
             return {"index": p.index, "delta": {"content": p.text} if p.text else {},
-                    "logprobs": server.chat_logprobs(p.token_ids, p.logprobs) if req.logprobs else None,
+                    "logprobs": server.chat_logprobs(p.token_ids, p.logprobs, p.top_logprobs) if req.logprobs else None,
                     "finish_reason": p.completion.finish_reason, "stop_reason": p.completion.stop_reason,
                     **extras(p.token_ids, p.prompt_token_ids)}
 

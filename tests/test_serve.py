@@ -236,7 +236,8 @@ BAD_REQUESTS = [
     ({"stop": ["x"]}, 400, "need a tokenizer"),
     ({"temperature": -1}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
-    ({"logprobs": 3}, 400, "logprobs must be 0"),
+    ({"logprobs": 21}, 400, "logprobs must be from 0 to 20"),
+    ({"logprobs": -1}, 400, "logprobs must be from 0 to 20"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"echo": True}, 400, "echo"),
     ({"model": "gpt-4"}, 404, "does not exist"),
@@ -394,7 +395,17 @@ def test_text_completion_streams_to_the_same_text_as_llm_generate(trained_server
     assert whole.usage.prompt_tokens == len(reference.prompt_token_ids)
     lp = whole.choices[0].logprobs
     assert len(lp.token_logprobs) == whole.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
-    assert "".join(lp.tokens) == text
+    assert "".join(lp.tokens) == text and lp.top_logprobs is None
+
+    # logprobs=3: the 3 most likely tokens at each position, as the engine ranks them offline
+    top3 = c.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, logprobs=3)
+    ranked = offline(trained_server, prompt, SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)).outputs[0]
+    tokenizer = trained_server.llm.tokenizer
+    expected = [{tokenizer.decode([t]): v for t, v in d.items()} for d in ranked.top_logprobs]
+    got = top3.choices[0].logprobs.top_logprobs
+    assert [list(d) for d in got] == [list(d) for d in expected] and len(got) == 16
+    assert all(list(g.values()) == pytest.approx(list(e.values()), abs=1e-4) for g, e in zip(got, expected))
+    assert all(next(iter(d)) == token for d, token in zip(got, top3.choices[0].logprobs.tokens))  # greedy: the top
 
     raw = httpx.post(trained_server.url + "/v1/completions", timeout=60, json={
         "model": "smollm2", "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True,
@@ -421,6 +432,22 @@ def test_chat_streams_to_the_same_answer_as_the_engine(trained_server):
     assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
     assert whole.choices[0].finish_reason == reference.outputs[0].finish_reason
     assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+    assert all(entry.top_logprobs == [] for entry in whole.choices[0].logprobs.content)
+    top2 = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0,
+                                     logprobs=True, top_logprobs=2)
+    for entry in top2.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    streamed = list(c.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True))
+    pieces = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, [a.token for a in e.top_logprobs]) for e in pieces] == \
+           [(e.token, [a.token for a in e.top_logprobs]) for e in top2.choices[0].logprobs.content]
+    for bad, message in (({"top_logprobs": 2}, "needs logprobs"), ({"logprobs": True, "top_logprobs": 21}, "from 0 to 20")):
+        response = httpx.post(trained_server.url + "/v1/chat/completions", timeout=60,
+                              json={"model": "smollm2", "messages": messages, "max_tokens": 2, **bad})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
     chunks = list(c.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
