@@ -366,10 +366,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 # A transition is one state change (a request added, a scheduler step, an abort), each followed by every check.
-# 550 x 130 rules give some 120,000 transitions (a rule adds up to 3 requests or runs up to 4 steps) in about 30 s.
-MAX_EXAMPLES = 550
+# 250 x 130 rules give some 55,000 transitions (a rule adds up to 3 requests or runs up to 4 steps), about 40 s
+# on an idle 2-core VM (2026-12-01; 550 examples took 93 s there, and twice that beside the lessons in make test).
+# Hypothesis draws new examples on every run, so the runs of CI add up.
+MAX_EXAMPLES = 250
 STEPS_PER_EXAMPLE = 130
-MIN_TRANSITIONS = 100_000
+MIN_TRANSITIONS = 45_000
 
 
 def test_scheduler_state_machine():
