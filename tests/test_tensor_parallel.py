@@ -110,6 +110,25 @@ def test_two_ranks_give_the_tokens_of_one_and_of_generate(arch, backend):
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
+def test_two_ranks_with_the_triton_backend():
+    """The Triton kernels on every rank (here under Triton's interpreter, as tests/test_engine_triton.py runs
+    them): each rank's kernels read its own share of the KV heads through the same block tables."""
+    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+    ref = Reference("qwen2")
+    model = make_model("qwen2")
+    two = LLM(model, tensor_parallel_size=2, attention_backend="triton", block_size=4, num_blocks=16,
+              max_model_len=32, max_num_batched_tokens=8)
+    try:
+        shorts = [random_prompt(n, seed=500 + n) for n in (3, 9)]  # the 9-token prompt comes in two chunks
+        outs = two.generate(shorts, greedy_params(5), use_tqdm=False)
+        assert two.engine.config.attention_backend == "triton"
+        for prompt, out in zip(shorts, outs):
+            ref.assert_greedy(prompt, out.outputs[0].token_ids, 5, what="qwen2 tp=2 triton")
+        assert_pool_clean(two)
+    finally:
+        two.shutdown()
+
+
 def test_trained_model_on_three_ranks_equals_generate():
     """SmolLM2 has 9 query heads and 3 KV heads: 3 ranks of 3 and 1. (Its tokens with one process
     equal generate()'s in tests/test_trained_model.py.)"""

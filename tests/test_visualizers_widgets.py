@@ -245,6 +245,24 @@ def test_background_painter_follows_an_engine(one_thread):
     assert f"step {steps}" in dash.memory_map.figure.layout.title.text
 
 
+def test_attached_dashboard_reserves_each_requests_worst_case(one_thread):
+    """A dashboard following an engine whose requests someone else adds (a server, generate()) gives the
+    contiguous baseline each request's prompt + max_tokens, not max_model_len."""
+    llm = make_llm()
+    dash = Dashboard(llm)
+    dash.attach(background=False)
+    try:
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        dash.detach()
+    worst = sorted(len(p) + sp.max_tokens for p, sp in zip(PROMPTS, PARAMS))
+    assert sorted(dash._reserve.values()) == worst
+    dash.contiguous.sync()
+    asked = {a[2] for s in dash.contiguous.steps for a in s.actions if a[0] == "reserve"}
+    assert asked == set(worst) and llm.engine.config.max_model_len not in asked
+    assert dash._note_reserves not in llm.engine.observers.observers  # detached
+
+
 def test_dashboard_run_matches_generate_and_drives_every_view(one_thread):
     expected = make_llm().generate(PROMPTS, PARAMS, use_tqdm=False)
     llm = make_llm()

@@ -78,6 +78,7 @@ class Dashboard(DisplaysAsWidget):
         self._controls: PlaybackControls | None = None
         self._widget = None
         self._feed: LiveFeed | None = None
+        self._reserving = None  # the engine whose admissions _note_reserves reads, while attached
         self._displayed = False
         self._lock = threading.RLock()  # the live painter and the kernel both draw
         for view in self.views:
@@ -89,7 +90,8 @@ class Dashboard(DisplaysAsWidget):
         return cls(trace=trace, block_size=block_size, **kwargs)
 
     def _reserve_for(self, request_id: str) -> int:
-        """Contiguous worst case of a request: prompt + max_tokens when run() knows them, else max_model_len."""
+        """Contiguous worst case of a request: prompt + max_tokens when run() or the live observer saw them
+        (a request admitted and finished within one step is gone before it is seen), else max_model_len."""
         if request_id in self._reserve:
             return self._reserve[request_id]
         if self.engine is not None:
@@ -148,12 +150,29 @@ class Dashboard(DisplaysAsWidget):
         self.detach()
         self._feed = LiveFeed(self.replay, [self], fps=self.fps)
         self._feed.attach(self.engine, background=background)
+        if isinstance(self._reserve, dict):
+            self._reserving = self.engine
+            self.engine.add_observer(self._note_reserves)
         return self._feed
+
+    def _note_reserves(self, record) -> None:
+        """An observer, in the engine's thread: the contiguous baseline's worst case (prompt + max_tokens) of
+        each request the engine admitted this step, read while the engine still holds the request (requests
+        added by a server or by hand, which run() does not see)."""
+        requests = self._reserving.scheduler.requests
+        limit = self._reserving.config.max_model_len
+        for rid in record.arrivals:
+            request = requests.get(rid)
+            if request is not None and rid not in self._reserve:
+                self._reserve[rid] = min(request.prompt_len + request.params.max_tokens, limit)
 
     def detach(self) -> None:
         if self._feed is not None:
             self._feed.detach()
             self._feed = None
+        if self._reserving is not None:
+            self._reserving.remove_observer(self._note_reserves)
+            self._reserving = None
 
     def run(self, prompts, sampling_params=None, *, display: bool = True):
         """Add ``prompts`` to the engine and step it to completion, drawing as it goes.
