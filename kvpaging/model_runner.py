@@ -97,7 +97,9 @@ class ModelRunner:
             from .kernels.cpu.layers import enable_fast_layers
 
             self.fast_layers = enable_fast_layers(model)
-        if self.kv_cache_dtype == torch.float8_e4m3fn:
+        # with tensor parallelism every rank calibrates once the all-reduces are in place (its forward pass is a
+        # part of the model's, not a whole one): kvpaging/tensor_parallel.py calls calibrate_fp8_scales then
+        if self.kv_cache_dtype == torch.float8_e4m3fn and config.tensor_parallel_size == 1:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -115,7 +117,8 @@ class ModelRunner:
                         config.attention_backend)
 
     @torch.inference_mode()
-    def calibrate_fp8_scales(self, calibration_tokens: list[list[int]] | None = None, seed: int = 0):
+    def calibrate_fp8_scales(self, calibration_tokens: list[list[int]] | None = None, seed: int = 0,
+                             vocab_size: int | None = None):
         """Per-layer, per-KV-head FP8 scales from the data: amax / 448 over a calibration pass.
 
         The model runs once, unpaged, over a few calibration sequences (by
@@ -123,12 +126,14 @@ class ModelRunner:
         downloaded), while the attention function records the largest |key| and
         |value| of every KV head in every layer. Values beyond the calibrated
         range are clamped to +-448 when stored (saturation), never turned to NaN.
+        ``vocab_size``: the range of the random ids (default: the LM head's rows; a tensor-parallel rank
+        holds only a share of them and passes the whole model's, so every rank draws the same ids).
         """
         from .attention import CALIBRATION_KWARG
         from .kernels.fp8 import FP8_MAX, MIN_SCALE
 
         if calibration_tokens is None:
-            vocab = self.model.get_output_embeddings().weight.shape[0]
+            vocab = vocab_size or self.model.get_output_embeddings().weight.shape[0]
             g = torch.Generator().manual_seed(seed)
             calibration_tokens = torch.randint(0, vocab, (4, 256), generator=g).tolist()
         amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -148,9 +148,6 @@ def check_tensor_parallel(model, tp: int, kv_cache_dtype: str = "auto", cpu_fast
                 f"tensor_parallel_size={tp} does not divide {name}'s {field}={value}: each rank must hold an equal "
                 f"share (sizes this model can use: {', '.join(map(str, _common_divisors(model)))})")
     shard_styles(model)
-    if kv_cache_dtype.startswith("fp8"):
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with tensor_parallel_size={tp}: FP8 calibration runs "
-                         "on one process; use kv_cache_dtype='auto' or tensor_parallel_size=1")
     if cpu_fast_layers:
         raise ValueError(f"cpu_fast_layers=True with tensor_parallel_size={tp}: the fast layers are not split; "
                          "use one or the other")
@@ -345,6 +342,7 @@ class TensorParallelRunner(ModelRunner):
             self._group_box.append(control)
             install_collectives(self.model, styles, group, 0, tp)
             self.rank_kv_cache_bytes = _gather_ints(group, 0, tp, self.kv_cache_bytes, self.device)
+            _calibrate_fp8(self, tp)
         except BaseException:
             self._finalizer()
             raise
@@ -467,6 +465,15 @@ def _stop_workers(processes: list, group_box: list) -> None:
 
 # ------------------------------------------------------------------------------------- the workers
 
+def _calibrate_fp8(runner: ModelRunner, tp: int) -> None:
+    """An FP8 cache's per-head scales, every rank at once: the calibration passes run the model through the
+    all-reduces like any step, and each rank keeps the scales of its own KV heads. The random calibration
+    ids span the whole vocabulary (a rank's LM head holds 1/tp of it), so they are those of one process."""
+    if runner.kv_cache_dtype == torch.float8_e4m3fn:
+        vocab = runner.model.get_output_embeddings().weight.shape[0] * tp
+        runner.kv_scales = runner.calibrate_fp8_scales(vocab_size=vocab)
+
+
 def _worker_context():
     """Workers start from torch.multiprocessing's fork server, which imports torch, transformers and
     kvpaging once per user process, then forks a fresh worker for each rank from that clean,
@@ -498,6 +505,7 @@ def _worker_main(rank: int, tp: int, port: int, shard, styles: dict[str, str], c
         control, group = _make_groups(device, store, rank, tp)
         install_collectives(runner.model, styles, group, rank, tp)
         _gather_ints(group, rank, tp, runner.kv_cache_bytes, device)
+        _calibrate_fp8(runner, tp)
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)  # on the CPU: the control group is gloo
         while True:
             control.broadcast(header, 0, IDLE_TIMEOUT).wait()

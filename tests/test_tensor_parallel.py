@@ -212,6 +212,28 @@ def test_teacher_forced_logits_equal_the_models_own_forward(arch):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
+def test_an_fp8_cache_is_calibrated_on_every_rank():
+    """kv_cache_dtype="fp8" with 2 ranks: every rank calibrates its own KV heads' scales in one pass through the
+    whole model (all-reduces included), so rank 0's scales are one process's for those heads, and the
+    tokens are one process's FP8 tokens."""
+    model = make_model("qwen2")  # 2 KV heads: one per rank
+    settings = dict(block_size=4, num_blocks=32, max_model_len=48, kv_cache_dtype="fp8")
+    one = LLM(model, **settings)
+    two = LLM(model, tensor_parallel_size=2, **settings)
+    try:
+        for (k1, v1), (k2, v2) in zip(one.engine.runner.kv_scales, two.engine.runner.kv_scales):
+            assert k2.shape == (1,) and v2.shape == (1,)  # rank 0's one KV head
+            torch.testing.assert_close(k2, k1[:1], rtol=1e-5, atol=0)
+            torch.testing.assert_close(v2, v1[:1], rtol=1e-5, atol=0)
+        assert two.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        batch = prompts()
+        expected = [o.outputs[0].token_ids for o in one.generate(batch, greedy_params(6), use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in two.generate(batch, greedy_params(6), use_tqdm=False)]
+        assert got == expected
+    finally:
+        two.shutdown()
+
+
 def test_sizes_the_model_cannot_split_are_refused_before_anything_starts():
     model = make_model("llama")  # 8 query heads, 2 KV heads
     children = multiprocessing.active_children()
@@ -222,8 +244,6 @@ def test_sizes_the_model_cannot_split_are_refused_before_anything_starts():
         LLM(model, num_blocks=16, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int, got '2'"):
         LLM(model, num_blocks=16, tensor_parallel_size="2")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' with tensor_parallel_size=2"):
-        LLM(model, num_blocks=16, tensor_parallel_size=2, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="cpu_fast_layers=True with tensor_parallel_size=2"):
         LLM(model, num_blocks=16, tensor_parallel_size=2, cpu_fast_layers=True)
     phi3 = make_model("phi3", num_key_value_heads=2)  # fused qkv_proj and gate_up_proj
