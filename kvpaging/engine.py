@@ -299,7 +299,10 @@ class LLMEngine:
         if any(p.seed is not None for p in params):
             generators = [None if p.seed is None else self._generator(seq.seq_id, seq.seed)
                           for seq, p in zip(samples, params)]
-        return self.sampler(logits, params, generators, self.generator)
+        histories = None
+        if any(p.has_penalties for p in params):  # penalties look at each sequence's tokens so far
+            histories = [(seq.token_ids, seq.request.prompt_len) for seq in samples]
+        return self.sampler(logits, params, generators, self.generator, histories)
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         """A seeded completion's own generator, made from its seed the first time it samples."""

@@ -4,6 +4,8 @@ One step of the engine ends with a ``[batch, vocab]`` tensor of logits, one row
 per running sequence, and every sequence may have its own ``SamplingParams``.
 The sampler turns that into one token id per row:
 
+0. Rows whose params set a penalty (repetition, then frequency and presence,
+   as vLLM applies them) get their logits changed by the tokens so far.
 1. Greedy rows (temperature 0) take the argmax. A batch that is all greedy
    stops here: no softmax, no sort.
 2. Sampled rows are divided by their temperature, then filtered in the same
@@ -74,14 +76,21 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
         generator: torch.Generator | None = None,
+        histories: list[tuple[list[int], int]] | None = None,
     ) -> SamplerOutput:
         """``generators[i]`` is row i's own generator (seeded requests) or None;
         rows without one share ``generator``, the engine's generator (None means
-        torch's default)."""
+        torch's default). ``histories[i]`` is row i's tokens so far (prompt then
+        completion) and its prompt's length: needed only for rows with penalties."""
         _check_inputs(logits, params, generators)
         if generators is None:
             generators = [None] * len(params)
-        logits = logits.float()  # bf16 has too few digits to tell close probabilities apart
+        raw = logits.float()  # bf16 has too few digits to tell close probabilities apart
+        logits = raw
+        if any(p.has_penalties for p in params):
+            if histories is None or len(histories) != len(params):
+                raise ValueError("rows with penalties need histories: one (token ids, prompt length) per row")
+            logits = _penalized(raw, params, histories)
 
         token_ids = logits.argmax(dim=-1)  # the answer for greedy rows; ties go to the first index
         sampled_rows = [i for i, p in enumerate(params) if p.sampling_type != SamplingType.GREEDY]
@@ -92,8 +101,33 @@ class Sampler:
             rows_generators = [generators[i] for i in sampled_rows]
             token_ids[sampled_rows] = _sample(probs, rows_generators, generator)
 
-        logprobs, top_logprobs = _logprobs(logits, token_ids, params)
+        logprobs, top_logprobs = _logprobs(raw, token_ids, params)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def _penalized(logits: torch.Tensor, params: list[SamplingParams], histories) -> torch.Tensor:
+    """A copy of the logits with each row's penalties applied (the raw logits stay for the logprobs).
+
+    Repetition (every token of the prompt and the completion so far): a positive logit is divided by
+    the penalty, a negative one multiplied, so the token always becomes less likely for a penalty > 1.
+    Then frequency (times the token's count in the completion) and presence (once, if it occurs there)
+    are subtracted. Only the completion counts for those two, as in OpenAI's API and vLLM.
+    """
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for row, (p, (tokens, prompt_len)) in enumerate(zip(params, histories)):
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(tokens, dtype=torch.int64, device=logits.device)] = True
+            x = out[row]
+            out[row] = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+        if p.frequency_penalty or p.presence_penalty:
+            generated = torch.tensor(tokens[prompt_len:], dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(generated, minlength=vocab)[:vocab].to(out.dtype)
+            out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
 
 
 def _check_inputs(logits: torch.Tensor, params: list[SamplingParams], generators) -> None:

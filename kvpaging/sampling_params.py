@@ -69,6 +69,15 @@ class SamplingParams:
     ignore_eos: keep going after the end-of-sequence token (for benchmarks).
     logprobs: None for none; k >= 0 to get the chosen token's log-probability
         plus those of the k most likely tokens.
+    presence_penalty: subtracted from the logit of every token the completion
+        has already generated (OpenAI's and vLLM's, in [-2, 2]; 0 is off).
+    frequency_penalty: subtracted once per earlier occurrence of the token in
+        the completion (in [-2, 2]; 0 is off).
+    repetition_penalty: for every token in the prompt or the completion so far,
+        a positive logit is divided by it and a negative one multiplied (vLLM's
+        and transformers' ``repetition_penalty``; > 0, 1 is off). Penalties
+        change which token is chosen, greedy included; logprobs stay those of
+        the raw model.
 
     With temperature 0 the sampler ignores top_p, top_k and min_p; like vLLM we
     reset them to their neutral values so that the stored params say so.
@@ -90,6 +99,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -119,12 +131,21 @@ class SamplingParams:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not isinstance(self.output_kind, RequestOutputKind) or self.output_kind == RequestOutputKind.DELTA:
             raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
                              " (kvpaging has no DELTA outputs)")
 
         # Normalise. The dataclass is frozen, so assignments go through object.__setattr__.
         normal = {"temperature": float(self.temperature), "top_p": float(self.top_p),
+                  "presence_penalty": float(self.presence_penalty), "frequency_penalty": float(self.frequency_penalty),
+                  "repetition_penalty": float(self.repetition_penalty),
                   "min_p": float(self.min_p), "stop_token_ids": list(stop), "stop": list(stop_strings)}
         if self.top_k == -1:
             normal["top_k"] = 0
@@ -132,6 +153,11 @@ class SamplingParams:
             normal.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
         for name, value in normal.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the sampler must look at the tokens so far (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -25,7 +25,7 @@ Nothing a client sends names a model, a file or code to load: the served model
 is fixed at start, and the chat template is the model's own (a client's Jinja
 template would be code run on the server).
 
-Where kvpaging differs from vLLM: no ``echo`` and no penalties.
+Where kvpaging differs from vLLM: no ``echo``.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class _SamplingRequest(_Strict):
     # OpenAI fields kvpaging's sampler does not have: accepted only at their neutral values
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra parameter (transformers' meaning)
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields (the openai client sends them with extra_body=...)
     top_k: int | None = None
@@ -399,9 +400,6 @@ class _Server:
                                "in the completion). Please reduce the prompt or max_tokens.", "max_tokens")
         if req.n < 1:
             raise _bad_request(f"n must be at least 1, got {req.n}", "n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name) not in (None, 0):
-                raise _bad_request(f"{name} is not supported by kvpaging (only 0)", name)
         if req.logit_bias:
             raise _bad_request("logit_bias is not supported by kvpaging", "logit_bias")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -420,7 +418,8 @@ class _Server:
                   "include_stop_str_in_output": req.include_stop_str_in_output,
                   "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
                   "output_kind": RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE}
-        for name in ("temperature", "top_p", "top_k", "min_p"):  # None: SamplingParams' (and OpenAI's) default
+        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):  # None: SamplingParams' (and OpenAI's) default
             if getattr(req, name) is not None:
                 values[name] = getattr(req, name)
         try:

@@ -10,6 +10,7 @@ comparisons allow a divergence only at a genuine float32 tie (see
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -143,6 +144,64 @@ def test_top_logprobs_are_the_models_top_k(ref):
     for token, lp, top in zip(top3.outputs[0].token_ids, top3.outputs[0].logprobs, top3.outputs[0].top_logprobs):
         assert next(iter(top)) == token and top[token] == pytest.approx(lp, abs=1e-6)
     assert_pool_clean(llm)
+
+
+def test_repetition_penalty_is_transformers():
+    """Greedy with repetition_penalty gives transformers' generate(repetition_penalty=...) tokens, in a batch
+    beside an unpenalized request. A vocabulary of 32 makes greedy answers repeat tokens, so the penalty
+    changes them (the test can fail)."""
+    small = Reference(ARCH, vocab_size=32)
+    prompts = [[3 + (7 * i + k) % 29 for i in range(n)] for k, n in enumerate((5, 9, 14))]
+    llm = build_llm(make_model(ARCH, vocab_size=32))
+    plain = greedy_params(10)
+    penalized = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.8, logprobs=0)
+    outs = llm.generate(prompts + prompts[:1], [penalized] * len(prompts) + [plain], use_tqdm=False)
+    changed = 0
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = small.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=10, min_new_tokens=10, pad_token_id=0,
+                                            repetition_penalty=1.8)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected
+        changed += expected != small.greedy(prompt, 10)
+    assert changed, "a penalty of 1.8 should change some greedy answer"
+    small.assert_greedy(prompts[0], outs[-1].outputs[0].token_ids, 10)  # the neighbour without a penalty
+    # logprobs stay the raw model's, penalty or not
+    first = outs[0].outputs[0]
+    raw = torch.log_softmax(small.last_logits(prompts[0]), dim=-1)[first.token_ids[0]].item()
+    assert first.logprobs[0] == pytest.approx(raw, abs=1e-3)
+    assert_pool_clean(llm)
+
+
+def test_frequency_and_presence_penalties_follow_openais_formula():
+    """Each greedy token is the argmax of the model's logits minus frequency x (count so far in the completion)
+    minus presence x (1 if it occurred in the completion), computed here from full forward passes."""
+    ref = Reference(ARCH, vocab_size=32)  # small: greedy answers repeat, so the penalties matter
+    prompt = [3 + (5 * i) % 29 for i in range(6)]
+    llm = build_llm(make_model(ARCH, vocab_size=32))
+    for freq, pres in ((1.5, 0.0), (0.0, 2.0), (0.7, 0.9)):
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=freq,
+                                presence_penalty=pres)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        for i, token in enumerate(got):
+            logits = ref.last_logits(prompt + got[:i])
+            counts = torch.bincount(torch.tensor(got[:i], dtype=torch.int64), minlength=logits.shape[-1]).float()
+            expected = logits - freq * counts - pres * (counts > 0).float()
+            top2 = expected.topk(2)
+            assert token == int(top2.indices[0]) or (top2.values[0] - top2.values[1]) < 1e-4, (freq, pres, i)
+        assert len(set(got)) > len(set(ref.greedy(prompt, 12))), "the penalties should make the answer more varied"
+    assert_pool_clean(llm)
+
+
+def test_penalties_are_checked():
+    for bad, message in (({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+                         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
+                         ({"repetition_penalty": 0}, "repetition_penalty must be > 0, got 0"),
+                         ({"repetition_penalty": "2"}, "repetition_penalty")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            SamplingParams(**bad)
+    assert not SamplingParams().has_penalties and SamplingParams(repetition_penalty=1.1).has_penalties
 
 
 @pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=["top_k=1", "top_p~0", "min_p=1"])

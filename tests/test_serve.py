@@ -238,7 +238,8 @@ BAD_REQUESTS = [
     ({"top_p": 0}, 400, "top_p"),
     ({"logprobs": 21}, 400, "logprobs must be from 0 to 20"),
     ({"logprobs": -1}, 400, "logprobs must be from 0 to 20"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
     ({"echo": True}, 400, "echo"),
     ({"model": "gpt-4"}, 404, "does not exist"),
 ]
@@ -416,6 +417,20 @@ def test_text_completion_streams_to_the_same_text_as_llm_generate(trained_server
     assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == text
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
     assert all(ch["object"] == "text_completion" and ch["id"] == chunks[0]["id"] for ch in chunks)
+
+
+def test_penalties_are_served_as_the_engine_applies_them(trained_server):
+    """frequency_penalty, presence_penalty and repetition_penalty reach the engine: the served text equals the
+    engine's own with the same SamplingParams, and differs from the unpenalized text (the penalties act)."""
+    c = client(trained_server)
+    prompt = "List the days of the week:"
+    plain = offline(trained_server, prompt, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0].text
+    for extra in ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, {"repetition_penalty": 1.6}):
+        expected = offline(trained_server, prompt, SamplingParams(max_tokens=24, temperature=0.0, **extra))
+        served = c.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={k: v for k, v in extra.items() if k == "repetition_penalty"},
+                                      **{k: v for k, v in extra.items() if k != "repetition_penalty"})
+        assert served.choices[0].text == expected.outputs[0].text != plain, extra
 
 
 def test_chat_streams_to_the_same_answer_as_the_engine(trained_server):
