@@ -25,7 +25,8 @@ Nothing a client sends names a model, a file or code to load: the served model
 is fixed at start, and the chat template is the model's own (a client's Jinja
 template would be code run on the server).
 
-Where kvpaging differs from vLLM: no ``echo``.
+Where kvpaging differs from vLLM: ``echo`` with ``logprobs`` is refused (the prompt's log-probabilities
+are not computed).
 """
 
 from __future__ import annotations
@@ -446,6 +447,10 @@ class _Server:
         return streams
 
     # -- answering -------------------------------------------------------------------------------
+    def detokenize(self, token_ids: list[int]) -> str:
+        """A token-id prompt as text, for echo (no text without a tokenizer)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
@@ -669,8 +674,9 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
     async def completions(request: Request):
         req = _parse(CompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        if req.echo:
-            raise _bad_request("echo is not supported by kvpaging", "echo")
+        if req.echo and req.logprobs is not None:
+            raise _bad_request("echo with logprobs would need the prompt's log-probabilities, which kvpaging does "
+                               "not compute: use echo without logprobs", "echo")
         if req.suffix:
             raise _bad_request("suffix is not supported by kvpaging", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -680,6 +686,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         prompts = server.completion_prompts(req.prompt)
         params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
                   for _, ids in prompts]
+        # echo: each choice's text starts with its prompt (as text; a token-id prompt decoded, with a tokenizer)
+        echoed = [(text if text is not None else server.detokenize(ids)) if req.echo else "" for text, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await server.start(request_id, prompts, params)
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -687,6 +695,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         with_logprobs = req.logprobs is not None
 
         def choice(index, c, text, token_ids, logprobs, top, offset, prompt_token_ids) -> dict:
+            if req.echo and prompt_token_ids is not None:  # the choice's first piece (or its whole text)
+                text = echoed[index // req.n] + text
             out = {"index": index, "text": text,
                    "logprobs": server.completion_logprobs(token_ids, logprobs, offset, top) if with_logprobs else None,
                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

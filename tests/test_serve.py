@@ -240,7 +240,7 @@ BAD_REQUESTS = [
     ({"logprobs": -1}, 400, "logprobs must be from 0 to 20"),
     ({"presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
-    ({"echo": True}, 400, "echo"),
+    ({"echo": True, "logprobs": 0}, 400, "echo with logprobs"),
     ({"model": "gpt-4"}, 404, "does not exist"),
 ]
 
@@ -417,6 +417,20 @@ def test_text_completion_streams_to_the_same_text_as_llm_generate(trained_server
     assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == text
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole.usage.model_dump(exclude_none=True)
     assert all(ch["object"] == "text_completion" and ch["id"] == chunks[0]["id"] for ch in chunks)
+
+
+def test_echo_puts_the_prompt_before_the_completion(trained_server):
+    c = client(trained_server)
+    prompt = "The capital of France is"
+    plain = c.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
+    echoed = c.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    streamed = c.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, echo=True,
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == echoed.choices[0].text
+    ids = trained_server.llm.tokenizer(prompt)["input_ids"]
+    by_ids = c.completions.create(model="smollm2", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.choices[0].text == trained_server.llm.tokenizer.decode(ids) + plain.choices[0].text
 
 
 def test_penalties_are_served_as_the_engine_applies_them(trained_server):
