@@ -174,7 +174,7 @@ else
         SOAK=(--device cuda --requests 1500)
         FP8=(--model Qwen3-8B --layers 8 --device cuda --dtype bfloat16)
         # the lessons with the most to show on a GPU first
-        LESSONS="${LESSONS:-08_cuda_graphs 09_fp8_kv_cache 01_decode_is_memory_bound 10_putting_it_together 04_paged_attention 06_continuous_batching 05_copy_on_write_and_grpo 07_scheduler_chunked_prefill_preemption 03_fragmentation_and_oom 02_kv_cache_math 00_setup}"
+        LESSONS="${LESSONS:-08_cuda_graphs 09_fp8_kv_cache 01_decode_is_memory_bound 10_putting_it_together 04_paged_kv_cache 04b_paged_attention_kernel 06_continuous_batching 05_copy_on_write_and_grpo 07_scheduler_chunked_prefill_preemption 03_fragmentation_and_oom 02_kv_cache_math 00_setup}"
     fi
     stage throughput 75 "$PYTHON" "$REPO/benchmarks/throughput.py" "${THROUGHPUT[@]}" --json "$WORK/logs/throughput.json"
     stage cuda_graphs 50 "$PYTHON" "$REPO/benchmarks/cuda_graphs.py" "${GRAPHS[@]}"

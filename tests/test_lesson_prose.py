@@ -30,7 +30,7 @@ GIVEN = {
     "01_decode_is_memory_bound.ipynb": {
         "0.5": "FLOP per byte of a decode in fp32: half the bf16 figure the recap derives",
     },
-    "04_paged_attention.ipynb": {
+    "04_paged_kv_cache.ipynb": {
         "1.5": "one of the predict box's choices (1.5x, 3x, 10x?)",
     },
     "06_continuous_batching.ipynb": {

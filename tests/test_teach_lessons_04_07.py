@@ -356,3 +356,18 @@ def test_grpo_step_memory_matches_the_count(model):
     assert grpo_step_blocks([32, 37], 3, 20, 16, shared=False) == 3 * 4 + 3 * 4
     assert grpo_step_blocks([32, 37], 3, 20, 16, shared=True) == (2 + 3 * 2) + (2 + 3 * 2)
     assert rows[0].ratio == 1.0 and rows[1].ratio < rows[2].ratio
+
+
+def test_gather_traffic_counts_the_reference_tensor():
+    """gather_traffic's count equals the bytes of the tensor kernels.reference.gather_kv really builds."""
+    import kvpaging.kernels as K
+    from kvpaging.kernels.testing import random_paged_kv
+    from kvpaging.teach.paging import gather_traffic
+
+    lens = [5, 17, 40]
+    kv = random_paged_kv(lens, 2, 8, 4, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    keys = K.reference.gather_kv(kv.k_cache, kv.block_tables, kv.seq_lens)
+    t = gather_traffic(lens, 4, 2, 8, cache_dtype=torch.bfloat16)
+    assert t.padded_tokens == keys.shape[1] == 40
+    assert t.gathered_bytes == 2 * keys.numel() * keys.element_size()
+    assert t.read_bytes == 2 * sum(lens) * 2 * 8 * 2  # K and V, real tokens, 2 heads x 8 dims, 2 bytes

@@ -1,4 +1,4 @@
-"""Build it yourself, then check it against kvpaging's own component (lessons 04 and 05).
+"""Build it yourself, then check it against kvpaging's own component (lessons 04, 04b, 05 and 07).
 
 Each checker runs a learner's few dozen lines against the component kvpaging
 itself uses, on many random cases, and says exactly where the two first differ:

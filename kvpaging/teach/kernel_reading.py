@@ -1,4 +1,4 @@
-"""Lesson 04: the Triton decode kernel read step by step beside its torch reference.
+"""Lesson 04b: the Triton decode kernel read step by step beside its torch reference.
 
 Each step of the walkthrough pairs lines of ``kernels/reference.py`` with the
 lines of ``kernels/triton_decode_attention.py`` that do the same job, and says
@@ -129,5 +129,5 @@ class DecodeKernelWalkthrough:
 
 
 def read_decode_kernel() -> DecodeKernelWalkthrough:
-    """The Triton decode kernel beside the torch reference, step by step (lesson 04)."""
+    """The Triton decode kernel beside the torch reference, step by step (lesson 04b)."""
     return DecodeKernelWalkthrough()

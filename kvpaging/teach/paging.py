@@ -1,4 +1,5 @@
-"""Helpers for lesson 04 (paged attention): workloads, fragmentation, concurrency at a budget, kernel checks.
+"""Helpers for lessons 04 and 04b (the paged KV cache; attention through it): workloads, fragmentation,
+concurrency at a budget, kernel checks, the gather's memory traffic.
 
 Everything here drives the real :class:`~kvpaging.BlockManager` or the real
 kernels; the notebook only calls these functions and shows the numbers.
@@ -25,6 +26,8 @@ __all__ = [
     "concurrency_at_budget",
     "run_engine_traced",
     "compare_decode_kernels",
+    "GatherTraffic",
+    "gather_traffic",
 ]
 
 
@@ -183,3 +186,24 @@ def compare_decode_kernels(seq_lens=(5, 17, 40), num_heads: int = 4, num_kv_head
     ref = K.reference.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     tri = K.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     return float((ref.float() - tri.float()).abs().max()), ref, tri
+
+
+@dataclass
+class GatherTraffic:
+    """One layer's K and V bytes: what the torch reference's gather builds, against what a kernel reading the
+    cache in place reads (lesson 04b)."""
+
+    padded_tokens: int  # token slots per sequence in the gathered tensor: the longest sequence's blocks
+    gathered_bytes: int  # K and V, every sequence padded to padded_tokens, in float32
+    read_bytes: int  # K and V of the real tokens only, in the cache's dtype
+
+
+def gather_traffic(seq_lens, block_size: int, num_kv_heads: int, head_dim: int,
+                   cache_dtype: torch.dtype = torch.bfloat16) -> GatherTraffic:
+    """Counted from the shapes, as ``kernels.reference.gather_kv`` lays its tensor out: one row per sequence,
+    as wide as the block table (the longest sequence's blocks), float32."""
+    width = max(-(-n // block_size) for n in seq_lens) * block_size
+    per_token = num_kv_heads * head_dim
+    gathered = 2 * len(seq_lens) * width * per_token * 4
+    read = 2 * sum(seq_lens) * per_token * torch.empty((), dtype=cache_dtype).element_size()
+    return GatherTraffic(width, gathered, read)
