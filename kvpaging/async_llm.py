@@ -321,12 +321,7 @@ class AsyncLLM:
             if request_id not in self._streams or (stream is not None and self._streams[request_id] is not stream):
                 return  # finished or refused already (a refused duplicate must not abort the request it collided with)
             del self._streams[request_id]
-            try:
-                self.engine.abort_request(request_id)
-            except ValueError:
-                return
-            if self.stat_logger is not None:
-                self.stat_logger.on_abort(request_id)
+            self._abort(request_id)
         elif kind == "call":
             _, fn, future = command
             if future.set_running_or_notify_cancel():
@@ -336,6 +331,15 @@ class AsyncLLM:
                     future.set_exception(error)
         else:  # pragma: no cover - a bug in this file
             raise AssertionError(f"unknown command {command!r}")
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request the engine may already have finished (then there is nothing to abort)."""
+        try:
+            self.engine.abort_request(request_id)
+        except ValueError:
+            return
+        if self.stat_logger is not None:
+            self.stat_logger.on_abort(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if self.stat_logger is not None and outputs:
@@ -352,12 +356,7 @@ class AsyncLLM:
         error = EngineDeadError("the engine was shut down")
         logger.info("the engine loop stops; %d request(s) in flight aborted", len(self._streams))
         for request_id in list(self._streams):
-            try:
-                self.engine.abort_request(request_id)
-            except ValueError:
-                pass
-            if self.stat_logger is not None:
-                self.stat_logger.on_abort(request_id)
+            self._abort(request_id)
         if self.stat_logger is not None:
             self.stat_logger.on_idle()
         self._die(error)

@@ -299,9 +299,8 @@ class LLMEngine:
         if any(p.seed is not None for p in params):
             generators = [None if p.seed is None else self._generator(seq.seq_id, seq.seed)
                           for seq, p in zip(samples, params)]
-        histories = None
-        if any(p.has_penalties for p in params):  # penalties look at each sequence's tokens so far
-            histories = [(seq.token_ids, seq.request.prompt_len) for seq in samples]
+        # built only if some row has a penalty (the sampler looks once): each sequence's tokens so far
+        histories = lambda: [(seq.token_ids, seq.request.prompt_len) for seq in samples]  # noqa: E731
         return self.sampler(logits, params, generators, self.generator, histories)
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:

@@ -76,18 +76,21 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
         generator: torch.Generator | None = None,
-        histories: list[tuple[list[int], int]] | None = None,
+        histories=None,
     ) -> SamplerOutput:
         """``generators[i]`` is row i's own generator (seeded requests) or None;
         rows without one share ``generator``, the engine's generator (None means
         torch's default). ``histories[i]`` is row i's tokens so far (prompt then
-        completion) and its prompt's length: needed only for rows with penalties."""
+        completion) and its prompt's length, needed only when a row has a penalty:
+        a list, or a function that makes it (called only then)."""
         _check_inputs(logits, params, generators)
         if generators is None:
             generators = [None] * len(params)
         raw = logits.float()  # bf16 has too few digits to tell close probabilities apart
         logits = raw
         if any(p.has_penalties for p in params):
+            if callable(histories):
+                histories = histories()
             if histories is None or len(histories) != len(params):
                 raise ValueError("rows with penalties need histories: one (token ids, prompt length) per row")
             logits = _penalized(raw, params, histories)

@@ -535,6 +535,16 @@ async def _final_outputs(streams: list[RequestStream], request: Request) -> list
     return finals
 
 
+def _token_id_fields(wanted: bool, token_ids, prompt_token_ids) -> dict:
+    """vLLM's ``return_token_ids``: a choice's token ids, and its prompt's with the choice's first piece."""
+    if not wanted:
+        return {}
+    out = {"token_ids": list(token_ids)}
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = list(prompt_token_ids)
+    return out
+
+
 @dataclass
 class _Piece:
     """What one choice adds to a stream: its new text, tokens and log-probabilities."""
@@ -697,14 +707,10 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         def choice(index, c, text, token_ids, logprobs, top, offset, prompt_token_ids) -> dict:
             if req.echo and prompt_token_ids is not None:  # the choice's first piece (or its whole text)
                 text = echoed[index // req.n] + text
-            out = {"index": index, "text": text,
-                   "logprobs": server.completion_logprobs(token_ids, logprobs, offset, top) if with_logprobs else None,
-                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            if req.return_token_ids:
-                out["token_ids"] = list(token_ids)
-                if prompt_token_ids is not None:
-                    out["prompt_token_ids"] = list(prompt_token_ids)
-            return out
+            return {"index": index, "text": text,
+                    "logprobs": server.completion_logprobs(token_ids, logprobs, offset, top) if with_logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **_token_id_fields(req.return_token_ids, token_ids, prompt_token_ids)}
 
         if not req.stream:
             finals = await _final_outputs(streams, request)
@@ -744,14 +750,6 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         streams = await server.start(request_id, [(text, ids)], [params])
         created = int(time.time())
 
-        def extras(token_ids, prompt_token_ids) -> dict:  # vLLM's return_token_ids
-            if not req.return_token_ids:
-                return {}
-            out = {"token_ids": list(token_ids)}
-            if prompt_token_ids is not None:
-                out["prompt_token_ids"] = list(prompt_token_ids)
-            return out
-
         if not req.stream:
             finals = await _final_outputs(streams, request)
             if finals is None:
@@ -760,7 +758,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                         "logprobs": (server.chat_logprobs(c.token_ids, c.logprobs or [], c.top_logprobs)
                                      if req.logprobs else None),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        **extras(c.token_ids, finals[0].prompt_token_ids)}
+                        **_token_id_fields(req.return_token_ids, c.token_ids, finals[0].prompt_token_ids)}
                        for c in finals[0].outputs]
             return {"id": request_id, "object": "chat.completion", "created": created, "model": served_model_name,
                     "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
@@ -772,7 +770,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             return {"index": p.index, "delta": {"content": p.text} if p.text else {},
                     "logprobs": server.chat_logprobs(p.token_ids, p.logprobs, p.top_logprobs) if req.logprobs else None,
                     "finish_reason": p.completion.finish_reason, "stop_reason": p.completion.stop_reason,
-                    **extras(p.token_ids, p.prompt_token_ids)}
+                    **_token_id_fields(req.return_token_ids, p.token_ids, p.prompt_token_ids)}
 
         # OpenAI's order: each choice first says its role, then its content in pieces, then why it ended
         roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
