@@ -20,7 +20,8 @@ from ..visualizers.batching import SlotTimeline, slot_timeline_from_trace
 from .paging import timed
 from .sharing import preview
 
-__all__ = ["request_stream", "PolicyRun", "run_policy", "compare_policies", "preview"]
+__all__ = ["request_stream", "PolicyRun", "run_policy", "compare_policies", "preview", "POLICY_COLOURS",
+           "throughput_figure", "memory_figure", "blocks_freed", "mean_blocks_used"]
 
 
 def request_stream(num_requests: int, seed: int = 0, prompt_range=(8, 48), median_output: int = 24,
@@ -124,3 +125,48 @@ def compare_policies(make_llm, prompts, output_lengths=None, max_num_seqs: int =
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     return {p: run_policy(make_llm, p, prompts, output_lengths, max_num_seqs, use_tqdm=use_tqdm, params=params)
             for p in ("static", "continuous")}
+
+
+POLICY_COLOURS = {"static": "#fdb462", "continuous": "#80b1d3"}  # one colour per policy, in every figure
+
+
+def throughput_figure(runs: dict[str, PolicyRun], device: str = "cpu"):
+    """Useful tokens per second (measured) and per step (counted) of each run, side by side."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("useful tokens per second", "useful tokens per step"))
+    names = list(runs)
+    colours = [POLICY_COLOURS.get(n, "#bbbbbb") for n in names]
+    fig.add_bar(x=names, y=[runs[n].tokens_per_second for n in names], row=1, col=1, showlegend=False,
+                marker_color=colours)
+    fig.add_bar(x=names, y=[runs[n].tokens_per_step for n in names], row=1, col=2, showlegend=False,
+                marker_color=colours)
+    fig.update_layout(height=330, title=f"Throughput, same chats ({device})")
+    return fig
+
+
+def memory_figure(runs: dict[str, PolicyRun]):
+    """KV blocks in use after each step of each run, with a cross at every step in which an answer ended."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name, r in runs.items():
+        colour = POLICY_COLOURS.get(name, "#bbbbbb")
+        fig.add_scatter(x=[x.step for x in r.trace], y=[x.num_used_blocks for x in r.trace], mode="lines", name=name,
+                        line_color=colour)
+        ends = [x for x in r.trace if x.finished_block_tables]
+        fig.add_scatter(x=[x.step for x in ends], y=[x.num_used_blocks for x in ends], mode="markers", showlegend=False,
+                        marker=dict(color=colour, symbol="x", size=8), name=f"{name}: an answer ended")
+    fig.update_layout(height=320, title="KV blocks in use after each step (x: an answer ended and freed its blocks)",
+                      xaxis_title="step", yaxis_title="blocks")
+    return fig
+
+
+def blocks_freed(run: PolicyRun) -> int:
+    """Blocks handed back to the pool by the answers that ended during the run."""
+    return sum(len(t) for x in run.trace for t in x.finished_block_tables.values())
+
+
+def mean_blocks_used(run: PolicyRun) -> float:
+    """KV blocks in use after a step, averaged over the run's steps."""
+    return sum(x.num_used_blocks for x in run.trace) / len(run.trace)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from ..contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
 
-__all__ = ["WorkloadRequest", "make_workload", "run_contiguous", "refusal_table"]
+__all__ = ["WorkloadRequest", "make_workload", "run_contiguous", "refusal_table", "paged_blocks_needed", "ServedStep",
+           "contiguous_served", "serve_paged", "ServedSummary", "served_summary", "served_figure"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,102 @@ def refusal_table(steps: list[ContiguousStep]) -> list[dict]:
 def paged_blocks_needed(tokens: int, block_size: int = 16) -> int:
     """Blocks a paged cache would give the same tokens: any free blocks will do, wherever they are."""
     return -(-tokens // block_size)
+
+
+@dataclass(frozen=True)
+class ServedStep:
+    """One step of serving a workload: how many sequences ran, how many tokens came out, the memory in use."""
+
+    index: int
+    running: int  # sequences that hold memory and compute in this step
+    tokens: int  # output tokens produced in this step
+    used_slots: int  # token slots taken (contiguous: reserved; paged: in allocated blocks)
+    waiting: int  # arrived requests not yet admitted
+    preempted: int = 0  # paged only: sequences evicted this step to make room (recomputed later)
+
+
+def contiguous_served(steps: list[ContiguousStep], requests: list[WorkloadRequest]) -> list[ServedStep]:
+    """:func:`run_contiguous`'s steps as :class:`ServedStep` rows, to compare with :func:`serve_paged`."""
+    prompt = {r.request_id: r.prompt_len for r in requests}
+    arrived = sorted(r.arrival for r in requests)
+    admitted, rows = 0, []
+    for step in steps:
+        admitted += sum(isinstance(res, Reservation) and act[0] == "reserve"
+                        for act, res in zip(step.actions, step.results))
+        tokens = sum(1 for act in step.actions if act[0] == "use" and act[2] > prompt[act[1]])
+        waiting = sum(1 for a in arrived if a <= step.index) - admitted
+        rows.append(ServedStep(step.index, len(step.snapshot.runs), tokens, step.snapshot.reserved_slots, waiting))
+    return rows
+
+
+def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int = 16) -> list[ServedStep]:
+    """Serve the same ``requests`` with the same ``num_slots`` through kvpaging's own scheduler and block manager.
+
+    The pool holds ``num_slots // block_size`` blocks. No model runs: each step the
+    :class:`kvpaging.scheduler.Scheduler` plans the batch exactly as the engine would
+    (prompts admitted first come, first served while their blocks fit; one block more
+    only when a sequence's last block is full; the newest sequence preempted and
+    recomputed later when a decode finds the pool empty), and every sequence that
+    reaches its end gets a placeholder token. Each request generates exactly its
+    ``output_len`` tokens, as in :func:`run_contiguous`.
+    """
+    from ..block_manager import BlockManager
+    from ..sampling_params import SamplingParams
+    from ..scheduler import Scheduler
+    from ..sequence import Request
+
+    num_blocks = num_slots // block_size
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if -(-longest // block_size) > num_blocks:
+        raise ValueError(f"a request of {longest} tokens needs more than the pool's {num_blocks} blocks of {block_size}")
+    bm = BlockManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=len(requests), max_num_batched_tokens=num_slots, max_model_len=longest)
+    by_arrival = sorted(requests, key=lambda r: r.arrival)
+    rows: list[ServedStep] = []
+    t = 0
+    while by_arrival or sched.has_unfinished():
+        while by_arrival and by_arrival[0].arrival <= t:
+            r = by_arrival.pop(0)
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+            sched.add_request(Request(r.request_id, [7] * r.prompt_len, params, float(t)))
+        out = sched.schedule(now=float(t))
+        used = (num_blocks - bm.num_free_blocks) * block_size
+        rows.append(ServedStep(t, out.num_seqs, len(out.samples), used, len(sched.waiting), len(out.preempted)))
+        sched.update(out, [7] * len(out.samples))
+        t += 1
+    return rows
+
+
+@dataclass(frozen=True)
+class ServedSummary:
+    steps: int  # steps until the last request finished
+    tokens: int  # output tokens in all
+    tokens_per_step: float  # sustained throughput, in tokens per step
+    mean_running: float  # concurrent streams, averaged over every step
+    peak_running: int
+    preemptions: int
+
+
+def served_summary(rows: list[ServedStep]) -> ServedSummary:
+    tokens = sum(r.tokens for r in rows)
+    return ServedSummary(len(rows), tokens, tokens / len(rows), sum(r.running for r in rows) / len(rows),
+                         max(r.running for r in rows), sum(r.preempted for r in rows))
+
+
+def served_figure(served: dict[str, list[ServedStep]], colours: dict[str, str] | None = None):
+    """Streams running per step (top) and requests waiting (bottom), one line per allocator."""
+    from plotly.subplots import make_subplots
+
+    colours = colours or {"contiguous": "#fdb462", "paged": "#80b1d3"}
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
+                        subplot_titles=("streams running (one token each per step)", "requests waiting"))
+    for name, rows in served.items():
+        x = [r.index for r in rows]
+        fig.add_scatter(x=x, y=[r.running for r in rows], mode="lines", name=name, line_color=colours.get(name),
+                        row=1, col=1)
+        fig.add_scatter(x=x, y=[r.waiting for r in rows], mode="lines", name=name, line_color=colours.get(name),
+                        showlegend=False, row=2, col=1)
+    fig.update_layout(height=420, title="The same workload on the same memory, step by step",
+                      legend=dict(orientation="h", y=1.12))
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return fig
