@@ -38,6 +38,7 @@ __all__ = [
     "measure_copy_bandwidth",
     "time_prefill_and_decode",
     "roofline_figure",
+    "roofline_table",
     "synchronize",
 ]
 
@@ -283,3 +284,20 @@ def roofline_figure(roof: DeviceRoof, points: Sequence[tuple[str, StepCost, floa
     fig.update_layout(title=title or f"Roofline of {roof.device} ({str(roof.dtype).replace('torch.', '')})",
                       height=460, showlegend=True, margin={"t": 60, "l": 70, "r": 20, "b": 60})
     return fig
+
+
+def roofline_table(roof: DeviceRoof, points: Sequence[tuple[str, StepCost, float]]) -> str:
+    """The steps of :func:`roofline_figure` as an aligned text table, one row per (label, cost, measured seconds).
+
+    Columns: intensity (FLOP/byte), what bounds the step on this roofline
+    (``roof.bound``), the roofline's best-case time, the measured time, and the
+    share of the measured compute peak the step used (its FLOPs over its
+    measured time, against ``roof.peak_flops``).
+    """
+    header = ("step", "FLOP/byte", "bound", "best case", "measured", "compute used")
+    rows = [(label, f"{cost.intensity:.2f}", roof.bound(cost), f"{roof.time_at_best(cost) * 1e3:.2f} ms",
+             f"{seconds * 1e3:.2f} ms", f"{cost.flops / seconds / roof.peak_flops:.1%} of peak")
+            for label, cost, seconds in points]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+                     for r in [header, *rows])

@@ -21,6 +21,9 @@ __all__ = [
     "GRPOStepMemory",
     "grpo_step_blocks",
     "grpo_step_memory",
+    "peak_blocks_figure",
+    "grpo_memory_figure",
+    "ttft_figure",
 ]
 
 
@@ -92,6 +95,8 @@ class SharingRun:
     texts: list | None = None  # the completions' text (empty strings without a tokenizer)
     finish_reasons: list | None = None  # "stop" (end of sequence) or "length" (max_tokens), one per completion
     prompt_len: int = 0
+    step_of_peak: int = -1  # the first step in which use reached its peak
+    prefix_hit_tokens: int = 0  # prompt tokens the prefix cache served over the run
 
     @property
     def savings_at_peak(self) -> int:
@@ -105,7 +110,7 @@ class SharingRun:
 
 def rollouts(make_llm, prompt, n: int, shared: bool, max_tokens: int = 24, seed: int = 1,
              temperature: float = 0.8, use_tqdm: bool = False, ignore_eos: bool = True,
-             top_p: float = 1.0) -> SharingRun:
+             top_p: float = 1.0, prefix_caching: bool | None = None) -> SharingRun:
     """``n`` sampled completions (rollouts) of one prompt, measured.
 
     ``shared=True``: one request with ``SamplingParams(n=n)``; its completions
@@ -118,8 +123,12 @@ def rollouts(make_llm, prompt, n: int, shared: bool, max_tokens: int = 24, seed:
     ``ignore_eos=False`` lets each rollout end at the model's own end-of-sequence
     token (a trained model), so rollouts have different lengths; ``max_tokens``
     then only caps the longest, as a GRPO trainer's maximum completion length does.
+
+    ``prefix_caching`` overrides the engine's prefix cache (by default on for
+    ``shared=True``, off for separate requests): separate requests with the
+    cache on show what the prefix cache alone shares.
     """
-    llm = make_llm(enable_prefix_caching=shared)
+    llm = make_llm(enable_prefix_caching=shared if prefix_caching is None else prefix_caching)
     engine = llm.engine
     watcher = PeakWatcher(engine)
     engine.add_observer(watcher)
@@ -140,7 +149,8 @@ def rollouts(make_llm, prompt, n: int, shared: bool, max_tokens: int = 24, seed:
     return SharingRun(n, shared, watcher.peak_used_blocks, watcher.table_blocks_at_peak, watcher.peak_table_blocks,
                       watcher.peak_savings_blocks, engine.block_manager.stats().num_cow_copies,
                       [c.token_ids for c in completions], trace, [c.text for c in completions],
-                      [c.finish_reason for c in completions], len(outs[0].prompt_token_ids))
+                      [c.finish_reason for c in completions], len(outs[0].prompt_token_ids), watcher.step_of_peak,
+                      engine.block_manager.stats().prefix_hit_tokens)
 
 
 @dataclass
@@ -285,3 +295,48 @@ def grpo_step_memory(make_llm, prompts, group_sizes, rollout_len: int = 64, seed
                                    grpo_step_blocks(lens, g, rollout_len, block_size, True),
                                    grpo_step_blocks(lens, g, rollout_len, block_size, False)))
     return rows
+
+
+# --------------------------------------------------------------------------- the lesson's figures
+
+
+def peak_blocks_figure(runs: dict):
+    """Bars of the peak KV blocks of rollouts with and without sharing, one group per ``n``.
+
+    ``runs`` maps ``n`` to a :class:`SharingRun` or a :class:`PeakWatcher` of a
+    shared run: "without sharing" is the most blocks its tables pointed at
+    (``peak_table_blocks``), "shared" the most blocks it held (``peak_used_blocks``).
+    """
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    x = [f"n = {n}" for n in runs]
+    fig.add_bar(name="without sharing (block tables)", x=x, y=[r.peak_table_blocks for r in runs.values()])
+    fig.add_bar(name="shared (blocks in use)", x=x, y=[r.peak_used_blocks for r in runs.values()])
+    fig.update_layout(title="Peak KV blocks, same rollouts", yaxis_title="blocks", height=340, barmode="group")
+    return fig
+
+
+def grpo_memory_figure(rows: list[GRPOStepMemory], num_prompts: int):
+    """The measured peaks of :func:`grpo_step_memory`, unshared and shared, against the group size (log x axis)."""
+    import plotly.graph_objects as go
+
+    x = [r.group_size for r in rows]
+    fig = go.Figure()
+    fig.add_scatter(x=x, y=[r.unshared_peak for r in rows], mode="lines+markers", name="unshared")
+    fig.add_scatter(x=x, y=[r.shared_peak for r in rows], mode="lines+markers", name="shared")
+    fig.update_layout(title=f"Peak KV blocks of one GRPO sampling step ({num_prompts} prompts)", height=320,
+                      xaxis_title="group size (rollouts per prompt)", yaxis_title="blocks", xaxis_type="log")
+    return fig
+
+
+def ttft_figure(cached: list[PrefixRequest], plain: list[PrefixRequest]):
+    """Time to first token (ms) of each chat of two :func:`prefix_cache_run` runs: prefix caching off and on."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_scatter(name="prefix caching off", y=[p.ttft_seconds * 1e3 for p in plain], mode="lines+markers")
+    fig.add_scatter(name="prefix caching on", y=[c.ttft_seconds * 1e3 for c in cached], mode="lines+markers")
+    fig.update_layout(title="Time to first token of each chat (prefill only)", xaxis_title="chat", yaxis_title="ms",
+                      height=320)
+    return fig
