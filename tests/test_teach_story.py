@@ -9,7 +9,7 @@ import pytest
 
 from kvpaging.teach.batching import PolicyRun, blocks_freed, mean_blocks_used, memory_figure, throughput_figure
 from kvpaging.teach.fragmentation import (WorkloadRequest, contiguous_served, make_workload, run_contiguous,
-                                          serve_paged, served_summary)
+                                          serve_paged, served_summary, tokens_to_compute)
 
 
 def _requests(specs):
@@ -53,6 +53,17 @@ def test_paging_sustains_more_streams_on_lesson_03s_workload():
     assert paged.steps < contiguous.steps
     assert paged.peak_running > contiguous.peak_running
     assert paged.tokens_per_step > contiguous.tokens_per_step
+
+
+def test_computed_tokens_count_recomputation_and_respect_the_budget():
+    reqs = make_workload(24, seed=1)
+    roomy = served_summary(serve_paged(16 * 1024, reqs))  # no preemption: each token computed once
+    assert roomy.preemptions == 0 and roomy.computed == tokens_to_compute(reqs)
+    tight = served_summary(serve_paged(1024, reqs))
+    assert tight.preemptions > 0 and tight.computed > tokens_to_compute(reqs)  # evicted sequences are recomputed
+    chunked = serve_paged(1024, reqs, max_num_batched_tokens=64)
+    assert max(r.computed for r in chunked) <= 64 < tight.largest_step
+    assert sum(r.tokens for r in chunked) == sum(r.output_len for r in reqs)
 
 
 def test_serve_paged_refuses_a_request_larger_than_the_pool():

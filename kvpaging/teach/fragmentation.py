@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
 
 __all__ = ["WorkloadRequest", "make_workload", "run_contiguous", "refusal_table", "paged_blocks_needed", "ServedStep",
-           "contiguous_served", "serve_paged", "ServedSummary", "served_summary", "served_figure"]
+           "contiguous_served", "serve_paged", "ServedSummary", "served_summary", "served_figure", "tokens_to_compute"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,7 @@ class ServedStep:
     used_slots: int  # token slots taken (contiguous: reserved; paged: in allocated blocks)
     waiting: int  # arrived requests not yet admitted
     preempted: int = 0  # paged only: sequences evicted this step to make room (recomputed later)
+    computed: int = 0  # paged only: tokens the forward pass computes (prompt chunks, decodes, recomputation)
 
 
 def contiguous_served(steps: list[ContiguousStep], requests: list[WorkloadRequest]) -> list[ServedStep]:
@@ -132,7 +133,8 @@ def contiguous_served(steps: list[ContiguousStep], requests: list[WorkloadReques
     return rows
 
 
-def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int = 16) -> list[ServedStep]:
+def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int = 16,
+                max_num_batched_tokens: int | None = None) -> list[ServedStep]:
     """Serve the same ``requests`` with the same ``num_slots`` through kvpaging's own scheduler and block manager.
 
     The pool holds ``num_slots // block_size`` blocks. No model runs: each step the
@@ -142,6 +144,10 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
     recomputed later when a decode finds the pool empty), and every sequence that
     reaches its end gets a placeholder token. Each request generates exactly its
     ``output_len`` tokens, as in :func:`run_contiguous`.
+
+    ``max_num_batched_tokens`` is the step's token budget (default: the whole
+    pool, so a prompt is computed in one step); a smaller one cuts prompts into
+    chunks (chunked prefill, lesson 07).
     """
     from ..block_manager import BlockManager
     from ..sampling_params import SamplingParams
@@ -153,7 +159,8 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
     if -(-longest // block_size) > num_blocks:
         raise ValueError(f"a request of {longest} tokens needs more than the pool's {num_blocks} blocks of {block_size}")
     bm = BlockManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=len(requests), max_num_batched_tokens=num_slots, max_model_len=longest)
+    budget = num_slots if max_num_batched_tokens is None else max_num_batched_tokens
+    sched = Scheduler(bm, max_num_seqs=len(requests), max_num_batched_tokens=budget, max_model_len=longest)
     by_arrival = sorted(requests, key=lambda r: r.arrival)
     rows: list[ServedStep] = []
     t = 0
@@ -164,7 +171,8 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
             sched.add_request(Request(r.request_id, [7] * r.prompt_len, params, float(t)))
         out = sched.schedule(now=float(t))
         used = (num_blocks - bm.num_free_blocks) * block_size
-        rows.append(ServedStep(t, out.num_seqs, len(out.samples), used, len(sched.waiting), len(out.preempted)))
+        rows.append(ServedStep(t, out.num_seqs, len(out.samples), used, len(sched.waiting), len(out.preempted),
+                               out.num_batched_tokens))
         sched.update(out, [7] * len(out.samples))
         t += 1
     return rows
@@ -178,12 +186,22 @@ class ServedSummary:
     mean_running: float  # concurrent streams, averaged over every step
     peak_running: int
     preemptions: int
+    computed: int  # tokens the forward passes computed in all (paged runs; 0 for contiguous rows)
+    largest_step: int  # the most tokens computed in one step (paged runs)
 
 
 def served_summary(rows: list[ServedStep]) -> ServedSummary:
     tokens = sum(r.tokens for r in rows)
     return ServedSummary(len(rows), tokens, tokens / len(rows), sum(r.running for r in rows) / len(rows),
-                         max(r.running for r in rows), sum(r.preempted for r in rows))
+                         max(r.running for r in rows), sum(r.preempted for r in rows), sum(r.computed for r in rows),
+                         max(r.computed for r in rows))
+
+
+def tokens_to_compute(requests: list[WorkloadRequest]) -> int:
+    """Tokens a forward pass must compute to serve ``requests`` once each: every prompt token, and every
+    generated token but the last (it is sampled, never fed back). A paged run's ``computed`` beyond
+    this is recomputation after preemption."""
+    return sum(r.prompt_len + r.output_len - 1 for r in requests)
 
 
 def served_figure(served: dict[str, list[ServedStep]], colours: dict[str, str] | None = None):
