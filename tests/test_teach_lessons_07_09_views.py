@@ -99,7 +99,8 @@ def test_interleaved_step_ms_times_every_engine_at_every_batch(monkeypatch):
     assert list(side) == ["first", "second"] and all(list(v) == [1, 2] for v in side.values())
     assert all(ms > 0 for v in side.values() for ms in v.values())
     # three rounds, each: batch 1 on both engines, then batch 2 on both, one repeat each
-    one_round = [(engines["first"], 1, 1), (engines["second"], 1, 1), (engines["first"], 2, 1), (engines["second"], 2, 1)]
+    first, second = engines["first"], engines["second"]
+    one_round = [(first, 1, 1), (second, 1, 1), (first, 2, 1), (second, 2, 1)]
     assert calls == one_round * 3
     assert not any(llm.engine.has_unfinished_requests() for llm in engines.values())
 

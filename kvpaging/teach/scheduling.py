@@ -1,9 +1,10 @@
 """Helpers for lesson 07 (the scheduler): a long prompt arriving mid-stream, and preemption.
 
-Both helpers run on whatever engine ``make_llm(**settings)`` builds: the tiny
-random-weight model where only the step shapes matter (token counts per step,
-preemptions), the trained chat model where the text or the time of a real
-forward pass matters.
+Both runs (``long_prompt_arrives``, ``run_with_pool``) use whatever engine
+``make_llm(**settings)`` builds: the tiny random-weight model where only the step
+shapes matter (token counts per step, preemptions), the trained chat model where the
+text or the time of a real forward pass matters. ``chunk_breakdown`` and
+``step_wall_time_figure`` read a long-prompt run's trace for the lesson.
 """
 
 from __future__ import annotations
