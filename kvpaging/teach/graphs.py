@@ -25,6 +25,8 @@ __all__ = [
     "count_decode_step_ops",
     "dispatch_overhead_us",
     "decode_step_ms",
+    "interleaved_step_ms",
+    "launches_per_layer",
     "GpuTable",
     "read_results_table",
     "default_results_path",
@@ -163,6 +165,39 @@ def decode_step_ms(llm, batch: int, prompt_len: int = 32, tokens: int = 16, seed
     if not times:
         raise RuntimeError(f"no decode-only step with {batch} sequences was recorded")
     return statistics.median(times) * 1e3
+
+
+def interleaved_step_ms(engines: dict, batches, rounds: int = 3,
+                        desc: str = "interleaved rounds") -> dict[str, dict[int, float]]:
+    """Decode step time (ms) of each engine at each batch size, measured in interleaved rounds.
+
+    ``engines`` maps a name to an ``LLM``. Every round times each engine once at every
+    batch size (:func:`decode_step_ms` with ``repeats=1``), one engine after the other, so a
+    busy moment on the machine hits all of them alike; the middle of the rounds' times
+    (``sorted(times)[rounds // 2]``) is kept. Returns ``{name: {batch: ms}}``.
+    """
+    from ..progress import track
+
+    samples = {(name, b): [] for name in engines for b in batches}
+    for _ in track(range(rounds), desc=desc):
+        for b in batches:
+            for name, llm in engines.items():
+                samples[name, b].append(decode_step_ms(llm, b, repeats=1))
+    return {name: {b: sorted(samples[name, b])[rounds // 2] for b in batches} for name in engines}
+
+
+def launches_per_layer(launches: dict[int, int]) -> tuple[float, float]:
+    """Split a decode step's launches into a part per layer and the rest: ``launches = rest + per_layer * layers``.
+
+    ``launches`` maps a number of layers to the launches of one decode step of a model
+    with that many layers (:func:`count_decode_step_ops`); at least two different layer
+    counts are needed. A least-squares line through the points: with two, exact.
+    Returns ``(per_layer, rest)``; the rest is embedding, final norm, LM head and sampler.
+    """
+    if len(launches) < 2:
+        raise ValueError(f"need launches at two or more layer counts, got {sorted(launches)}")
+    per_layer, rest = statistics.linear_regression(list(launches), list(launches.values()))
+    return per_layer, rest
 
 
 # ------------------------------------------------------------------ figures recorded on a GPU

@@ -1,9 +1,10 @@
 """Helpers for lesson 07 (the scheduler): a long prompt arriving mid-stream, and preemption.
 
-Both helpers run on whatever engine ``make_llm(**settings)`` builds: the tiny
-random-weight model where only the step shapes matter (token counts per step,
-preemptions), the trained chat model where the text or the time of a real
-forward pass matters.
+Both runs (``long_prompt_arrives``, ``run_with_pool``) use whatever engine
+``make_llm(**settings)`` builds: the tiny random-weight model where only the step
+shapes matter (token counts per step, preemptions), the trained chat model where the
+text or the time of a real forward pass matters. ``chunk_breakdown`` and
+``step_wall_time_figure`` read a long-prompt run's trace for the lesson.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..errors import RequestFailedError
 from ..sampling_params import SamplingParams
 
 __all__ = ["LongPromptRun", "long_prompt_arrives", "PreemptionRun", "run_with_pool", "cpu_threads",
-           "document_chat"]
+           "document_chat", "ChunkBreakdown", "chunk_breakdown", "step_wall_time_figure"]
 
 
 @contextlib.contextmanager
@@ -198,3 +199,50 @@ def run_with_pool(make_llm, prompts, max_tokens: int, num_blocks: int, use_tqdm:
                          [r.step for r in trace if r.preempted], {o.request_id: o.metrics for o in outs},
                          [o.request_id for o in outs], [o.outputs[0].text or "" for o in outs],
                          [o.outputs[0].finish_reason for o in outs], preempted, recomputed)
+
+
+@dataclass
+class ChunkBreakdown:
+    """How a run of :func:`long_prompt_arrives` computed the long prompt, and what its running requests saw."""
+
+    chunks: list  # tokens of the long prompt computed in each of its prefill steps, in order
+    cached_tokens: int  # tokens of the long prompt the prefix cache held (its first chunk starts there)
+    decodes_beside: int  # most running decodes scheduled in one step beside a chunk of the long prompt
+    gaps_per_request: int  # inter-token gaps of a running request after the long prompt arrived (mean over them)
+    gaps_with_chunk: int  # steps that carried a chunk of the long prompt: the gaps it lengthened
+
+    @property
+    def median_is_chunk_step(self) -> bool:
+        """More than half a running request's gaps carry a chunk, so their median is a chunk step."""
+        return self.gaps_with_chunk > self.gaps_per_request / 2
+
+
+def chunk_breakdown(run: LongPromptRun) -> ChunkBreakdown:
+    """Read from ``run``'s trace how the long prompt was cut, and how many gaps of the running requests it hit.
+
+    ``run`` comes from :func:`long_prompt_arrives`; its long request has the id ``"long"``.
+    """
+    long_chunks = [e for r in run.trace for e in r.scheduled if e.request_id == "long" and e.is_prefill]
+    if not long_chunks:
+        raise ValueError("the run's trace has no prefill step of the long request")
+    beside = [sum(not e.is_prefill for e in r.scheduled) for r in run.trace
+              if any(e.request_id == "long" and e.is_prefill for e in r.scheduled)]
+    gaps = sum(len(g) for g in run.itl_ms.values()) // len(run.itl_ms)
+    return ChunkBreakdown([e.num_tokens for e in long_chunks], long_chunks[0].start, max(beside), gaps,
+                          run.prefill_steps)
+
+
+def step_wall_time_figure(runs: dict):
+    """Wall time of every step (log scale), one line per run of :func:`long_prompt_arrives`, keyed by budget.
+
+    A step's wall time is the gap between two tokens of every request it decodes.
+    """
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for budget, r in runs.items():
+        fig.add_scatter(x=[x.step for x in r.trace], y=[x.wall_time * 1e3 for x in r.trace], mode="lines+markers",
+                        name=f"budget {budget}")
+    fig.update_layout(title="Step wall time (the gap between two tokens of every running request)",
+                      xaxis_title="step", yaxis_title="ms", height=340, yaxis_type="log")
+    return fig
