@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["RequestTiming", "LoadRun", "percentile", "arrival_offsets", "chat_requests", "document_request",
            "serve", "run_load", "latency_throughput_figure", "idle_slots_while_waiting", "sweep_table",
-           "request_timeline_figure", "itl_figure"]
+           "request_timeline_figure", "itl_figure", "cache_prompts", "policy_ratios", "PrefillSpread",
+           "prefill_spread", "prefill_table"]
 
 
 def percentile(values, q: float) -> float | None:
@@ -141,6 +142,20 @@ class LoadRun:
     def queue_wait_ms(self, q: float = 50) -> float | None:
         return _ms(percentile(self.queue_waits(), q))
 
+    def summary(self) -> str:
+        """The run's headline figures as labelled lines, for ``print``: requests, answer lengths, duration,
+        throughput and, when the engine's step records were kept, its steps."""
+        done = self._done(None)
+        lengths = [r.output_tokens for r in done]
+        lines = [f"{'requests':<16}{len(self.requests)} sent, {self.failed} failed"
+                 + (f", answers of {min(lengths)} to {max(lengths)} tokens" if lengths else ""),
+                 f"{'duration':<16}{self.duration:.1f} s",
+                 f"{'served':<16}{self.request_throughput:.2f} requests/s, {self.output_throughput:.1f} output tokens/s"]
+        if self.records:
+            most = max(len(r.scheduled) for r in self.records)
+            lines.append(f"{'engine steps':<16}{len(self.records)}, at most {most} sequences in one step")
+        return "\n".join(lines)
+
     def row(self) -> dict:
         """The run's figures as one table row (milliseconds, per second)."""
         return {"target": self.label, "rate": self.rate, "done": len(self._done(None)), "failed": self.failed,
@@ -153,16 +168,27 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
-def serve(llm, name: str = "kvpaging"):
+def serve(llm, name: str = "kvpaging", warm: list[dict] | None = None):
     """Serve ``llm`` (idle) on a free local port from this process: a ``BackgroundServer``, stop it with ``.stop()``.
 
     The same app as ``kvpaging serve``; ``server.url`` is its address, ``server.llm`` the ``AsyncLLM`` in front of
     the engine (a ``Dashboard`` can attach to it), and ``run_load(server, ...)`` listens to the engine's steps
-    for as long as its run lasts.
+    for as long as its run lasts. With ``warm``, those requests' prompts are computed first
+    (``cache_prompts``), so that the timed runs find them in the prefix cache.
     """
     from ..serve import BackgroundServer, create_app
 
-    return BackgroundServer(create_app(llm, served_model_name=name))
+    server = BackgroundServer(create_app(llm, served_model_name=name))
+    if warm:
+        cache_prompts(server, warm)
+    return server
+
+
+def cache_prompts(server, requests: list[dict]) -> "LoadRun":
+    """Send ``requests`` once, all at once, each cut to one token, and return that (unmeasured) run: their
+    prompts then sit in the server's prefix cache, as on a server that has answered them before, so that a
+    timed run that follows pays no one-time cost that another server's run does not."""
+    return run_load(server, [dict(r, max_tokens=1) for r in requests], label="cache prompts")
 
 
 async def _one(client, model: str, request: dict, start: float, delay: float) -> RequestTiming:
@@ -266,6 +292,80 @@ def idle_slots_while_waiting(records, num_slots: int) -> tuple[int, int]:
     waiting = [r for r in records if r.num_waiting > 0]
     idle = sum(max(0, num_slots - len({e.seq_id for e in r.scheduled})) for r in waiting)
     return idle, num_slots * len(waiting)
+
+
+def _aligned(header: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned, for ``print``."""
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                                enumerate(zip(line, widths))) for line in [header, *rows])
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def _ms_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def policy_ratios(runs: dict[str, list[LoadRun]], baseline: str = "continuous", other: str = "static") -> str:
+    """A plain-text table comparing two policies' runs rate by rate (``runs[name][i]`` at the same rate):
+    ``other``'s TTFT (median and p99) and TPOT (median) divided by ``baseline``'s (above 1: ``other`` is
+    slower), and both median queue waits in ms."""
+    header = ["rate asked (req/s)", f"TTFT p50 {other}/{baseline}", f"TTFT p99 {other}/{baseline}",
+              f"queue wait p50 {other} (ms)", f"queue wait p50 {baseline} (ms)", f"TPOT p50 {other}/{baseline}"]
+    rows = [[_rate_text(b.rate).replace(" requests/s", ""), _ratio(o.ttft_ms(50), b.ttft_ms(50)),
+             _ratio(o.ttft_ms(99), b.ttft_ms(99)), _ms_text(o.queue_wait_ms(50)), _ms_text(b.queue_wait_ms(50)),
+             _ratio(o.tpot_ms(50), b.tpot_ms(50))] for b, o in zip(runs[baseline], runs[other])]
+    return _aligned(header, rows)
+
+
+@dataclass(frozen=True)
+class PrefillSpread:
+    """How a run's longest prefill was cut into steps, and the biggest step the other requests' decoding sat
+    through (from the engine's step records)."""
+
+    tokens: int  # prompt tokens computed for the request that prefilled the most (a cached prefix not counted)
+    steps: int  # how many steps its prefill was spread over
+    largest_step: int  # the most tokens any step of the run carried (prompt chunks and decode tokens together)
+    largest_beside_decode: int  # the most tokens of a step in which another request decoded a token (0: none did)
+
+
+def prefill_spread(run: LoadRun) -> PrefillSpread:
+    """Find the request of ``run`` that prefilled the most tokens, and count the steps its prefill took:
+    one when the step budget holds the whole prompt, ``prompt / budget`` or more when chunked. Also the
+    biggest step in which another request decoded: the longest gap between two of its tokens."""
+    tokens: dict[str, int] = {}
+    steps: dict[str, int] = {}
+    for record in run.records:
+        for entry in record.scheduled:
+            if entry.is_prefill:
+                tokens[entry.request_id] = tokens.get(entry.request_id, 0) + entry.num_tokens
+                steps[entry.request_id] = steps.get(entry.request_id, 0) + 1
+    if not tokens:
+        raise ValueError(f"run {run.label!r} has no step records with a prefill (run it through a served engine)")
+    longest = max(tokens, key=tokens.get)
+    beside = [r.num_batched_tokens for r in run.records
+              if any(not e.is_prefill and e.request_id != longest for e in r.scheduled)]
+    return PrefillSpread(tokens[longest], steps[longest], max(r.num_batched_tokens for r in run.records),
+                         max(beside, default=0))
+
+
+def prefill_table(runs: dict[int, LoadRun], chat: str = "chat", long: str = "long") -> str:
+    """A plain-text table of runs of short chats with a long prompt among them, one row per step budget
+    (``runs[budget]``): the chats' inter-token gaps (p99 and median) and time per output token, the long
+    request's time to first token, how its prefill was spread over steps, and the biggest step the chats'
+    decoding sat through (``prefill_spread``)."""
+    header = ["budget (tokens/step)", "chats' ITL p99 (ms)", "chats' ITL p50 (ms)", "chats' TPOT p50 (ms)",
+              "document's TTFT (ms)", "document's prefill steps", "biggest step beside a chat's decode (tokens)"]
+    rows = []
+    for budget, run in runs.items():
+        spread = prefill_spread(run)
+        rows.append([f"{budget:,}", _ms_text(run.itl_ms(99, chat)), _ms_text(run.itl_ms(50, chat)),
+                     _ms_text(run.tpot_ms(50, chat)), _ms_text(run.ttft_ms(50, long)), str(spread.steps),
+                     str(spread.largest_beside_decode)])
+    return _aligned(header, rows)
 
 
 def sweep_table(runs: list[LoadRun]) -> str:

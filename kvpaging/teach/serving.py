@@ -31,6 +31,10 @@ from ..kernels import cpu_backend
 __all__ = [
     "RunEvents",
     "run_events",
+    "RunSummary",
+    "run_summary",
+    "answers_table",
+    "step_limits",
     "Workload",
     "make_workload",
     "make_chat_workload",
@@ -540,6 +544,76 @@ def throughput_figure(results: list[EngineResult]):
     return fig
 
 
+def answers_table(questions, outputs, width: int = 70) -> str:
+    """Markdown table of a run's answers: each question, the start of its answer (``width`` characters),
+    its tokens and why it finished (``stop``: the model's own end token; ``length``: ``max_tokens``)."""
+    rows = ["| question | answer (start) | tokens | finish |", "|---|---|---|---|"]
+    for q, o in zip(questions, outputs):
+        answer = o.outputs[0].text.replace("\n", " ").replace("|", "/")
+        cut = f"{answer[:width]}{'…' if len(answer) > width else ''}"
+        rows.append(f"| {q} | {cut} | {len(o.outputs[0].token_ids)} | {o.outputs[0].finish_reason} |")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Lesson 10's figures of a served run, counted from a Dashboard's step records and the outputs."""
+
+    requests: int
+    generated_tokens: int
+    steps: int
+    ended_at_eos: int  # answers that ended at the model's own end token (finish reason "stop")
+    max_running: int  # most sequences in one step
+    max_num_seqs: int  # the engine's limit on that
+    max_waiting: int  # most requests waiting for a seat after a step
+    peak_blocks: int  # most blocks in use after a step
+    num_blocks: int  # blocks in the pool
+    preemptions: int
+
+    def report(self) -> str:
+        """The figures as labelled lines, for ``print``."""
+        rows = [("requests", self.requests), ("generated tokens", self.generated_tokens), ("steps", self.steps),
+                ("answers ended at their end token", f"{self.ended_at_eos} (the others at max_tokens)"),
+                ("most sequences in one step", f"{self.max_running} (max_num_seqs={self.max_num_seqs})"),
+                ("most requests waiting for a seat", self.max_waiting),
+                ("peak pool use", f"{self.peak_blocks} of {self.num_blocks} blocks"),
+                ("preemptions", self.preemptions)]
+        return "\n".join(f"{name:<34}{value}" for name, value in rows)
+
+
+def run_summary(dash, outputs) -> RunSummary:
+    """Count what a :class:`~kvpaging.visualizers.Dashboard`'s run did: its ``outputs`` (from ``dash.run``)
+    and its step records (every step the engine took while the dashboard listened)."""
+    records = dash.replay.records
+    return RunSummary(
+        requests=len(outputs),
+        generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        steps=len(records),
+        ended_at_eos=sum(o.outputs[0].finish_reason == "stop" for o in outputs),
+        max_running=max((len(r.scheduled) for r in records), default=0),
+        max_num_seqs=dash.engine.config.max_num_seqs,
+        max_waiting=max((r.num_waiting for r in records), default=0),
+        peak_blocks=max((r.num_used_blocks for r in records), default=0),
+        num_blocks=dash.replay.num_blocks,
+        preemptions=sum(len(r.preempted) for r in records),
+    )
+
+
+def step_limits(record, config, shortest_prompt: int) -> list[str]:
+    """Which of the engine's limits a step reached: ``max_num_seqs`` (every seat taken),
+    ``max_num_batched_tokens`` (the step's token budget spent) and ``free blocks`` (requests left waiting
+    while the free blocks could not hold even the ``shortest_prompt``). Empty: the step held every request
+    there was and nothing bound it."""
+    limits = []
+    if len(record.scheduled) >= config.max_num_seqs:
+        limits.append("max_num_seqs")
+    if record.num_batched_tokens >= config.max_num_batched_tokens:
+        limits.append("max_num_batched_tokens")
+    if record.num_waiting and record.num_free_blocks * config.block_size < shortest_prompt:
+        limits.append("free blocks")
+    return limits
+
+
 @dataclass
 class RunEvents:
     """Lesson 10's reading of a served run: the contiguous baseline's first refusal and the engine's preemptions."""
@@ -551,6 +625,25 @@ class RunEvents:
     paged_running_then: int  # sequences the paged engine ran in that same step
     paged_used_then: int  # blocks the paged engine held in that same step
     preemptions: list  # (step, request id, blocks in use before) for every preemption of the paged engine
+    block_size: int = 1  # tokens per block of the paged pool
+    num_blocks: int = 0  # blocks in the paged pool
+
+    def report(self) -> str:
+        """The refusal and the preemptions as labelled lines, for ``print``."""
+        lines = []
+        r = self.refused
+        if r is None:
+            lines.append("contiguous panel: no refusal")
+        else:
+            lines += [f"contiguous panel, first refusal: step {self.refused_step}, request {r.request_id}",
+                      f"  asks for {r.requested} slots (prompt + max_tokens); free {r.total_free} of {self.num_slots}, "
+                      f"largest hole {r.largest_hole}; it waits {self.waited_steps} steps",
+                      f"paged engine in that step: {self.paged_running_then} sequences in {self.paged_used_then} "
+                      f"blocks ({self.paged_used_then * self.block_size} slots)"]
+        lines.append(f"preemptions: {len(self.preemptions)}")
+        lines += [f"  step {step:>3}: {rid} (blocks in use before: {used} of {self.num_blocks})"
+                  for step, rid, used in self.preemptions]
+        return "\n".join(lines)
 
 
 def run_events(dash) -> RunEvents:
@@ -580,4 +673,6 @@ def run_events(dash) -> RunEvents:
         paged_running_then=len(at.scheduled) if at is not None else 0,
         paged_used_then=at.num_used_blocks if at is not None else 0,
         preemptions=pre,
+        block_size=replay.block_size,
+        num_blocks=replay.num_blocks,
     )
