@@ -1,8 +1,9 @@
-"""Lesson 01's busy counter beside the work done (kvpaging.teach.utilisation)."""
+"""Lesson 01's busy counter beside the work done (kvpaging.teach.utilisation), and lesson 00's tie-aware token check."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvpaging import LLM
 from kvpaging.models import tiny
@@ -32,3 +33,21 @@ def test_measure_busy_refuses_no_steps():
     with pytest.raises(ValueError, match="decode_steps must be at least 1, got 0"):
         measure_busy(llm, decode_steps=0)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_agreement_accepts_only_ties(one_thread):
+    from kvpaging.teach.setup_check import greedy_agreement, transformers_greedy
+
+    model = tiny("llama", num_hidden_layers=1)
+    prompt = list(range(5, 17))
+    reference = transformers_greedy(model, prompt, 6)
+    assert greedy_agreement(model, prompt, reference, reference).identical
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + reference[:2]])).logits[0, -1]
+    runner_up = torch.topk(logits, 2).indices[1].item()
+    wrong = reference[:2] + [runner_up] + reference[3:]
+    verdict = greedy_agreement(model, prompt, wrong, reference)
+    assert verdict.position == 2 and verdict.tolerance == 1e-4
+    gap = (torch.topk(logits.float(), 2).values[0] - torch.topk(logits.float(), 2).values[1]).item()
+    assert verdict.gap == pytest.approx(gap)
+    assert verdict.agrees == (gap <= 1e-4) and "token 2" in str(verdict)

@@ -7,12 +7,14 @@ import importlib.util
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..config import auto_attention_backend
 
-__all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy"]
+__all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy", "GreedyAgreement",
+           "greedy_agreement"]
 
 
 def _version(package: str) -> str | None:
@@ -82,3 +84,49 @@ def engine_greedy(llm, prompts: Sequence[Sequence[int]], num_tokens: int, use_tq
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=use_tqdm)
     return [o.outputs[0].token_ids for o in outputs]
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """How an engine's greedy tokens compare with a reference's for one prompt."""
+
+    identical: bool
+    position: int | None = None  # the first token where they differ
+    gap: float | None = None  # the reference's top-2 logit gap there
+    tolerance: float | None = None  # the largest gap that counts as a tie in the model's dtype
+
+    @property
+    def agrees(self) -> bool:
+        """Identical, or parted at a genuine tie: the two best logits within rounding, so either is right."""
+        return self.identical or (self.gap is not None and self.gap <= self.tolerance)
+
+    def __str__(self) -> str:
+        if self.identical:
+            return "identical"
+        kind = "a tie within rounding" if self.agrees else "NOT a tie"
+        return f"differ from token {self.position}: top-2 logit gap {self.gap:.3g} there ({kind}, tolerance {self.tolerance:.3g})"
+
+
+def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int]) -> GreedyAgreement:
+    """Compare ``got`` with ``reference`` (greedy continuations of ``prompt``); where they first differ, read the
+    reference model's two best logits after the common prefix, from one plain forward pass.
+
+    Greedy decoding picks the largest logit; when the two largest are equal up to the
+    rounding of the model's dtype, the order in which the engine and transformers add
+    the same numbers decides between them, and both answers are right. The tolerance:
+    1e-4 in float32 (as the package's tests use), and 1% of the largest logit in a
+    16-bit dtype, whose 8 bits of mantissa round at about 0.4%.
+    """
+    got, reference = list(got), list(reference)
+    if got == reference:
+        return GreedyAgreement(True)
+    position = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), min(len(got), len(reference)))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt) + reference[:position]], device=device)
+        logits = model(ids).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    gap = (top2[0] - top2[1]).item()
+    dtype = next(model.parameters()).dtype
+    tolerance = 1e-4 if torch.finfo(dtype).bits >= 32 else 0.01 * max(1.0, abs(top2[0].item()))
+    return GreedyAgreement(False, position, gap, tolerance)
