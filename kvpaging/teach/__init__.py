@@ -13,11 +13,19 @@ import torch
 
 from ..models import real_shaped, tiny
 
-__all__ = ["LessonModel", "pick_model", "pick_trained", "on_gpu"]
+__all__ = ["LessonModel", "pick_model", "pick_trained", "on_gpu", "text_table"]
 
 
 def on_gpu() -> bool:
     return torch.cuda.is_available()
+
+
+def text_table(header, rows) -> str:
+    """A plain-text table for ``print``: the first column left-aligned, the others right-aligned."""
+    lines = [list(header), *map(list, rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+                     for line in lines)
 
 
 @dataclass

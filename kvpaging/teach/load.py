@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import text_table
+
 __all__ = ["RequestTiming", "LoadRun", "percentile", "arrival_offsets", "chat_requests", "document_request",
            "serve", "run_load", "latency_throughput_figure", "idle_slots_while_waiting", "sweep_table",
            "request_timeline_figure", "itl_figure", "cache_prompts", "policy_ratios", "PrefillSpread",
@@ -294,13 +296,6 @@ def idle_slots_while_waiting(records, num_slots: int) -> tuple[int, int]:
     return idle, num_slots * len(waiting)
 
 
-def _aligned(header: list[str], rows: list[list[str]]) -> str:
-    """A plain-text table: the first column left-aligned, the others right-aligned, for ``print``."""
-    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                                enumerate(zip(line, widths))) for line in [header, *rows])
-
-
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
@@ -318,7 +313,7 @@ def policy_ratios(runs: dict[str, list[LoadRun]], baseline: str = "continuous", 
     rows = [[_rate_text(b.rate).replace(" requests/s", ""), _ratio(o.ttft_ms(50), b.ttft_ms(50)),
              _ratio(o.ttft_ms(99), b.ttft_ms(99)), _ms_text(o.queue_wait_ms(50)), _ms_text(b.queue_wait_ms(50)),
              _ratio(o.tpot_ms(50), b.tpot_ms(50))] for b, o in zip(runs[baseline], runs[other])]
-    return _aligned(header, rows)
+    return text_table(header, rows)
 
 
 @dataclass(frozen=True)
@@ -365,7 +360,7 @@ def prefill_table(runs: dict[int, LoadRun], chat: str = "chat", long: str = "lon
         rows.append([f"{budget:,}", _ms_text(run.itl_ms(99, chat)), _ms_text(run.itl_ms(50, chat)),
                      _ms_text(run.tpot_ms(50, chat)), _ms_text(run.ttft_ms(50, long)), str(spread.steps),
                      str(spread.largest_beside_decode)])
-    return _aligned(header, rows)
+    return text_table(header, rows)
 
 
 def sweep_table(runs: list[LoadRun]) -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv_math import kv_bytes_per_token, num_kv_cache_layers
+from . import text_table
 
 __all__ = [
     "StepCost",
@@ -298,6 +299,4 @@ def roofline_table(roof: DeviceRoof, points: Sequence[tuple[str, StepCost, float
     rows = [(label, f"{cost.intensity:.2f}", roof.bound(cost), f"{roof.time_at_best(cost) * 1e3:.2f} ms",
              f"{seconds * 1e3:.2f} ms", f"{cost.flops / seconds / roof.peak_flops:.1%} of peak")
             for label, cost, seconds in points]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-                     for r in [header, *rows])
+    return text_table(header, rows)

@@ -93,12 +93,14 @@ class GreedyAgreement:
     identical: bool
     position: int | None = None  # the first token where they differ
     gap: float | None = None  # the reference's top-2 logit gap there
-    tolerance: float | None = None  # the largest gap that counts as a tie in the model's dtype
+    tolerance: float | None = None  # a gap below this is a tie
+    chosen_in_top2: bool = False  # the engine's token there is one of the reference's two best
 
     @property
     def agrees(self) -> bool:
-        """Identical, or parted at a genuine tie: the two best logits within rounding, so either is right."""
-        return self.identical or (self.gap is not None and self.gap <= self.tolerance)
+        """Identical, or parted at a genuine tie: the engine took one of the two best logits, and those
+        were equal up to rounding, so either is right."""
+        return self.identical or (self.chosen_in_top2 and self.gap < self.tolerance)
 
     def __str__(self) -> str:
         if self.identical:
@@ -107,15 +109,16 @@ class GreedyAgreement:
         return f"differ from token {self.position}: top-2 logit gap {self.gap:.3g} there ({kind}, tolerance {self.tolerance:.3g})"
 
 
-def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int]) -> GreedyAgreement:
+def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int],
+                     tolerance: float | None = None) -> GreedyAgreement:
     """Compare ``got`` with ``reference`` (greedy continuations of ``prompt``); where they first differ, read the
     reference model's two best logits after the common prefix, from one plain forward pass.
 
     Greedy decoding picks the largest logit; when the two largest are equal up to the
     rounding of the model's dtype, the order in which the engine and transformers add
-    the same numbers decides between them, and both answers are right. The tolerance:
-    1e-4 in float32 (as the package's tests use), and 1% of the largest logit in a
-    16-bit dtype, whose 8 bits of mantissa round at about 0.4%.
+    the same numbers decides between them, and both answers are right. The default
+    ``tolerance``: 1e-4 in float32 (as the package's tests use), and 1% of the largest
+    logit in a 16-bit dtype, whose 8 bits of mantissa round at about 0.4%.
     """
     got, reference = list(got), list(reference)
     if got == reference:
@@ -125,8 +128,10 @@ def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference
     with torch.no_grad():
         ids = torch.tensor([list(prompt) + reference[:position]], device=device)
         logits = model(ids).logits[0, -1].float()
-    top2 = torch.topk(logits, 2).values
-    gap = (top2[0] - top2[1]).item()
-    dtype = next(model.parameters()).dtype
-    tolerance = 1e-4 if torch.finfo(dtype).bits >= 32 else 0.01 * max(1.0, abs(top2[0].item()))
-    return GreedyAgreement(False, position, gap, tolerance)
+    top2 = torch.topk(logits, 2)
+    gap = (top2.values[0] - top2.values[1]).item()
+    if tolerance is None:
+        dtype = next(model.parameters()).dtype
+        tolerance = 1e-4 if torch.finfo(dtype).bits >= 32 else 0.01 * max(1.0, abs(top2.values[0].item()))
+    chosen_in_top2 = position < len(got) and got[position] in top2.indices.tolist()
+    return GreedyAgreement(False, position, gap, tolerance, chosen_in_top2)

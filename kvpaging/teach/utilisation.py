@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -118,18 +119,12 @@ def measure_busy(llm, prompt_len: int = 64, batch: int = 1, decode_steps: int = 
     engine.step()  # the prefill (and the first token)
     synchronize(device)
     on_gpu = device.type == "cuda"
-    sampler = _GpuUtilSampler(device, sample_every_s) if on_gpu else None
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    if sampler:
-        sampler.__enter__()
-    try:
+    with _GpuUtilSampler(device, sample_every_s) if on_gpu else nullcontext() as sampler:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         for _ in range(decode_steps):
             engine.step()
         synchronize(device)
-    finally:
-        if sampler:
-            sampler.__exit__(None, None, None)
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     while engine.has_unfinished_requests():
         engine.step()
     if on_gpu:
