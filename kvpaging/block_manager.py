@@ -26,6 +26,7 @@ source block whose last owner let go is held out of the free queue.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -108,7 +109,7 @@ class KVCacheStats:
         return self.num_used_blocks / self.num_blocks
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SequenceBlocks:
     """One sequence's block table, as the block manager keeps it. Read it; never change it."""
 
@@ -118,6 +119,7 @@ class SequenceBlocks:
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
     row: int = -1  # this table's row in BlockManager.table_array
     seq_id: Hashable = None  # whose table it is
+    last: KVBlock | None = None  # blocks[-1] (None while empty): read at every decode, so kept at hand
 
 
 class _TableArray:
@@ -151,10 +153,17 @@ class _TableArray:
             self.array = np.concatenate([self.array, np.zeros((rows, max(cols, col + 1)), dtype=np.int32)], axis=1)
         self.array[row, col] = block_id
 
-    def set_prefix(self, row: int, block_ids: list[int]) -> None:
+    def set_range(self, row: int, col: int, block_ids: list[int]) -> None:
+        """Entries ``col, col + 1, ...`` of ``row`` become ``block_ids``."""
         if block_ids:
-            self.set(row, len(block_ids) - 1, block_ids[-1])  # grows the columns if needed
-            self.array[row, : len(block_ids)] = block_ids
+            end = col + len(block_ids)
+            self.set(row, end - 1, block_ids[-1])  # grows the columns if needed
+            if len(block_ids) == 1:
+                return
+            self.array[row, col:end] = block_ids
+
+    def set_prefix(self, row: int, block_ids: list[int]) -> None:
+        self.set_range(row, 0, block_ids)
 
 
 class BlockManager:
@@ -302,24 +311,48 @@ class BlockManager:
                 f"num_computed_tokens={num_computed_tokens} exceeds the sequence's {st.num_tokens} slots "
                 f"or its {len(token_ids)} tokens"
             )
+        if self._cache_blocks(st, token_ids, num_computed_tokens):
+            self._note_peak()
+
+    def cache_decode_blocks(self, seqs: list) -> None:
+        """``cache_full_blocks`` for sequences whose decode just filled their last block, in one call per step.
+
+        ``seqs`` holds scheduler sequences, read through ``blocks`` and ``token_ids`` as in
+        :meth:`append_decode_slots`; each has computed every token it has a slot for."""
+        if not self.enable_prefix_caching:
+            return
+        swapped = False
+        for seq in seqs:
+            st = seq.blocks
+            swapped |= self._cache_blocks(st, seq.token_ids, st.num_tokens)
+        if swapped:
+            self._note_peak()
+
+    def _cache_blocks(self, st: SequenceBlocks, token_ids: Sequence[int], num_computed_tokens: int) -> bool:
+        """Hash and offer the full blocks of ``st`` up to ``num_computed_tokens``; True when one was switched
+        for an identical cached block (the only change here that can move the high-water marks)."""
+        bs = self.block_size
+        hashes = st.block_hashes
         pool = self.pool
+        swapped = False
         for i in range(len(hashes), num_computed_tokens // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.hash_fn(hashes[-1] if i else None, toks)
             block = st.blocks[i]
             if block.block_hash is None:
                 parent = st.blocks[i - 1] if i else None
-                twin = pool.lookup(h, toks, parent)
+                twin = pool.cache_block_or_find_twin(block, h, toks, parent)
                 if twin is not None:
                     pool.touch(twin)
                     st.blocks[i] = twin
                     st.block_ids[i] = twin.block_id
+                    if block is st.last:
+                        st.last = twin
                     self._tables.set(st.row, i, twin.block_id)
                     pool.free_block(block)
-                else:
-                    pool.cache_block(block, h, toks, parent)
+                    swapped = True
             hashes.append(h)
-        self._note_peak()
+        return swapped
 
     # -- allocation ------------------------------------------------------------
     def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
@@ -350,6 +383,7 @@ class BlockManager:
         st = SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
         st.row = self._tables.take_row()
         st.seq_id = seq_id
+        st.last = hit[-1] if hit else None
         self._tables.set_prefix(st.row, st.block_ids)
         self._seqs[seq_id] = st
         self._num_table_blocks += len(hit)
@@ -371,7 +405,7 @@ class BlockManager:
             st = self._state(seq_id)  # raises the clear error
         n = st.num_tokens
         bs = self.block_size
-        last = st.blocks[-1] if st.blocks else None
+        last = st.last
         if num_new_tokens == 1 and n % bs and last is not None and last.ref_cnt == 1:
             # The common decode step: one more token in an unshared, unfilled last block.
             self.pool.fill(last, 1)
@@ -389,42 +423,73 @@ class BlockManager:
         self._note_peak()
         return True
 
-    def append_decode_slots(self, tables: list[SequenceBlocks], rows: list[int], positions: list[int]) -> int:
-        """One more slot for each of ``tables`` (one decode token each), in order, as ``append_slots(seq, 1)``
-        would give it. Stops at the first sequence the pool has no block for; returns how many got theirs.
-        Appends each served table's row (in ``table_array``) to ``rows`` and the new slot's position to
-        ``positions``: the model runner's inputs, gathered in the same pass.
+    def append_decode_slots(self, seqs: list, start: int, stop: int, rows: list[int], positions: list[int],
+                            input_ids: list[int]) -> int:
+        """One more slot for each of ``seqs[start:stop]`` that decodes, in order, as ``append_slots(seq_id, 1)``
+        would give it; returns how many got theirs.
 
-        The scheduler's every-step call for its decoding sequences: one call per step, not one per
-        sequence. Most decodes land in an unshared, unfilled last block and cost a few attribute
-        updates; a full or shared last block takes the general path (a new block, or a copy-on-write).
+        The scheduler's every-step call for its running sequences: one call per step, not one per sequence.
+        ``seqs`` holds scheduler sequences, read through two attributes: ``blocks`` (the table record this
+        manager gave them, :meth:`get_sequence_blocks`) and ``token_ids``. A sequence decodes when every token
+        but its last has a slot; the run stops at the first one that does not (a prefill chunk is next), or
+        that the pool has no block for. For each served sequence it appends its table's row (in
+        ``table_array``), the new slot's position and the token that goes there (its last) to ``rows``,
+        ``positions`` and ``input_ids``: the model runner's inputs, gathered in the same pass.
+
+        Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a decode
+        into a full last block takes a new block here too; a shared, partly filled one takes the general
+        path (a copy-on-write).
         """
         bs = self.block_size
+        pool = self.pool
+        free_queue = pool.free_queue
+        array = self._tables.array
+        max_tokens = self.num_blocks * bs
         served = len(rows)
-        slow = 0  # decodes that took the general path (their fills are counted there)
-        for st in tables:
+        new_blocks = 0  # decodes that took a new block (their fills are counted with the fast path's)
+        cow = 0  # decodes that took the general path (they count their own fills)
+        for seq in islice(seqs, start, stop):
+            st = seq.blocks
             n = st.num_tokens
+            tokens = seq.token_ids
+            if len(tokens) != n + 1:
+                break  # more than one token to compute: a prefill chunk, not a decode
             if n % bs:
-                last = st.blocks[-1]
-                if last.ref_cnt == 1:
+                last = st.last
+                if last.ref_cnt != 1:  # shared with a fork and partly filled: copy it first
+                    if not free_queue.num_free_blocks:
+                        break
+                    self._copy_on_write(st, last)
+                    self._grow(st, 1)
+                    cow += 1
+                else:
                     last.num_filled += 1
                     st.num_tokens = n + 1
-                    rows.append(st.row)
-                    positions.append(n)
-                    continue
-            # a full last block (or none) needs a new block; a shared, partly filled one needs its copy
-            self._check_fits(st.seq_id, n + 1)
-            if not self.pool.free_queue.num_free_blocks:
-                break
-            if n % bs:
-                self._copy_on_write(st, st.blocks[-1])
-            self._grow(st, 1)
+            else:  # the last block is full (or there is none): a new one
+                if n >= max_tokens:
+                    self._check_fits(st.seq_id, n + 1)  # raises: the pool could never hold it
+                if not free_queue.num_free_blocks:
+                    break
+                block = pool.get_new_block()
+                block.num_filled = 1
+                col = len(st.block_ids)
+                st.blocks.append(block)
+                st.block_ids.append(block.block_id)
+                st.last = block
+                if col < array.shape[1]:
+                    array[st.row, col] = block.block_id
+                else:
+                    self._tables.set(st.row, col, block.block_id)  # grows the columns
+                    array = self._tables.array
+                st.num_tokens = n + 1
+                new_blocks += 1
             rows.append(st.row)
             positions.append(n)
-            slow += 1
+            input_ids.append(tokens[n])
         served = len(rows) - served
-        self.pool.num_filled_slots += served - slow  # the fast path's fills, counted once (BlockPool.fill's counter)
-        if slow:
+        pool.num_filled_slots += served - cow  # the fills of this loop, counted once (BlockPool.fill's counter)
+        if new_blocks or cow:
+            self._num_table_blocks += new_blocks
             self._note_peak()
         return served
 
@@ -434,7 +499,7 @@ class BlockManager:
         pool.fill(copy, shared.num_filled)
         pool.free_block(shared)  # one owner fewer; it stays with the others
         pool.hold_until_copied(shared)  # until copied, it must not be handed out again
-        st.blocks[-1] = copy
+        st.blocks[-1] = st.last = copy
         st.block_ids[-1] = copy.block_id
         self._tables.set(st.row, len(st.block_ids) - 1, copy.block_id)
         self._blocks_to_copy.append((shared.block_id, copy.block_id))
@@ -446,18 +511,24 @@ class BlockManager:
         bs = self.block_size
         remaining = num_new_tokens
         if st.num_tokens % bs:
-            last = st.blocks[-1]
+            last = st.last
             room = min(bs - last.num_filled, remaining)
             pool.fill(last, room)
             remaining -= room
-        while remaining > 0:
-            block = pool.get_new_block()
-            pool.fill(block, min(bs, remaining))
-            remaining -= block.num_filled
-            st.blocks.append(block)
-            st.block_ids.append(block.block_id)
-            self._tables.set(st.row, len(st.block_ids) - 1, block.block_id)
-            self._num_table_blocks += 1
+        if remaining > 0:
+            count = -(-remaining // bs)
+            blocks = [pool.get_new_block() for _ in range(count)]
+            for block in blocks:
+                block.num_filled = bs
+            blocks[-1].num_filled = remaining - (count - 1) * bs
+            pool.num_filled_slots += remaining  # BlockPool.fill's counter, for all of them at once
+            first = len(st.block_ids)
+            ids = [block.block_id for block in blocks]
+            st.blocks += blocks
+            st.block_ids += ids
+            st.last = blocks[-1]
+            self._tables.set_range(st.row, first, ids)
+            self._num_table_blocks += count
         st.num_tokens += num_new_tokens
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -470,6 +541,7 @@ class BlockManager:
         child = SequenceBlocks(list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes))
         child.row = self._tables.take_row()
         child.seq_id = child_id
+        child.last = parent.last
         self._tables.set_prefix(child.row, child.block_ids)
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks)
@@ -486,8 +558,7 @@ class BlockManager:
             raise SequenceNotFoundError(
                 f"cannot free sequence {seq_id!r}: it holds no blocks (never allocated, or already freed)"
             )
-        for block in reversed(st.blocks):
-            self.pool.free_block(block)
+        self.pool.free_blocks(reversed(st.blocks))
         self._num_table_blocks -= len(st.blocks)
         self._tables.release_row(st.row, len(st.blocks))
 
@@ -500,6 +571,8 @@ class BlockManager:
     def copies_made(self) -> None:
         """The pending copies are done (or their step failed): forget them, and let the sources
         that were held back for them go to the free queue."""
+        if not self._blocks_to_copy:  # no copy pending (most steps): no block is held back either
+            return
         self._blocks_to_copy.clear()
         self.pool.release_held()
         self._note_peak()  # the sources held back are free now: fewer used blocks, as many in the tables
@@ -530,6 +603,7 @@ class BlockManager:
         owners: dict[int, int] = {}
         for seq_id, st in self._seqs.items():
             _check(st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
+            _check(st.last is (st.blocks[-1] if st.blocks else None), f"{seq_id!r}: last block out of sync")
             row = self._tables.array[st.row]
             _check(row[: len(st.block_ids)].tolist() == st.block_ids, f"{seq_id!r}: table_array row out of sync")
             _check(not row[len(st.block_ids) :].any(), f"{seq_id!r}: table_array row not zero-padded")

@@ -36,7 +36,7 @@ from .errors import InvariantError
 __all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "validate_block_size"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KVBlock:
     """Metadata of one physical block. The K/V data itself lives in the model runner's tensors."""
 
@@ -82,6 +82,18 @@ class FreeBlockQueue:
         block.next_free = self._tail
         self._tail.prev_free = block
         self.num_free_blocks += 1
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """``append`` each of ``blocks``, in order (a whole freed table at once)."""
+        tail = self._tail
+        last = tail.prev_free
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free_blocks += len(blocks)
 
     def popleft(self) -> KVBlock:
         """Take the block that has been free the longest."""
@@ -197,6 +209,21 @@ class BlockPool:
             else:
                 self._enqueue_free(block)
 
+    def free_blocks(self, blocks) -> None:
+        """``free_block`` for each of ``blocks``, in order: one call for a whole table."""
+        freed = []
+        for block in blocks:
+            count = block.ref_cnt
+            if count == 1 and block.block_id not in self._hold_on_free:
+                block.ref_cnt = 0
+                freed.append(block)
+            else:
+                self.free_block(block)  # shared, held for a copy, or already free (the error)
+        if freed:
+            self.num_filled_slots -= sum(b.num_filled for b in freed)
+            self.num_cached_free_blocks += sum(1 for b in freed if b.block_hash is not None)
+            self.free_queue.extend(freed)
+
     def _enqueue_free(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             self.num_cached_free_blocks += 1
@@ -221,12 +248,7 @@ class BlockPool:
         if parent is not None and parent.block_hash is None:
             return None  # an uncached parent has no identity to match against
         block = self.cached_blocks.get(block_hash)
-        if block is None or block.token_ids != token_ids:
-            return None
-        expected_parent = -1 if parent is None else parent.cache_id
-        if block.parent_cache_id != expected_parent:
-            return None
-        return block
+        return block if block is not None and _same(block, token_ids, parent) else None
 
     def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> bool:
         """Register a full, computed block under ``block_hash``. Returns False when it stays uncached.
@@ -237,7 +259,23 @@ class BlockPool:
         """
         if parent is not None and parent.block_hash is None:
             return False
+        return self._register(block, block_hash, token_ids, parent, self.cached_blocks.get(block_hash))
+
+    def cache_block_or_find_twin(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
+                                 parent: KVBlock | None) -> KVBlock | None:
+        """``lookup``, then ``cache_block`` when nothing was found, with one look in the index: the twin (a
+        cached block holding these very tokens after this very parent), or None once ``block`` is offered."""
+        if parent is not None and parent.block_hash is None:
+            return None  # stays uncached, as cache_block leaves it
         existing = self.cached_blocks.get(block_hash)
+        if existing is not None and _same(existing, token_ids, parent):
+            return existing
+        self._register(block, block_hash, token_ids, parent, existing)
+        return None
+
+    def _register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None,
+                  existing: KVBlock | None) -> bool:
+        """``cache_block`` once the parent is known to be cached and ``existing`` is the index's entry."""
         if existing is not None:
             if existing.ref_cnt > 0:
                 return False
@@ -290,6 +328,11 @@ class BlockPool:
                "num_cached_free_blocks out of step")
         _check(self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0),
                "num_filled_slots out of step")
+
+
+def _same(block: KVBlock, token_ids: tuple[int, ...], parent: KVBlock | None) -> bool:
+    """Whether cached ``block`` holds ``token_ids`` right after ``parent`` (not merely the same hash)."""
+    return block.token_ids == token_ids and block.parent_cache_id == (-1 if parent is None else parent.cache_id)
 
 
 def _check(condition: bool, message: str) -> None:

@@ -225,63 +225,89 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
 
     The decodes (one token each) are packed first, the multi-token chunks after
     them, so attention can serve the first part with the decode kernel and the
-    rest with the prefill kernel. The decodes' tokens are read from their
-    sequences; their positions, slots, context lengths and block tables are
-    computed for all of them at once with numpy, from the rows of the block
-    manager's table array. Each prefill chunk adds a few numpy operations (its
-    tokens are copied once). On the 2-core VM of ``benchmarks/RESULTS.md`` a step
-    costs some tens of microseconds plus about 0.3 us per decode
-    (``benchmarks/host_overhead.py``).
+    rest with the prefill kernel. The decodes' token ids, positions and table rows
+    come as lists and arrays in the scheduler's output (gathered while their slots
+    were given); their slots, context lengths and block tables are computed for all
+    of them at once with numpy, from the rows of the block manager's table array. A
+    step of decodes only takes the shortest path (no packing). The chunks add a
+    fixed number of numpy operations, however many there are (their tokens are
+    copied once, as Python ints into one array). On the 2-core VM of
+    ``benchmarks/RESULTS.md`` a step costs some tens of microseconds plus under
+    0.2 us per decode (``benchmarks/host_overhead.py``).
     """
     bs = out.block_size
+    shift = bs.bit_length() - 1  # block sizes are powers of two
     table_array = out.table_array
-    decodes = out.decodes
-    num_decodes = len(decodes)
+    num_decodes = len(out.decodes)
     pos = out.decode_positions
-    input_ids = [seq.token_ids[-1] for seq in decodes]
-    positions = [pos]
-    block_index, offset = np.divmod(pos, bs)
-    slots = [table_array[out.decode_rows, block_index].astype(np.int64) * bs + offset]
-    seq_lens = [pos + 1]
-    rows = [out.decode_rows]
-    # a decode's position lies in the last block of its table, so its table is pos // bs + 1 long
-    width = int(pos.max()) // bs + 1 if num_decodes else 0
-    logits_indices = [np.arange(num_decodes)]  # a decode's logits row is its own token's
-    cu_prefill = [0]
-    num_tokens = num_decodes
-    for s in out.chunks:
-        start, end = s.start, s.start + s.num_new_tokens
-        table = s.block_ids
-        input_ids += s.seq.token_ids[start:end]
-        chunk_pos = np.arange(start, end)
-        positions.append(chunk_pos)
-        slots.append(np.array(table, dtype=np.int64)[chunk_pos // bs] * bs + chunk_pos % bs)
-        num_tokens += s.num_new_tokens
-        if s.sample:
-            logits_indices.append(np.array([num_tokens - 1]))
-        cu_prefill.append(num_tokens - num_decodes)
-        seq_lens.append(np.array([end]))
-        rows.append(np.array([s.table_row]))
-        if len(table) > width:
-            width = len(table)
-    # the block manager keeps every table as a row of one array: the step takes its rows in one call
-    block_tables = table_array[_cat(rows), :width]
+    rows = out.decode_rows
     on_cpu = getattr(device, "type", device) == "cpu"
+    if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
+        # a decode's position lies in the last block of its table, so its table is pos // bs + 1 long
+        block_index = pos >> shift
+        width = int(block_index.max()) + 1 if num_decodes else 0
+        slots = table_array[rows, block_index].astype(np.int64)
+        slots <<= shift
+        slots |= pos & (bs - 1)
+        input_ids = np.fromiter(out.decode_token_ids, np.int64, num_decodes)
+        input_ids.shape = (1, num_decodes)
+        return StepInputs(
+            input_ids=_tensor(input_ids, device, on_cpu),
+            positions=_tensor(pos.reshape(1, -1), device, on_cpu),
+            slot_mapping=_tensor(slots, device, on_cpu),
+            block_tables=_tensor(table_array[rows, :width], device, on_cpu),
+            seq_lens=_tensor(np.add(pos, 1, dtype=np.int32, casting="unsafe"), device, on_cpu),
+            prefill_cu_seqlens_q=_no_prefill(device),
+            logits_indices=_tensor(np.arange(num_decodes), device, on_cpu),  # a decode's logits row is its own
+            num_decodes=num_decodes,
+        )
+    # With chunks: their tokens are copied once; everything else is a fixed number of numpy operations over
+    # all the step's tokens, however many chunks there are (a burst of admissions brings dozens).
+    input_ids = list(out.decode_token_ids)
+    chunk_rows, starts, lengths, sampling = [], [], [], []
+    for s in out.chunks:
+        start, n = s.start, s.num_new_tokens
+        input_ids += s.seq.token_ids[start : start + n]
+        chunk_rows.append(s.table_row)
+        starts.append(start)
+        lengths.append(n)
+        sampling.append(s.sample)
+    chunk_rows, starts, lengths = np.array(chunk_rows), np.array(starts), np.array(lengths)
+    ends_in_step = np.cumsum(lengths)  # where each chunk's tokens end, counted from the first chunk token
+    # every token's position (a chunk token's: its chunk's start plus its index in the chunk) and table row
+    positions = np.concatenate([pos, np.arange(int(ends_in_step[-1])) + np.repeat(starts - (ends_in_step - lengths),
+                                                                                   lengths)])
+    token_rows = np.concatenate([rows, np.repeat(chunk_rows, lengths)])
+    slots = table_array[token_rows, positions >> shift].astype(np.int64)
+    slots <<= shift
+    slots |= positions & (bs - 1)
+    width = int(positions.max() >> shift) + 1  # the longest table: a sequence's last position is in its last block
+    ends = starts + lengths  # each chunk's context length
+    positions.shape = (1, len(positions))
     return StepInputs(
         input_ids=_tensor(np.array(input_ids, dtype=np.int64).reshape(1, -1), device, on_cpu),
-        positions=_tensor(_cat(positions).reshape(1, -1), device, on_cpu),
-        slot_mapping=_tensor(_cat(slots), device, on_cpu),
-        block_tables=_tensor(block_tables, device, on_cpu),
-        seq_lens=_tensor(_cat(seq_lens).astype(np.int32), device, on_cpu),
-        prefill_cu_seqlens_q=_tensor(np.array(cu_prefill, dtype=np.int32), device, on_cpu),
-        logits_indices=_tensor(_cat(logits_indices), device, on_cpu),
+        positions=_tensor(positions, device, on_cpu),
+        slot_mapping=_tensor(slots, device, on_cpu),
+        # the block manager keeps every table as a row of one array: the step takes its rows in one call
+        block_tables=_tensor(table_array[np.concatenate([rows, chunk_rows]), :width], device, on_cpu),
+        seq_lens=_tensor(np.concatenate([pos + 1, ends]).astype(np.int32), device, on_cpu),
+        prefill_cu_seqlens_q=_tensor(np.concatenate([[0], ends_in_step]).astype(np.int32), device, on_cpu),
+        logits_indices=_tensor(np.concatenate([np.arange(num_decodes),
+                                               num_decodes - 1 + ends_in_step[np.array(sampling)]]), device, on_cpu),
         num_decodes=num_decodes,
     )
 
 
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    """The parts end to end as int64 (a pure decode step has one part: no copy)."""
-    return parts[0].astype(np.int64, copy=False) if len(parts) == 1 else np.concatenate(parts).astype(np.int64, copy=False)
+_NO_PREFILL: dict[str, torch.Tensor] = {}
+
+
+def _no_prefill(device) -> torch.Tensor:
+    """``prefill_cu_seqlens_q`` of a step with no prefill chunk: int32 ``[0]``, made once per device (read only)."""
+    key = str(device)
+    tensor = _NO_PREFILL.get(key)
+    if tensor is None:
+        tensor = _NO_PREFILL[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return tensor
 
 
 def _tensor(array: np.ndarray, device, on_cpu: bool) -> torch.Tensor:

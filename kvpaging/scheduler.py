@@ -26,7 +26,6 @@ changes block tables.
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,6 +76,7 @@ class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
     decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their table_array rows
     decode_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the token computed
+    decode_token_ids: list[int] = field(default_factory=list)  # and its id (the sequence's last)
     chunks: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
     # the sequences that get a token this step, in order: the decodes, then the chunks that reach their end,
@@ -148,8 +148,8 @@ class Scheduler:
     # -- queue changes from the engine ---------------------------------------------------
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, request, index, token_ids)
-        if not request.params.ignore_eos:
-            seq.stop_ids |= self.eos_token_ids
+        if not request.params.ignore_eos:  # sequences without stop tokens of their own share one set
+            seq.stop_ids = seq.stop_ids | self.eos_token_ids if seq.stop_ids else self.eos_token_ids
         seq.max_len = min(seq.max_len, self.max_model_len)
         self._next_seq_id += 1
         request.seqs.append(seq)
@@ -177,6 +177,7 @@ class Scheduler:
         decodes: list[Sequence] = []
         decode_rows: list[int] = []  # each decode's table row and position, filled in by the block manager
         decode_positions: list[int] = []
+        decode_ids: list[int] = []  # the token each decode computes (its last)
         chunks: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         bm = self.bm
@@ -189,21 +190,16 @@ class Scheduler:
             start = seq.num_computed_tokens
             n = len(seq.token_ids) - start
             if n == 1:
-                # A run of decoding sequences (most of a busy step): their slots in one call.
-                run, tables = [], []
-                for other in islice(running, i, min(len(running), i + budget)):
-                    if len(other.token_ids) - other.num_computed_tokens != 1:
-                        break
-                    run.append(other)
-                    tables.append(other.blocks)
-                done = bm.append_decode_slots(tables, decode_rows, decode_positions)
-                decodes += run[:done] if done < len(run) else run
+                # A run of decoding sequences (most of a busy step): their slots in one call, which stops
+                # at the first sequence that is not decoding or that the pool has no block for.
+                done = bm.append_decode_slots(running, i, min(len(running), i + budget), decode_rows,
+                                              decode_positions, decode_ids)
+                decodes += running[i : i + done]
                 budget -= done
                 i += done
-                if done == len(run):
+                if done:
                     continue
-                seq = running[i]  # the pool had no block for it: preempt as for any other sequence
-                start = seq.num_computed_tokens
+                # the pool had no block for it: preempt as for any other sequence
             else:
                 n = min(n, budget)
             while not bm.append_slots(seq.seq_id, n):
@@ -213,7 +209,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._add(seq, start, n, decodes, decode_rows, decode_positions, chunks)
+                self._add(seq, start, n, decodes, decode_rows, decode_positions, decode_ids, chunks)
                 budget -= n
                 i += 1
 
@@ -242,7 +238,7 @@ class Scheduler:
                 running.append(seq)
                 seats += need
                 self._unforked_extra_seats += need - 1
-                self._add(seq, start, n, decodes, decode_rows, decode_positions, chunks)
+                self._add(seq, start, n, decodes, decode_rows, decode_positions, decode_ids, chunks)
                 budget -= n
 
         if not (decodes or chunks):
@@ -251,8 +247,9 @@ class Scheduler:
         out = SchedulerOutput(
             step=self.num_steps,
             decodes=decodes,
-            decode_rows=np.array(decode_rows, dtype=np.int64),
-            decode_positions=np.array(decode_positions, dtype=np.int64),
+            decode_rows=np.fromiter(decode_rows, np.int64, len(decode_rows)),
+            decode_positions=np.fromiter(decode_positions, np.int64, len(decode_positions)),
+            decode_token_ids=decode_ids,
             chunks=chunks,
             blocks_to_copy=bm.blocks_to_copy(),
             preempted=preempted,
@@ -265,7 +262,7 @@ class Scheduler:
 
     @staticmethod
     def _add(seq: Sequence, start: int, n: int, decodes: list[Sequence], decode_rows: list[int],
-             decode_positions: list[int], chunks: list[ScheduledSeq]) -> None:
+             decode_positions: list[int], decode_ids: list[int], chunks: list[ScheduledSeq]) -> None:
         """File a scheduled sequence under decodes (one token, its last) or chunks (anything else)."""
         end = start + n
         num_tokens = len(seq.token_ids)
@@ -273,6 +270,7 @@ class Scheduler:
             decodes.append(seq)
             decode_rows.append(seq.blocks.row)
             decode_positions.append(start)
+            decode_ids.append(seq.token_ids[start])
             return
         # A prompt or recompute chunk: it brings several tokens, yields no token, or still holds prompt
         # tokens (the last chunk of a prompt may be a single token; that is still prefill, not a decode).
@@ -338,9 +336,9 @@ class Scheduler:
         bs = bm.block_size
         decodes = out.decodes
         if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
-            for k in np.flatnonzero(out.decode_positions % bs == bs - 1).tolist():
-                seq = decodes[k]
-                bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + 1)
+            full = np.flatnonzero(out.decode_positions % bs == bs - 1).tolist()
+            if full:
+                bm.cache_decode_blocks([decodes[k] for k in full])
         for s in out.chunks:
             seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
@@ -376,8 +374,11 @@ class Scheduler:
             if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
                 self._check_stop(seq, token, result, keep_tables)
         finished = result.finished
-        if finished:
+        if len(finished) > 4:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        else:  # a few: take them out one by one (a scan by identity, touching no other sequence)
+            for seq in finished:
+                self.running.remove(seq)
         if out.samples and self.scheduling == "static":
             self._static_admitting = False
         return result

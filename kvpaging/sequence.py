@@ -30,6 +30,9 @@ def completion_seed(seed: int, index: int) -> int:
     return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+_NO_STOP_IDS: frozenset[int] = frozenset()  # one shared empty set: a stop check reads no cold object
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -43,34 +46,35 @@ class SequenceStatus(enum.Enum):
         return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """One completion being generated. Only the scheduler changes its status."""
 
     seq_id: int
     request: Request
     index: int  # which of the request's n completions
+    # The fields read for every sequence at every step come first, so that they share a cache line or two.
     token_ids: list[int]  # prompt followed by generated tokens
     num_computed_tokens: int = 0
+    # the block manager's live record of this sequence's table (block ids, row in its table array) while it
+    # holds blocks: the scheduler reads it instead of looking the table up every step. Read only.
+    blocks: object | None = field(default=None, repr=False)
+    # What ends it, checked after every sampled token (the scheduler adds EOS and max_model_len when it makes it):
+    stop_ids: frozenset[int] = field(init=False)  # stop tokens: the request's stop_token_ids, and EOS
+    max_len: int = field(init=False)  # its length when it is done: prompt + max_tokens (or max_model_len)
+    has_stop_strings: bool = field(init=False)  # the request has stop strings (its text is checked)
+    prompt_len: int = field(init=False)  # the request's, kept here: read in every step's hot loop
     status: SequenceStatus = SequenceStatus.WAITING
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with logprobs=k > 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
-    # the block manager's live record of this sequence's table (block ids, row in its table array) while it
-    # holds blocks: the scheduler reads it instead of looking the table up every step. Read only.
-    blocks: object | None = field(default=None, repr=False)
-    prompt_len: int = field(init=False)  # the request's, kept here: read in every step's hot loop
-    # What ends it, checked after every sampled token (the scheduler adds EOS and max_model_len when it makes it):
-    stop_ids: frozenset[int] = field(init=False)  # stop tokens: the request's stop_token_ids, and EOS
-    max_len: int = field(init=False)  # its length when it is done: prompt + max_tokens (or max_model_len)
-    has_stop_strings: bool = field(init=False)  # the request has stop strings (its text is checked)
     _detokenizer: IncrementalDetokenizer | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)
         params = self.request.params
-        self.stop_ids = frozenset(params.stop_token_ids or ())
+        self.stop_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else _NO_STOP_IDS
         self.max_len = self.prompt_len + params.max_tokens
         self.has_stop_strings = bool(params.stop)
 

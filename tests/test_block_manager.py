@@ -425,3 +425,120 @@ def test_invariant_checks_still_check_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("caught:") == 3, done.stdout
+
+
+# -- the scheduler's one-call-per-step paths ----------------------------------------------------------------------
+
+
+class _Seq:
+    """What append_decode_slots and cache_decode_blocks read of a scheduler sequence: its table record and tokens."""
+
+    def __init__(self, bm, seq_id, tokens):
+        self.seq_id, self.token_ids, self.blocks = seq_id, tokens, bm.get_sequence_blocks(seq_id)
+
+
+def _tables(bm):
+    return {s: list(bm.get_block_table(s)) for s in bm._seqs}
+
+
+def _books(bm):
+    s = bm.stats()
+    return (_tables(bm), refcounts(bm), free_order(bm), [b.num_filled for b in bm.pool.blocks], s.num_tokens_stored,
+            s.num_table_blocks, s.num_cow_copies, s.peak_used_blocks, s.peak_table_blocks, s.peak_savings_blocks,
+            bm.blocks_to_copy(), bm.table_array[:, :8].tolist())
+
+
+def _twin_managers(block_size, num_blocks):
+    """Two managers driven through the same history: sequences at every kind of last block (partly filled,
+    full, shared partly filled after a fork), and one in the middle of its prompt."""
+    made = []
+    for _ in range(2):
+        bm = BlockManager(num_blocks, block_size)
+        seqs = {}
+        for name, length in (("a", 5), ("b", 8), ("c", 6), ("p", 9)):
+            tokens = [10 + ord(name)] * length
+            assert bm.allocate_sequence(name, length - (name == "p") * 3, bm.lookup_prefix(tokens))
+            seqs[name] = tokens + [1]  # a sampled token: every sequence but p decodes next
+        bm.fork("c", "c2")  # c and c2 share c's partly filled last block
+        seqs["c2"] = list(seqs["c"])
+        seqs["p"] = seqs["p"][:-1]  # p still has 3 prompt tokens to compute: not a decode
+        made.append((bm, {k: _Seq(bm, k, v) for k, v in seqs.items()}))
+    return made
+
+
+@pytest.mark.parametrize(("num_blocks", "served"), [(10, 4), (9, 2), (8, 1)])
+def test_append_decode_slots_gives_what_append_slots_gives_one_by_one(num_blocks, served):
+    """One call for a run of decodes against append_slots(seq, 1) for each: the same tables, fills, copies,
+    counters and high-water marks; it stops at the first sequence that is not decoding (p) and, with fewer
+    free blocks, at the first one the pool has no block for."""
+    (fast, fseqs), (slow, sseqs) = _twin_managers(4, num_blocks)
+    order = ["a", "b", "c", "c2", "p", "a"]
+    rows, positions, ids = [], [], []
+    done = fast.append_decode_slots([fseqs[k] for k in order], 0, len(order), rows, positions, ids)
+    expected = 0
+    for name in order:
+        seq = sseqs[name]
+        if len(seq.token_ids) != slow.get_num_tokens(name) + 1 or not slow.append_slots(name, 1):
+            break
+        expected += 1
+    assert done == expected == served  # 10 blocks: b takes a new block and c a copy; fewer: it stops short
+    assert _books(fast) == _books(slow)
+    assert fast.stats().num_cow_copies == (served == 4)
+    seqs = [fseqs[k] for k in order[:done]]
+    assert rows == [s.blocks.row for s in seqs]
+    assert positions == [len(s.token_ids) - 1 for s in seqs]
+    assert ids == [s.token_ids[-1] for s in seqs]
+    fast.check_invariants()
+
+
+def test_cache_decode_blocks_caches_as_cache_full_blocks_does():
+    """A decode that fills its block: offered to the cache in the step's one call, or sequence by sequence; with a
+    twin (two sequences computed the same block), both switch to the cached copy and free their own."""
+    made = []
+    for one_call in (True, False):
+        bm = BlockManager(12, 4)
+        seqs = []
+        for name in ("x", "y"):
+            tokens = [7, 7, 7, 7, 8, 8, 8]
+            assert bm.allocate_sequence(name, len(tokens))
+            bm.cache_full_blocks(name, tokens, len(tokens))
+            tokens.append(9)  # the decode's input: position 7, the last slot of block 1
+            assert bm.append_slots(name, 1)
+            seqs.append(_Seq(bm, name, tokens))
+        if one_call:
+            bm.cache_decode_blocks(seqs)
+        else:
+            for seq in seqs:
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, len(seq.token_ids))
+        bm.check_invariants()
+        made.append(bm)
+    assert _books(made[0]) == _books(made[1])
+    tables = _tables(made[0])
+    assert tables["x"] == tables["y"]  # y found x's blocks when it offered its own: one copy is kept
+    assert made[0].get_sequence_blocks("y").last is made[0].pool.blocks[tables["y"][-1]]
+
+
+def test_free_blocks_is_free_block_in_order():
+    """The pool's one-call free of a whole table: shared blocks lose an owner, a block held for a pending copy waits,
+    the rest join the free queue in order, and every counter ends where free_block one by one leaves it."""
+    made = []
+    for one_call in (True, False):
+        pool = BlockPool(num_blocks=8, block_size=4)
+        blocks = [pool.get_new_block() for _ in range(6)]
+        for b in blocks:
+            pool.fill(b, 4)
+        pool.cache_block(blocks[0], 123, (1, 2, 3, 4), None)
+        pool.touch(blocks[1])  # shared
+        pool.hold_until_copied(blocks[2])  # a pending copy's source
+        table = [blocks[k] for k in (5, 4, 2, 1, 0)]
+        if one_call:
+            pool.free_blocks(table)
+        else:
+            for b in table:
+                pool.free_block(b)
+        pool.release_held()
+        pool.check_invariants()
+        made.append(([b.block_id for b in pool.free_queue], [b.ref_cnt for b in pool.blocks], pool.num_filled_slots,
+                     pool.num_cached_free_blocks))
+    assert made[0] == made[1]
+    assert made[0][0] == [6, 7, 5, 4, 0, 2]

@@ -33,7 +33,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+import torch
+
 from kvpaging.block_manager import BlockManager
+from kvpaging.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.scheduler import Scheduler
 from kvpaging.sequence import Request, SequenceStatus
@@ -44,7 +47,7 @@ SAMPLED_TOKENS = (2, 3, 4, 5, 6)  # EOS among them
 GARBAGE = "garbage"  # what a slot holds after a failed forward wrote it
 
 COUNTS = {"transitions": 0, "rules": 0, "scheduler_steps": 0, "failed_steps": 0, "preemptions": 0, "finished": 0,
-          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "examples": 0}
+          "aborted": 0, "forks": 0, "prefix_hit_tokens": 0, "chunked": 0, "examples": 0, "decode_only_steps": 0}
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -89,7 +92,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _written_slots(self, out):
         """(block id, slot, position, seq) of every token the step's forward writes."""
-        for s in out.scheduled:
+        for k, s in enumerate(out.scheduled):
             table = self.bm.get_block_table(s.seq.seq_id)
             for p in range(s.start, s.start + s.num_new_tokens):
                 yield table[p // self.bs], p % self.bs, p, s.seq
@@ -145,6 +148,36 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert block.block_hash is None, f"seq {seq.seq_id} writes position {p} into cached block {block_id}"
             assert (block_id, slot) not in slots, f"two tokens of one step write slot {slot} of block {block_id}"
             slots.add((block_id, slot))
+
+    def _check_inputs(self, out) -> None:
+        """The model runner's input tensors for the step, against plain lists built from this model's own
+        record of the tokens and the block manager's tables: decodes first, then the chunks."""
+        inputs = prepare_step_inputs(out)
+        COUNTS["decode_only_steps"] += not out.chunks  # the runner's shorter path
+        bs = self.bs
+        ids, positions, slots, seq_lens, tables, logits, cu = [], [], [], [], [], [], [0]
+        for k, s in enumerate(out.scheduled):
+            table = self.bm.get_block_table(s.seq.seq_id)
+            span = range(s.start, s.start + s.num_new_tokens)
+            ids += self.expected_tokens[s.seq.seq_id][s.start : s.start + s.num_new_tokens]
+            positions += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            seq_lens.append(span.stop)
+            tables.append(list(table))
+            if s.sample:
+                logits.append(len(ids) - 1)
+            if k >= len(out.decodes):  # a chunk: where the next one's queries start
+                cu.append(len(ids) - len(out.decodes))
+        width = max(len(t) for t in tables)
+        assert inputs.num_decodes == len(out.decodes)
+        assert inputs.input_ids.tolist() == [ids] and inputs.positions.tolist() == [positions]
+        assert inputs.slot_mapping.tolist() == slots
+        assert inputs.seq_lens.tolist() == seq_lens
+        assert inputs.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        assert inputs.logits_indices.tolist() == logits
+        assert inputs.prefill_cu_seqlens_q.tolist() == cu
+        assert inputs.input_ids.dtype == inputs.positions.dtype == inputs.slot_mapping.dtype == torch.int64
+        assert inputs.block_tables.dtype == inputs.seq_lens.dtype == inputs.prefill_cu_seqlens_q.dtype == torch.int32
 
     def _forward(self, out, ok: bool) -> None:
         """What the model runner does to the KV data: copies first, then every token's K/V into its slot."""
@@ -219,6 +252,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self._check_books()
                 continue
             self._check_samples(out, before)
+            self._check_inputs(out)
             failing = fault if k == steps - 1 else None
             self._forward(out, ok=failing != "forward")
             if failing is not None:  # the forward or the sampler raised: the engine fails the step
@@ -391,7 +425,8 @@ def test_scheduler_state_machine():
     figures = ", ".join(f"{k} {v}" for k, v in COUNTS.items())
     print(f"\nscheduler state machine: {figures}; {elapsed:.1f} s")
     assert COUNTS["transitions"] >= MIN_TRANSITIONS, figures
-    for key in ("preemptions", "failed_steps", "aborted", "forks", "prefix_hit_tokens", "chunked", "finished"):
+    for key in ("preemptions", "failed_steps", "aborted", "forks", "prefix_hit_tokens", "chunked", "finished",
+                "decode_only_steps"):
         assert COUNTS[key] > 0, f"no {key}: {figures}"
 
 
