@@ -257,7 +257,7 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
             slot_mapping=_tensor(slots, device, on_cpu),
             block_tables=_tensor(table_array[rows, :width], device, on_cpu),
             seq_lens=_tensor(np.add(pos, 1, dtype=np.int32, casting="unsafe"), device, on_cpu),
-            prefill_cu_seqlens_q=_no_prefill(device),
+            prefill_cu_seqlens_q=_tensor(np.zeros(1, dtype=np.int32), device, on_cpu),  # no prefill
             logits_indices=_tensor(np.arange(num_decodes), device, on_cpu),  # a decode's logits row is its own
             num_decodes=num_decodes,
         )
@@ -296,18 +296,6 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
                                                num_decodes - 1 + ends_in_step[np.array(sampling)]]), device, on_cpu),
         num_decodes=num_decodes,
     )
-
-
-_NO_PREFILL: dict[str, torch.Tensor] = {}
-
-
-def _no_prefill(device) -> torch.Tensor:
-    """``prefill_cu_seqlens_q`` of a step with no prefill chunk: int32 ``[0]``, made once per device (read only)."""
-    key = str(device)
-    tensor = _NO_PREFILL.get(key)
-    if tensor is None:
-        tensor = _NO_PREFILL[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return tensor
 
 
 def _tensor(array: np.ndarray, device, on_cpu: bool) -> torch.Tensor:
