@@ -158,8 +158,6 @@ class _TableArray:
         if block_ids:
             end = col + len(block_ids)
             self.set(row, end - 1, block_ids[-1])  # grows the columns if needed
-            if len(block_ids) == 1:
-                return
             self.array[row, col:end] = block_ids
 
     def set_prefix(self, row: int, block_ids: list[int]) -> None:
@@ -436,60 +434,38 @@ class BlockManager:
         ``table_array``), the new slot's position and the token that goes there (its last) to ``rows``,
         ``positions`` and ``input_ids``: the model runner's inputs, gathered in the same pass.
 
-        Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a decode
-        into a full last block takes a new block here too; a shared, partly filled one takes the general
-        path (a copy-on-write).
+        Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a full or
+        shared last block takes the general path (a new block, or a copy-on-write).
         """
         bs = self.block_size
         pool = self.pool
         free_queue = pool.free_queue
-        array = self._tables.array
-        max_tokens = self.num_blocks * bs
         served = len(rows)
-        new_blocks = 0  # decodes that took a new block (their fills are counted with the fast path's)
-        cow = 0  # decodes that took the general path (they count their own fills)
+        slow = 0  # decodes that took the general path (they count their own fills)
         for seq in islice(seqs, start, stop):
             st = seq.blocks
             n = st.num_tokens
             tokens = seq.token_ids
             if len(tokens) != n + 1:
                 break  # more than one token to compute: a prefill chunk, not a decode
-            if n % bs:
-                last = st.last
-                if last.ref_cnt != 1:  # shared with a fork and partly filled: copy it first
-                    if not free_queue.num_free_blocks:
-                        break
-                    self._copy_on_write(st, last)
-                    self._grow(st, 1)
-                    cow += 1
-                else:
-                    last.num_filled += 1
-                    st.num_tokens = n + 1
-            else:  # the last block is full (or there is none): a new one
-                if n >= max_tokens:
-                    self._check_fits(st.seq_id, n + 1)  # raises: the pool could never hold it
+            last = st.last
+            if n % bs and last.ref_cnt == 1:  # room in an unshared last block: the common case
+                last.num_filled += 1
+                st.num_tokens = n + 1
+            else:  # a full last block (or none) needs a new block; a shared, partly filled one its copy
+                self._check_fits(st.seq_id, n + 1)
                 if not free_queue.num_free_blocks:
                     break
-                block = pool.get_new_block()
-                block.num_filled = 1
-                col = len(st.block_ids)
-                st.blocks.append(block)
-                st.block_ids.append(block.block_id)
-                st.last = block
-                if col < array.shape[1]:
-                    array[st.row, col] = block.block_id
-                else:
-                    self._tables.set(st.row, col, block.block_id)  # grows the columns
-                    array = self._tables.array
-                st.num_tokens = n + 1
-                new_blocks += 1
+                if n % bs:
+                    self._copy_on_write(st, last)
+                self._grow(st, 1)
+                slow += 1
             rows.append(st.row)
             positions.append(n)
             input_ids.append(tokens[n])
         served = len(rows) - served
-        pool.num_filled_slots += served - cow  # the fills of this loop, counted once (BlockPool.fill's counter)
-        if new_blocks or cow:
-            self._num_table_blocks += new_blocks
+        pool.num_filled_slots += served - slow  # the fast path's fills, counted once (BlockPool.fill's counter)
+        if slow:
             self._note_peak()
         return served
 

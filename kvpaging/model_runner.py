@@ -244,17 +244,13 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     on_cpu = getattr(device, "type", device) == "cpu"
     if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
         # a decode's position lies in the last block of its table, so its table is pos // bs + 1 long
-        block_index = pos >> shift
-        width = int(block_index.max()) + 1 if num_decodes else 0
-        slots = table_array[rows, block_index].astype(np.int64)
-        slots <<= shift
-        slots |= pos & (bs - 1)
+        width = int(pos.max() >> shift) + 1 if num_decodes else 0
         input_ids = np.fromiter(out.decode_token_ids, np.int64, num_decodes)
         input_ids.shape = (1, num_decodes)
         return StepInputs(
             input_ids=_tensor(input_ids, device, on_cpu),
             positions=_tensor(pos.reshape(1, -1), device, on_cpu),
-            slot_mapping=_tensor(slots, device, on_cpu),
+            slot_mapping=_tensor(_slots(table_array, rows, pos, shift), device, on_cpu),
             block_tables=_tensor(table_array[rows, :width], device, on_cpu),
             seq_lens=_tensor(np.add(pos, 1, dtype=np.int32, casting="unsafe"), device, on_cpu),
             prefill_cu_seqlens_q=_tensor(np.zeros(1, dtype=np.int32), device, on_cpu),  # no prefill
@@ -277,10 +273,7 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     # every token's position (a chunk token's: its chunk's start plus its index in the chunk) and table row
     positions = np.concatenate([pos, np.arange(int(ends_in_step[-1])) + np.repeat(starts - (ends_in_step - lengths),
                                                                                    lengths)])
-    token_rows = np.concatenate([rows, np.repeat(chunk_rows, lengths)])
-    slots = table_array[token_rows, positions >> shift].astype(np.int64)
-    slots <<= shift
-    slots |= positions & (bs - 1)
+    slots = _slots(table_array, np.concatenate([rows, np.repeat(chunk_rows, lengths)]), positions, shift)
     width = int(positions.max() >> shift) + 1  # the longest table: a sequence's last position is in its last block
     ends = starts + lengths  # each chunk's context length
     positions.shape = (1, len(positions))
@@ -296,6 +289,14 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
                                                num_decodes - 1 + ends_in_step[np.array(sampling)]]), device, on_cpu),
         num_decodes=num_decodes,
     )
+
+
+def _slots(table_array: np.ndarray, rows: np.ndarray, positions: np.ndarray, shift: int) -> np.ndarray:
+    """The cache slot of each token: block ``table[row][pos // bs]``, offset ``pos % bs`` (bs = 2 ** shift)."""
+    slots = table_array[rows, positions >> shift].astype(np.int64)
+    slots <<= shift
+    slots |= positions & ((1 << shift) - 1)
+    return slots
 
 
 def _tensor(array: np.ndarray, device, on_cpu: bool) -> torch.Tensor:
