@@ -331,18 +331,21 @@ class BlockManager:
         for an identical cached block (the only change here that can move the high-water marks)."""
         bs = self.block_size
         hashes = st.block_hashes
+        blocks = st.blocks
         pool = self.pool
+        hash_fn = self.hash_fn
         swapped = False
         for i in range(len(hashes), num_computed_tokens // bs):
-            toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = self.hash_fn(hashes[-1] if i else None, toks)
-            block = st.blocks[i]
+            start = i * bs
+            toks = tuple(token_ids[start : start + bs])
+            h = hash_fn(hashes[-1] if i else None, toks)
+            block = blocks[i]
             if block.block_hash is None:
-                parent = st.blocks[i - 1] if i else None
+                parent = blocks[i - 1] if i else None
                 twin = pool.cache_block_or_find_twin(block, h, toks, parent)
                 if twin is not None:
                     pool.touch(twin)
-                    st.blocks[i] = twin
+                    blocks[i] = twin
                     st.block_ids[i] = twin.block_id
                     if block is st.last:
                         st.last = twin
@@ -440,6 +443,7 @@ class BlockManager:
         bs = self.block_size
         pool = self.pool
         free_queue = pool.free_queue
+        max_tokens = self.num_blocks * bs  # the most tokens one sequence can ever hold
         served = len(rows)
         slow = 0  # decodes that took the general path (they count their own fills)
         for seq in islice(seqs, start, stop):
@@ -453,7 +457,8 @@ class BlockManager:
                 last.num_filled += 1
                 st.num_tokens = n + 1
             else:  # a full last block (or none) needs a new block; a shared, partly filled one its copy
-                self._check_fits(st.seq_id, n + 1)
+                if n >= max_tokens:
+                    self._check_fits(st.seq_id, n + 1)  # raises: the pool could never hold it
                 if not free_queue.num_free_blocks:
                     break
                 if n % bs:
@@ -493,17 +498,25 @@ class BlockManager:
             remaining -= room
         if remaining > 0:
             count = -(-remaining // bs)
-            blocks = [pool.get_new_block() for _ in range(count)]
-            for block in blocks:
-                block.num_filled = bs
-            blocks[-1].num_filled = remaining - (count - 1) * bs
-            pool.num_filled_slots += remaining  # BlockPool.fill's counter, for all of them at once
             first = len(st.block_ids)
-            ids = [block.block_id for block in blocks]
-            st.blocks += blocks
-            st.block_ids += ids
-            st.last = blocks[-1]
-            self._tables.set_range(st.row, first, ids)
+            if count == 1:  # one new block (every decode that crosses into a new block): no lists made
+                last = pool.get_new_block()
+                last.num_filled = remaining
+                st.blocks.append(last)
+                st.block_ids.append(last.block_id)
+                self._tables.set(st.row, first, last.block_id)
+            else:
+                blocks = [pool.get_new_block() for _ in range(count)]
+                for block in blocks:
+                    block.num_filled = bs
+                last = blocks[-1]
+                last.num_filled = remaining - (count - 1) * bs
+                ids = [block.block_id for block in blocks]
+                st.blocks += blocks
+                st.block_ids += ids
+                self._tables.set_range(st.row, first, ids)
+            st.last = last
+            pool.num_filled_slots += remaining  # BlockPool.fill's counter, for all of them at once
             self._num_table_blocks += count
         st.num_tokens += num_new_tokens
 

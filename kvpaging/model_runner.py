@@ -231,9 +231,9 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     of them at once with numpy, from the rows of the block manager's table array. A
     step of decodes only takes the shortest path (no packing). The chunks add a
     fixed number of numpy operations, however many there are (their tokens are
-    copied once, as Python ints into one array). On the 2-core VM of
-    ``benchmarks/RESULTS.md`` a step costs some tens of microseconds plus under
-    0.2 us per decode (``benchmarks/host_overhead.py``).
+    copied once, as Python ints into one array). ``benchmarks/host_overhead.py``
+    measures it: under 0.2 us per sequence-step on the 2-core VM of
+    ``benchmarks/RESULTS.md``, most of it a dozen numpy and torch calls per step.
     """
     bs = out.block_size
     shift = bs.bit_length() - 1  # block sizes are powers of two
@@ -241,20 +241,26 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     num_decodes = len(out.decodes)
     pos = out.decode_positions
     rows = out.decode_rows
-    on_cpu = getattr(device, "type", device) == "cpu"
+    if getattr(device, "type", device) == "cpu":
+        tensor = torch.from_numpy  # the array's memory, shared: no copy
+    else:
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
     if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
         # a decode's position lies in the last block of its table, so its table is pos // bs + 1 long
-        width = int(pos.max() >> shift) + 1 if num_decodes else 0
+        width = (int(pos.max()) >> shift) + 1 if num_decodes else 0
         input_ids = np.fromiter(out.decode_token_ids, np.int64, num_decodes)
         input_ids.shape = (1, num_decodes)
+        seq_lens = pos.astype(np.int32)
+        seq_lens += 1
         return StepInputs(
-            input_ids=_tensor(input_ids, device, on_cpu),
-            positions=_tensor(pos.reshape(1, -1), device, on_cpu),
-            slot_mapping=_tensor(_slots(table_array, rows, pos, shift), device, on_cpu),
-            block_tables=_tensor(table_array[rows, :width], device, on_cpu),
-            seq_lens=_tensor(np.add(pos, 1, dtype=np.int32, casting="unsafe"), device, on_cpu),
-            prefill_cu_seqlens_q=_tensor(np.zeros(1, dtype=np.int32), device, on_cpu),  # no prefill
-            logits_indices=_tensor(np.arange(num_decodes), device, on_cpu),  # a decode's logits row is its own
+            input_ids=tensor(input_ids),
+            positions=tensor(pos.reshape(1, -1)),
+            slot_mapping=tensor(_slots(table_array, rows, pos, shift)),
+            block_tables=tensor(table_array[rows, :width]),
+            seq_lens=tensor(seq_lens),
+            prefill_cu_seqlens_q=tensor(np.zeros(1, dtype=np.int32)),  # no prefill
+            logits_indices=tensor(np.arange(num_decodes)),  # a decode's logits row is its own
             num_decodes=num_decodes,
         )
     # With chunks: their tokens are copied once; everything else is a fixed number of numpy operations over
@@ -278,28 +284,20 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     ends = starts + lengths  # each chunk's context length
     positions.shape = (1, len(positions))
     return StepInputs(
-        input_ids=_tensor(np.array(input_ids, dtype=np.int64).reshape(1, -1), device, on_cpu),
-        positions=_tensor(positions, device, on_cpu),
-        slot_mapping=_tensor(slots, device, on_cpu),
+        input_ids=tensor(np.fromiter(input_ids, np.int64, len(input_ids)).reshape(1, -1)),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
         # the block manager keeps every table as a row of one array: the step takes its rows in one call
-        block_tables=_tensor(table_array[np.concatenate([rows, chunk_rows]), :width], device, on_cpu),
-        seq_lens=_tensor(np.concatenate([pos + 1, ends]).astype(np.int32), device, on_cpu),
-        prefill_cu_seqlens_q=_tensor(np.concatenate([[0], ends_in_step]).astype(np.int32), device, on_cpu),
-        logits_indices=_tensor(np.concatenate([np.arange(num_decodes),
-                                               num_decodes - 1 + ends_in_step[np.array(sampling)]]), device, on_cpu),
+        block_tables=tensor(table_array[np.concatenate([rows, chunk_rows]), :width]),
+        seq_lens=tensor(np.concatenate([pos + 1, ends]).astype(np.int32)),
+        prefill_cu_seqlens_q=tensor(np.concatenate([[0], ends_in_step]).astype(np.int32)),
+        logits_indices=tensor(np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[np.array(sampling)]])),
         num_decodes=num_decodes,
     )
 
 
 def _slots(table_array: np.ndarray, rows: np.ndarray, positions: np.ndarray, shift: int) -> np.ndarray:
     """The cache slot of each token: block ``table[row][pos // bs]``, offset ``pos % bs`` (bs = 2 ** shift)."""
-    slots = table_array[rows, positions >> shift].astype(np.int64)
-    slots <<= shift
+    slots = np.left_shift(table_array[rows, positions >> shift], shift, dtype=np.int64)
     slots |= positions & ((1 << shift) - 1)
     return slots
-
-
-def _tensor(array: np.ndarray, device, on_cpu: bool) -> torch.Tensor:
-    """A numpy array as a tensor on ``device`` (torch.tensor on a Python list costs ~0.2 us per element)."""
-    tensor = torch.from_numpy(array)
-    return tensor if on_cpu else tensor.to(device, non_blocking=True)

@@ -542,3 +542,51 @@ def test_free_blocks_is_free_block_in_order():
                      pool.num_cached_free_blocks))
     assert made[0] == made[1]
     assert made[0][0] == [6, 7, 5, 4, 0, 2]
+
+
+def test_free_queue_against_a_plain_list():
+    """The linked free queue against a Python list doing the same appends, pops from the front, removals from
+    the middle and whole-table extends: same order at every step, and every link has its reverse."""
+    import random
+
+    from kvpaging.block_pool import FreeBlockQueue, KVBlock
+    from kvpaging.errors import InvariantError
+
+    rng = random.Random(7)
+    blocks = [KVBlock(i) for i in range(12)]
+    queue = FreeBlockQueue(blocks)
+    model = list(blocks)
+    taken = []
+    for _ in range(400):
+        op = rng.randrange(4)
+        if op == 0 and model:
+            block = queue.popleft()
+            assert block is model.pop(0)
+            assert block.prev_free is None and block.next_free is None
+            taken.append(block)
+        elif op == 1 and model:
+            block = rng.choice(model)
+            queue.remove(block)
+            model.remove(block)
+            taken.append(block)
+        elif op == 2 and taken:
+            block = taken.pop(rng.randrange(len(taken)))
+            queue.append(block)
+            model.append(block)
+        elif op == 3 and taken:
+            rng.shuffle(taken)
+            some, taken = taken[:3], taken[3:]
+            queue.extend(some)
+            model += some
+        assert [b.block_id for b in queue] == [b.block_id for b in model]
+        assert len(queue) == len(model)
+        queue.check_links()
+    while model:
+        assert queue.popleft() is model.pop(0)
+    with pytest.raises(IndexError):
+        queue.popleft()
+    queue.check_links()
+    queue.append(blocks[0])
+    blocks[0].prev_free = blocks[5]  # a broken back link is caught
+    with pytest.raises(InvariantError):
+        queue.check_links()
