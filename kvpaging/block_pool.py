@@ -227,16 +227,20 @@ class BlockPool:
     def free_blocks(self, blocks) -> None:
         """``free_block`` for each of ``blocks``, in order: one call for a whole table."""
         freed = []
+        held = self._hold_on_free
+        filled = cached = 0
         for block in blocks:
-            count = block.ref_cnt
-            if count == 1 and block.block_id not in self._hold_on_free:
+            if block.ref_cnt == 1 and block.block_id not in held:
                 block.ref_cnt = 0
+                filled += block.num_filled
+                if block.block_hash is not None:
+                    cached += 1
                 freed.append(block)
             else:
                 self.free_block(block)  # shared, held for a copy, or already free (the error)
         if freed:
-            self.num_filled_slots -= sum(b.num_filled for b in freed)
-            self.num_cached_free_blocks += sum(1 for b in freed if b.block_hash is not None)
+            self.num_filled_slots -= filled
+            self.num_cached_free_blocks += cached
             self.free_queue.extend(freed)
 
     def _enqueue_free(self, block: KVBlock) -> None:
