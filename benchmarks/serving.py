@@ -120,8 +120,10 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> 
                 choice = chunk["choices"][0]
                 if "delta" in choice:  # chat: the role chunk and the closing chunk carry no token
                     is_token = bool(choice["delta"].get("content"))
-                else:  # completions: text, or (a model without a tokenizer) an empty chunk per token
-                    is_token = bool(choice.get("text")) or choice.get("finish_reason") is None
+                else:  # completions: text, or (a model without a tokenizer) an empty chunk per token; a
+                    # closing chunk with no token before it carries the whole completion (a server that
+                    # fell behind a fast engine sends the tokens it has in one chunk)
+                    is_token = bool(choice.get("text")) or choice.get("finish_reason") is None or last is None
                 if not is_token:
                     continue
                 now = time.perf_counter()

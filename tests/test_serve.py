@@ -606,7 +606,8 @@ def test_a_view_attaches_to_the_served_engine_and_sees_its_steps(tiny_server):
     assert feed.observe not in tiny_server.llm.engine.observers.observers
 
 
-def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
+def _serving_benchmark():
+    """benchmarks/serving.py, loaded as a module (benchmarks/ is not a package)."""
     import importlib.util
     from pathlib import Path
 
@@ -615,6 +616,11 @@ def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
+    bench = _serving_benchmark()
     out = tmp_path / "run.json"
     summary = bench.main(["--base-url", tiny_server.url, "--dataset", "random", "--num-prompts", "6",
                           "--input-len", "10", "--output-len", "8", "--request-rate", "50", "--json", str(out)])
@@ -636,17 +642,39 @@ def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
     assert books(tiny_server) == (0, 0)
 
 
+def test_the_serving_benchmark_counts_a_completion_that_comes_in_one_chunk():
+    """A server that falls behind a fast engine may send a whole completion in its closing chunk. With no
+    tokenizer that chunk has no text; it still carries the tokens: the request is served, not failed."""
+    bench = _serving_benchmark()
+
+    def sse(*events) -> bytes:
+        return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+    usage = {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 4}}
+    bodies = {
+        "/one": sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, usage, "[DONE]"),
+        "/each": sse({"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+                     {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, usage, "[DONE]"),
+        "/none": sse(usage, "[DONE]"),
+    }
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=bodies[request.url.path]))
+
+    async def send_all():
+        async with httpx.AsyncClient(transport=transport) as http:
+            return [await bench.send(http, f"http://server{path}", {}, {}) for path in bodies]
+
+    one, each, none = asyncio.run(send_all())
+    assert one.ok and one.output_tokens == 2 and one.ttft > 0 and one.itl == []
+    assert each.ok and each.output_tokens == 2 and each.ttft > 0 and each.itl == []  # the closing chunk: no ITL
+    assert not none.ok and none.error == "no token streamed"
+
+
 def test_the_serving_benchmark_gives_transformers_serve_a_copy_of_the_trained_model(tmp_path):
-    import importlib.util
     from pathlib import Path
 
     from kvpaging.trained import trained_path
 
-    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
-    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = _serving_benchmark()
     cache = trained_path("smollm2")
     before = (cache / "config.json").read_bytes()
     folder = Path(bench.transformers_model_folder("smollm2", str(tmp_path / "m")))
