@@ -178,6 +178,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.num_blocks = num_blocks
+        self.max_tokens_per_sequence = num_blocks * self.block_size  # the most one sequence can ever hold
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self._seqs: dict[Hashable, SequenceBlocks] = {}
@@ -443,7 +444,7 @@ class BlockManager:
         bs = self.block_size
         pool = self.pool
         free_queue = pool.free_queue
-        max_tokens = self.num_blocks * bs  # the most tokens one sequence can ever hold
+        max_tokens = self.max_tokens_per_sequence
         served = len(rows)
         slow = 0  # decodes that took the general path (they count their own fills)
         for seq in islice(seqs, start, stop):
@@ -457,7 +458,7 @@ class BlockManager:
                 last.num_filled += 1
                 st.num_tokens = n + 1
             else:  # a full last block (or none) needs a new block; a shared, partly filled one its copy
-                if n >= max_tokens:
+                if n >= max_tokens:  # _check_fits's test, without the call on every new block
                     self._check_fits(st.seq_id, n + 1)  # raises: the pool could never hold it
                 if not free_queue.num_free_blocks:
                     break
@@ -579,7 +580,7 @@ class BlockManager:
         return st
 
     def _check_fits(self, seq_id: Hashable, total_tokens: int) -> None:
-        if self.num_blocks_for(total_tokens) > self.num_blocks:
+        if total_tokens > self.max_tokens_per_sequence:
             raise SequenceTooLongError(
                 f"sequence {seq_id!r} would need {self.num_blocks_for(total_tokens)} blocks for {total_tokens} "
                 f"tokens, but the pool has only {self.num_blocks} blocks of {self.block_size} slots"
