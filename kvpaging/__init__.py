@@ -29,7 +29,7 @@ from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .config import EngineConfig
 from .errors import (DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError,
-                     TensorParallelError)
+                     TensorParallelError, UnsupportedModelError)
 from .kv_math import (
     KV_CACHE_DTYPES,
     dtype_nbytes,
@@ -50,6 +50,7 @@ __all__ = [
     "EngineConfig",
     "RequestFailedError",
     "TensorParallelError",
+    "UnsupportedModelError",
     "SamplingParams",
     "RequestOutputKind",
     "RequestOutput",

@@ -14,9 +14,15 @@ queries, keys and values (RoPE already applied) and:
    multi-token prefill chunks after them through ``paged_prefill_attention``.
 
 The step's bookkeeping travels as a keyword argument (``kvpaging=AttentionMetadata``)
-that transformers passes down to every attention call: no global state. Without
-that argument (say, ``model.generate()`` on the same model object) the function
-falls back to transformers' own SDPA attention, so the model keeps working as before.
+that transformers passes down to every attention call: no global state. A call
+without it means the model did not pass its keyword arguments down to attention
+(or someone called the engine's private model directly): the function raises
+rather than attend without the cache, since that would give wrong tokens silently.
+The one exception is the FP8 calibration pass, which runs the model unpaged.
+
+The load-time self-check (``kvpaging/self_check.py``) sets ``AttentionMetadata.probe``
+for its few steps: every call is then recorded and checked (one call per layer,
+key/value shapes that fit the cache, no attention argument the kernels ignore).
 """
 
 from __future__ import annotations
@@ -43,20 +49,27 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer FP8 scales, or (None, None)
     backend: object  # an AttentionBackend (kernels/backends.py): store_kv, paged_*_attention, copy_blocks
+    probe: object = None  # the self-check's AttentionProbe (kvpaging/self_check.py) during its steps, else None
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     meta: AttentionMetadata | None = kwargs.get(ATTN_NAME)
     if meta is None:
+        amax = kwargs.pop(CALIBRATION_KWARG, None)
+        if amax is None:
+            from .self_check import no_metadata_error
+
+            raise no_metadata_error(module)
+        # an FP8 calibration pass (unpaged): record each KV head's largest |key| and |value|
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        amax = kwargs.pop(CALIBRATION_KWARG, None)
-        if amax is not None:  # an FP8 calibration pass: record each KV head's largest |key| and |value|
-            k_max = key.detach().abs().amax(dim=(0, 2, 3)).float()
-            v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
-            old = amax.get(module.layer_idx)
-            amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
+        k_max = key.detach().abs().amax(dim=(0, 2, 3)).float()
+        v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
+        old = amax.get(module.layer_idx)
+        amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if meta.probe is not None:  # the load-time self-check: record and check this call
+        meta.probe.record(module, query, key, value, dropout, kwargs)
     if kwargs.get("sliding_window"):
         raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which kvpaging does not serve")
     # transformers hands us [batch=1, heads, tokens, head_dim]; the kernels take [tokens, heads, head_dim]
@@ -103,8 +116,8 @@ def register_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-    # When the model runs outside the engine (generate()), masks are built as for SDPA,
-    # matching the SDPA fallback above; inside the engine a ready 4D placeholder mask
-    # makes transformers skip mask creation altogether.
+    # The FP8 calibration pass runs unpaged: its masks are built as for SDPA, matching the
+    # SDPA call above; inside the engine a ready 4D placeholder mask makes transformers
+    # skip mask creation altogether.
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     _registered = True

@@ -91,6 +91,10 @@ class EngineConfig:
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
         per rank, as in vLLM, and ``num_blocks`` counts blocks of every rank's share of the heads.
         On a CPU every rank runs the caller's torch thread count: set it to cores // N first.
+    self_check: before serving, run a short prompt through the paged path and through the model's
+        own forward pass, and refuse the model (``UnsupportedModelError``, naming the cause) if their
+        logits differ (``kvpaging/self_check.py``). On by default; turn it off only for a model
+        you have checked already, since a model the engine gets wrong would then give wrong tokens.
     """
 
     block_size: int = 16
@@ -108,6 +112,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     cpu_fast_layers: bool = False
     tensor_parallel_size: int = 1
+    self_check: bool = True
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -130,6 +135,7 @@ class EngineConfig:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         check_bool("cpu_fast_layers", self.cpu_fast_layers)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_bool("self_check", self.self_check)
 
     # -- resolving "auto" --------------------------------------------------------------------
     @property
@@ -174,6 +180,8 @@ class EngineConfig:
             kv_dtype = "fp8_e4m3"
 
         limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            limit = None  # not a length: XLNet's -1 means "no limit"
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = limit or 4096

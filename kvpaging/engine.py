@@ -34,6 +34,7 @@ from .config import EngineConfig
 from .errors import DuplicateSequenceError, RequestFailedError
 from .input_processor import InputProcessor, normalize_batch
 from .model_runner import ModelRunner
+from .self_check import SelfCheckResult, run_self_check
 from .outputs import RequestOutput, request_output
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -60,11 +61,20 @@ class LLMEngine:
             from .tensor_parallel import TensorParallelRunner
 
             self.runner = TensorParallelRunner(model, config)
-        else:
-            self.runner = ModelRunner(model, config)
+        else:  # CUDA graphs are captured after the self-check, which then replays them
+            self.runner = ModelRunner(model, config, capture_graphs=not config.self_check)
         self.model = self.runner.model  # the private copy the engine runs (with tensor parallelism: rank 0's shard)
         self.device = self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # exact or refused: the paged path against the model's own forward pass, before any request
+        self.self_check: SelfCheckResult | None = None
+        if config.self_check:
+            try:
+                self.self_check = run_self_check(self.runner, model, config, self.vocab_size,
+                                                 capture_graphs=config.tensor_parallel_size == 1)
+            except BaseException:
+                self.runner.shutdown()  # a tensor-parallel runner's workers go too
+                raise
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
         self.scheduler = Scheduler(

@@ -1,7 +1,7 @@
 """Exceptions with names that say what went wrong. The ones about bad input are ValueErrors."""
 
 __all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError", "RequestFailedError",
-           "InvariantError", "TensorParallelError"]
+           "InvariantError", "TensorParallelError", "UnsupportedModelError"]
 
 
 class SequenceNotFoundError(ValueError):
@@ -46,3 +46,25 @@ class TensorParallelError(RuntimeError):
     The ranks run every layer in lockstep, so the group cannot go on without one of them: the
     remaining workers are stopped, and the engine refuses further steps with this error (make a new ``LLM``).
     """
+
+
+class UnsupportedModelError(ValueError):
+    """kvpaging cannot serve this model exactly, so it refuses it before serving anything.
+
+    Raised while the engine is built (``LLM(model)``, ``LLMEngine(model)``): by the up-front
+    checks of the model's config, or by the load-time self-check that runs a short prompt
+    through the paged path and through the model's own forward pass (``kvpaging/self_check.py``).
+    ``cause`` names the reason in one word, for programs: ``"architecture"`` (a feature the
+    config declares: encoder-decoder, sliding window, soft-capping, hybrid layers, no LM head),
+    ``"attention_interface"`` (the model's attention does not go through transformers'
+    ``AttentionInterface``), ``"no_metadata"`` (a layer called the paged attention without its
+    step metadata), ``"attention_arguments"`` (the model passes attention arguments the
+    backend does not implement), ``"double_call"`` (more than one attention call for one layer
+    index in a step), ``"kv_shape"`` (key/value shapes that do not match the cache),
+    ``"crash"`` (the check's forward pass raised) or ``"logits"`` (the paged and the model's
+    own logits differ beyond the tolerance).
+    """
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause

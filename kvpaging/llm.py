@@ -53,6 +53,7 @@ class LLM:
         trust_remote_code: bool = False,
         cpu_fast_layers: bool = False,
         tensor_parallel_size: int = 1,
+        self_check: bool = True,
     ) -> None:
         """Load ``model`` (a model object, a local folder, a hub id, or "smollm2") and start an engine on it.
 
@@ -67,7 +68,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling=scheduling, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            cpu_fast_layers=cpu_fast_layers, tensor_parallel_size=tensor_parallel_size,
+            cpu_fast_layers=cpu_fast_layers, tensor_parallel_size=tensor_parallel_size, self_check=self_check,
         )
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)

@@ -27,6 +27,7 @@ import torch
 
 from .attention import ATTN_NAME, AttentionMetadata, register_attention
 from .config import EngineConfig
+from .errors import UnsupportedModelError
 from .kernels.backends import get_backend
 from .kernels.cpu.layers import FastLayers
 from .models import private_copy
@@ -38,33 +39,47 @@ __all__ = ["ModelRunner", "StepInputs", "check_model_supported", "prepare_step_i
 
 
 def check_model_supported(model) -> None:
-    """Refuse models whose attention kvpaging cannot serve, saying which feature is the problem."""
+    """Refuse models whose config declares what kvpaging cannot serve, saying which feature is the problem.
+
+    What the config does not say (attention outside ``AttentionInterface``, arguments the kernels
+    ignore, keys of another shape) the load-time self-check finds (``kvpaging/self_check.py``).
+    """
     config = model.config
     name = type(model).__name__
+
+    def refuse(message: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{name} {message}", "architecture")
+
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; kvpaging serves decoder-only causal LMs")
+        raise refuse("is an encoder-decoder model; kvpaging serves decoder-only causal LMs")
+    for field in ("num_hidden_layers", "num_attention_heads"):
+        value = getattr(config, field, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(f"has no attention layers kvpaging can size a KV cache for: its config's {field} is "
+                         f"{value!r} (a recurrent or state-space model keeps no keys and values)")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        other = sorted({str(t) for t in layer_types if t != "full_attention"})
         if other:
-            raise ValueError(f"{name} has {other} layers; kvpaging serves full-attention layers only")
+            raise refuse(f"has {other} layers; kvpaging serves full-attention layers only")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         if getattr(config, "model_type", "") in ("mistral", "mixtral", "phi3") or layer_types is None:
-            raise ValueError(
-                f"{name} uses sliding-window attention (sliding_window={config.sliding_window}); "
+            raise refuse(
+                f"uses sliding-window attention (sliding_window={config.sliding_window}); "
                 "kvpaging serves full attention only (set config.sliding_window=None to run it as full attention)"
             )
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, field, None):
-            raise ValueError(f"{name} uses logit soft-capping ({field}={getattr(config, field)}), which kvpaging does not serve")
+            raise refuse(f"uses logit soft-capping ({field}={getattr(config, field)}), which kvpaging does not serve")
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-        raise ValueError(f"{name} has no language-model head; pass a causal LM (AutoModelForCausalLM)")
+        raise refuse("has no language-model head; pass a causal LM (AutoModelForCausalLM)")
 
 
 class ModelRunner:
     """Runs the engine's private copy of the model, one packed forward pass per step, over the paged KV cache."""
 
-    def __init__(self, model, config: EngineConfig, calibration_tokens: list[list[int]] | None = None) -> None:
+    def __init__(self, model, config: EngineConfig, calibration_tokens: list[list[int]] | None = None,
+                 capture_graphs: bool = True) -> None:
         if not config.is_resolved:
             raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
         check_model_supported(model)
@@ -103,7 +118,15 @@ class ModelRunner:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/self_check.py)
         self.graphs = None
+        self._config = config
+        if capture_graphs:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode step in CUDA graphs, where they apply (the engine does it after its self-check)."""
+        config = self._config
         # Only the Triton kernels are capture-safe (no host syncs, padding slots skipped in-kernel);
         # the torch backend checks and masks its padding on the host, so it always runs eagerly.
         if (not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton"
@@ -141,8 +164,10 @@ class ModelRunner:
             ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             self.model(input_ids=ids, use_cache=False, logits_to_keep=1, **{CALIBRATION_KWARG: amax})
         missing = [i for i in range(self.num_layers) if i not in amax]
-        if missing:
-            raise ValueError(f"FP8 calibration saw no keys/values for layers {missing}")
+        if missing:  # those layers' attention never came to our function (kvpaging/self_check.py names it)
+            from .self_check import not_routed_error
+
+            raise not_routed_error(type(self.model).__name__, missing, self.num_layers)
         return [((k / FP8_MAX).clamp(min=MIN_SCALE), (v / FP8_MAX).clamp(min=MIN_SCALE)) for k, v in
                 (amax[i] for i in range(self.num_layers))]
 
@@ -174,6 +199,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             kv_scales=self.kv_scales,
             backend=self.backend,
+            probe=self.probe,
         )
         return self.model(
             input_ids=input_ids,

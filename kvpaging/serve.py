@@ -864,7 +864,7 @@ class BackgroundServer:
 ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "enable_prefix_caching", "scheduling", "attention_backend", "enforce_eager",
                   "device", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes", "trust_remote_code",
-                  "cpu_fast_layers", "tensor_parallel_size")
+                  "cpu_fast_layers", "tensor_parallel_size", "self_check")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -899,6 +899,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--cpu-fast-layers", action="store_true")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model and its KV cache across this many processes (GPUs on CUDA)")
+    engine.add_argument("--self-check", action=argparse.BooleanOptionalAction, default=True,
+                        help="check the model's paged logits against its own forward pass before serving, and "
+                             "refuse it if they differ (default: on)")
     return parser
 
 

@@ -1,0 +1,383 @@
+"""The load-time self-check: a model is served exactly, or refused before its first request.
+
+kvpaging runs the user's own transformers model and swaps only its attention
+for the paged one (``kvpaging/attention.py``). That works when the model's
+attention goes through transformers' ``AttentionInterface``, gets the engine's
+step metadata, computes nothing the kernels leave out, and keeps all of its
+state in the keys and values of one attention call per layer. Most causal LMs
+do; some do not, and a model that does not would not crash: it would write
+wrong tokens, silently. So before serving, the engine checks.
+
+``run_self_check`` sends two short random prompts through the engine's own path,
+the way the scheduler would (a first prompt chunk, a step that mixes a decode
+with another sequence's chunk, chunks that read earlier tokens back from the
+cache, and a step of decodes only, replayed through CUDA graphs when the engine
+uses them), and compares the logits at every position with those of the model's
+own forward pass over the same tokens. During those steps an ``AttentionProbe``
+watches every attention call, so the usual causes are named exactly:
+
+- ``attention_interface``: no layer (or not every layer) called our function;
+- ``no_metadata``: a layer called it without the step's metadata;
+- ``attention_arguments``: an argument the kernels would ignore (attention
+  sinks, soft-capping, a sliding window, a non-causal mask, dropout);
+- ``double_call``: two attention calls with one layer index in one step;
+- ``kv_shape``: keys or values that do not fit the cache sized from the config;
+- ``crash``, ``cuda_graphs``, ``logits``: what is left, with the numbers.
+
+The check uses the first blocks of the KV pool directly (not the block
+manager, whose books it leaves untouched) and zeroes them afterwards. It costs
+a few forward passes over 34 tokens: ``LLMEngine.self_check`` records the
+seconds (see ``benchmarks/RESULTS.md`` for the trained model's figure).
+``self_check=False`` skips it, for people who have checked their model already.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from .attention import ATTN_NAME
+from .errors import TensorParallelError, UnsupportedModelError
+
+__all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES"]
+
+# Arguments transformers passes to attention that change nothing the kernels compute, whatever their value:
+# positions and cache flags (the metadata says where every token goes), our own metadata.
+IGNORED_ARGUMENTS = frozenset({ATTN_NAME, "position_ids", "cache_position", "use_cache", "past_key_values",
+                               "past_key_value", "output_attentions", "position_embeddings"})
+
+# How far the paged logits may stray from the model's own: the root-mean-square difference over every
+# position and vocabulary entry, as a share of the spread (standard deviation) of the model's own logits. The
+# two paths add the same products in a different order and round keys and values to the cache's dtype: on the
+# trained model and tiny random-weight ones that costs about 1e-5 in float32, 0.004 in float16, 0.03-0.04 in
+# bfloat16 and 0.1-0.2 with an FP8 cache. A model whose attention misses the cache is off by 0.4 or more.
+TOLERANCES = {torch.float32: 1e-3, torch.float16: 0.02, torch.bfloat16: 0.08, torch.float8_e4m3fn: 0.25}
+
+# the two prompts' lengths: 21 tokens cross a 16-token block boundary inside a chunk read over cached tokens
+LENGTHS = (21, 13)
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    """What the self-check compared, and how close the paged path came to the model's own forward pass."""
+
+    error: float  # root-mean-square of paged - own logits over every position, as a share of their spread
+    worst_position_error: float  # the same over the worst position's logits alone
+    tolerance: float  # the most it may be (TOLERANCES, by the model's dtype or the FP8 cache)
+    positions: int  # logit rows compared (every token of every step)
+    steps: int  # engine steps run (the CUDA-graph replay included)
+    cuda_graphs: bool  # whether the decode step was also replayed through the captured graphs
+    seconds: float  # wall time of the whole check, reference forward passes included
+
+
+# --------------------------------------------------------------------------- refusals with their causes
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _layer_name(module) -> str:
+    return f"{type(module).__name__} (layer_idx={getattr(module, 'layer_idx', None)!r})"
+
+
+def no_metadata_error(module) -> UnsupportedModelError:
+    """Raised by the paged attention function when a call comes without the step's metadata."""
+    return UnsupportedModelError(
+        f"{_layer_name(module)} called kvpaging's paged attention without the step's metadata (the "
+        f"'{ATTN_NAME}' keyword argument): the model's decoder layer does not pass its keyword arguments down to "
+        "attention (or the engine's private model was called outside an engine step). Attention would then run "
+        "over the step's tokens alone, without the KV cache: kvpaging refuses rather than fall back to it.",
+        "no_metadata")
+
+
+def not_routed_error(model_name: str, missing: list[int], num_layers: int) -> UnsupportedModelError:
+    """No layer, or not every layer, called kvpaging's attention in a forward pass."""
+    if len(missing) == num_layers:
+        what = "no layer called kvpaging's attention function in a forward pass"
+    else:
+        what = f"layers {missing} of {num_layers} never called kvpaging's attention function in a forward pass"
+    return UnsupportedModelError(
+        f"{model_name}'s attention does not go through transformers' AttentionInterface: {what}, so "
+        "set_attn_implementation('kvpaging') left it with attention of its own, which would run without the "
+        "paged KV cache. kvpaging serves models whose every layer's attention transformers dispatches by "
+        "config._attn_implementation.", "attention_interface")
+
+
+class AttentionProbe:
+    """Watches every attention call of the self-check's steps (``AttentionMetadata.probe``).
+
+    Raises ``UnsupportedModelError`` at the first call the kernels would get
+    wrong; ``finish_step`` then checks that every layer called exactly once.
+    """
+
+    def __init__(self, model_name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.model_name = model_name
+        self.num_layers = num_layers
+        self.kv_shape = (num_kv_heads, head_dim)
+        self.calls = [0] * num_layers
+        self.num_tokens = 0
+
+    def start_step(self, num_tokens: int) -> None:
+        self.calls = [0] * self.num_layers
+        self.num_tokens = num_tokens
+
+    def record(self, module, query, key, value, dropout, kwargs) -> None:
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise UnsupportedModelError(
+                f"{_layer_name(module)} has no layer index in 0..{self.num_layers - 1}; the paged cache keeps "
+                "one key/value store per layer, found by module.layer_idx", "attention_arguments")
+        self.calls[layer] += 1
+        if self.calls[layer] > 1:
+            raise UnsupportedModelError(
+                f"{_layer_name(module)} called attention {self.calls[layer]} times in one forward pass; the paged "
+                "cache holds one key and one value per layer and token, so the second call's keys and values "
+                "would overwrite the first's (two attention maps in one layer, as in differential attention)",
+                "double_call")
+        self._check_shapes(module, query, key, value)
+        if dropout:
+            raise UnsupportedModelError(
+                f"{_layer_name(module)} asks for attention dropout={dropout!r} in eval mode, which the paged "
+                "kernels do not apply", "attention_arguments")
+        for name, arg in kwargs.items():
+            if name == "is_causal":
+                if arg is None or arg is True:
+                    continue
+            elif name in IGNORED_ARGUMENTS or arg is None or arg is False:
+                continue
+            raise UnsupportedModelError(
+                f"{_layer_name(module)} passes attention the argument {name}={_describe(arg)}, which kvpaging's "
+                f"paged kernels do not implement ({_ARGUMENT_HINTS.get(name, 'they would ignore it')}), so its "
+                "tokens would be wrong", "attention_arguments")
+
+    def _check_shapes(self, module, query, key, value) -> None:
+        heads, width = self.kv_shape
+        n = self.num_tokens
+        bad = None
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+            bad = "query, key and value must be [batch, heads, tokens, head_dim]"
+        elif query.shape[0] != 1 or key.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n:
+            bad = f"the engine packs a step's {n} tokens as one batch row"
+        elif tuple(key.shape[1::2]) != (heads, width) or tuple(value.shape[1::2]) != (heads, width):
+            bad = (f"the cache, sized from the config, holds {heads} KV heads x {width} per token "
+                   "(num_key_value_heads, head_dim), as in multi-head latent attention or heads the config "
+                   "does not describe")
+        elif query.shape[3] != width or query.shape[1] % heads:
+            bad = f"the query heads must be a multiple of the {heads} KV heads, with the keys' width {width}"
+        if bad is not None:
+            raise UnsupportedModelError(
+                f"{_layer_name(module)} gives attention query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                f"value {tuple(value.shape)}, which do not fit the paged cache: {bad}", "kv_shape")
+
+    def finish_step(self) -> None:
+        missing = [i for i, c in enumerate(self.calls) if c == 0]
+        if missing:
+            raise not_routed_error(self.model_name, missing, self.num_layers)
+
+
+_ARGUMENT_HINTS = {
+    "s_aux": "attention sinks: a learned extra logit in every softmax",
+    "sinks": "attention sinks: a learned extra logit in every softmax",
+    "softcap": "soft-capping of the attention scores",
+    "sliding_window": "sliding-window attention: each token sees only the last few",
+    "is_causal": "a non-causal mask: every token sees the whole sequence",
+}
+
+
+# --------------------------------------------------------------------------- the check
+
+def _plan(lengths: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+    """The steps, each a list of ``(sequence, start, num_tokens)``, as the scheduler could have made them.
+
+    Sequence 0: a first chunk; a decode (beside sequence 1's first chunk); a chunk read over cached
+    tokens; a decode. Sequence 1 starts one step later, so the last step is decodes only.
+    """
+    def segments(length: int, split: int, with_middle_decode: bool) -> list[tuple[int, int]]:
+        out = [(0, split)]
+        pos = split
+        if with_middle_decode and pos < length - 1:
+            out.append((pos, 1))
+            pos += 1
+        if pos < length - 1:
+            out.append((pos, length - 1 - pos))
+        if length - 1 >= split:
+            out.append((length - 1, 1))
+        return out
+
+    per_seq = [segments(lengths[0], max(1, (lengths[0] - 2) // 2), True)]
+    if len(lengths) > 1:
+        per_seq.append([(0, 0)] + segments(lengths[1], max(1, (lengths[1] - 1) // 2), False))  # (0, 0): waits
+    steps = []
+    for i in range(max(len(s) for s in per_seq)):
+        step = [(k, *segs[i]) for k, segs in enumerate(per_seq) if i < len(segs) and segs[i][1] > 0]
+        steps.append(sorted(step, key=lambda e: e[2] != 1))  # decodes first, as the runner packs them
+    return steps
+
+
+def _reference_copy(model):
+    """The model's own forward pass, on a copy (the user's model is never touched, not even its train/eval mode)."""
+    from .models import private_copy
+
+    ref = private_copy(model).eval()
+    if getattr(ref.config, "_attn_implementation", None) == ATTN_NAME:  # someone handed us a model set to ours
+        ref.set_attn_implementation("sdpa")
+    return ref
+
+
+def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool = False) -> SelfCheckResult:
+    """Check ``runner`` (a ModelRunner) against ``model``'s own forward pass; raise UnsupportedModelError if it is off.
+
+    ``capture_graphs``: the runner's CUDA graphs are still to be captured (``runner.capture_graphs``): they are,
+    after the eager steps, and the decode step is then replayed through them and checked too.
+    """
+    t0 = time.perf_counter()
+    name = type(model).__name__
+    bs = config.block_size
+    lengths = [min(n, config.max_model_len) for n in LENGTHS]
+    if sum(-(-n // bs) for n in lengths) > config.num_blocks:
+        lengths = lengths[:1]  # the pool holds max_model_len tokens, so one sequence always fits
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+
+    try:
+        ref = _reference_copy(model)
+        with torch.inference_mode():
+            own = [ref(input_ids=t[None].to(runner.device), attention_mask=torch.ones_like(t[None]).to(runner.device),
+                       use_cache=False).logits[0].float() for t in tokens]
+    except (torch.OutOfMemoryError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        raise UnsupportedModelError(
+            f"{name}'s own forward pass failed on a {lengths[0]}-token prompt, so kvpaging cannot check it: "
+            f"{type(error).__name__}: {error}", "crash") from error
+    del ref
+
+    blocks, first = [], 0  # each sequence's blocks: the pool's first ones, in turn
+    for n in lengths:
+        blocks.append(list(range(first, first + -(-n // bs))))
+        first += len(blocks[-1])
+    table = np.zeros((len(lengths), max(len(b) for b in blocks)), dtype=np.int32)
+    for row, ids in enumerate(blocks):
+        table[row, : len(ids)] = ids
+    seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
+            for k, t in enumerate(tokens)]
+    probe = AttentionProbe(name, runner.num_layers, runner.num_kv_heads, runner.head_dim)
+    steps = _plan(tuple(lengths))
+    errors: list[tuple[float, int, int, int, str]] = []  # (mean squared error, step, sequence, position, kind)
+    scale = float(torch.cat(own).std()) or 1.0
+
+    def compare(logits: torch.Tensor, step: list, step_no: int, replay: bool = False) -> None:
+        # step 1 is sequence 0's first chunk alone: its tokens see only one another
+        kind = "graph replay" if replay else "first chunk" if step_no == 1 else "packed or over the cache"
+        rows = [(k, p, kind) for k, start, n in step for p in range(start, start + n)]
+        if logits.shape[0] != len(rows) or not torch.isfinite(logits).all():
+            raise UnsupportedModelError(
+                f"{name}'s paged forward pass gave {tuple(logits.shape)} logits, with non-finite values or not "
+                f"one row per token ({len(rows)}), in the self-check's step {step_no}", "logits")
+        diff = (logits - torch.stack([own[k][p] for k, p, _ in rows])).pow(2).mean(dim=1) / scale ** 2
+        errors.extend((d, step_no, k, p, kind) for (k, p, kind), d in zip(rows, diff.tolist()))
+
+    runner.probe = probe
+    replayed = False
+    try:
+        for i, step in enumerate(steps, 1):
+            probe.start_step(sum(n for _, _, n in step))
+            compare(_execute(runner, _step_output(step, seqs, table, bs), True, i, step, lengths), step, i)
+            probe.finish_step()
+        runner.probe = None
+        if capture_graphs:
+            try:
+                runner.capture_graphs()
+            except (torch.OutOfMemoryError, KeyboardInterrupt):
+                raise
+            except Exception as error:
+                raise UnsupportedModelError(
+                    f"capturing {name}'s decode step in CUDA graphs failed ({type(error).__name__}: {error}); "
+                    "pass enforce_eager=True to serve it without graphs", "cuda_graphs") from error
+            last = steps[-1]
+            if runner.graphs is not None and all(n == 1 for _, _, n in last):
+                step_no = len(steps) + 1
+                compare(_execute(runner, _step_output(last, seqs, table, bs), False, step_no, last, lengths),
+                        last, step_no, replay=True)
+                replayed = True
+    finally:
+        runner.probe = None
+        used = torch.arange(first)
+        with torch.inference_mode():
+            for k_cache, v_cache in runner.kv_caches:  # leave the pool as it was: zeros
+                k_cache[used.to(k_cache.device)] = 0
+                v_cache[used.to(v_cache.device)] = 0
+
+    dtype = torch.float8_e4m3fn if runner.kv_cache_dtype == torch.float8_e4m3fn else runner.dtype
+    tol = TOLERANCES.get(dtype, 0.08)
+    error = _rms(errors)
+    if error > tol:
+        raise _logits_error(name, error, errors, tol, dtype, scale)
+    return SelfCheckResult(error=error, worst_position_error=max(errors)[0] ** 0.5, tolerance=tol,
+                           positions=len(errors), steps=len(steps) + replayed, cuda_graphs=replayed,
+                           seconds=time.perf_counter() - t0)
+
+
+def _rms(errors) -> float:
+    return (sum(e[0] for e in errors) / len(errors)) ** 0.5 if errors else 0.0
+
+
+def _step_output(step, seqs, table, bs):
+    from .scheduler import ScheduledSeq, SchedulerOutput
+
+    out = SchedulerOutput(step=0, table_array=table, block_size=bs)
+    decodes = [(k, start) for k, start, n in step if n == 1]
+    out.decodes = [seqs[k] for k, _ in decodes]
+    out.decode_rows = np.array([k for k, _ in decodes], dtype=np.int64)
+    out.decode_positions = np.array([p for _, p in decodes], dtype=np.int64)
+    out.decode_token_ids = [seqs[k].token_ids[p] for k, p in decodes]
+    out.chunks = [ScheduledSeq(seqs[k], start, n, start + n == len(seqs[k].token_ids), True, seqs[k].blocks, k)
+                  for k, start, n in step if n > 1]
+    return out
+
+
+def _execute(runner, out, all_positions: bool, step_no: int, step, lengths) -> torch.Tensor:
+    try:
+        return runner.execute(out, all_positions=all_positions)
+    except (UnsupportedModelError, TensorParallelError, torch.OutOfMemoryError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        what = ", ".join(f"sequence {k} tokens {s}..{s + n - 1} of {lengths[k]}" for k, s, n in step)
+        hint = ""
+        if runner.probe is not None and not any(runner.probe.calls):
+            hint = (" No layer had called kvpaging's attention yet: the model does its own attention, or reads the "
+                    "attention mask, which the engine passes as a 1x1x1x1 placeholder (the paged kernels need none).")
+        raise UnsupportedModelError(
+            f"{type(runner.model).__name__}'s paged forward pass raised {type(error).__name__} in the self-check's "
+            f"step {step_no} ({what}): {error}.{hint}", "crash") from error
+
+
+def _logits_error(name, error, errors, tol, dtype, scale) -> UnsupportedModelError:
+    by_kind = {kind: _rms([e for e in errors if e[4] == kind])
+               for kind in ("first chunk", "packed or over the cache", "graph replay")}
+    if by_kind["graph replay"] > tol:
+        cause = ("the decode step replayed through CUDA graphs differs from the eager steps: the model's forward "
+                 "pass is not safe to capture; pass enforce_eager=True")
+    elif by_kind["first chunk"] > tol:  # wrong where no cache is read: the attention itself
+        cause = ("the attention math differs even in the first chunk, alone in its step and reading no cache: the "
+                 "model's attention computes something the paged kernels do not (position biases such as ALiBi "
+                 "added to the scores, a custom or non-causal mask, attention sinks, soft-capping)")
+    else:
+        cause = ("the first chunk, alone in its step, matches, but tokens that read earlier steps back from the cache "
+                 "or share a packed step with another sequence do not: the model keeps state outside attention's "
+                 "keys and values or mixes tokens outside attention (recurrent or convolution layers, a cache of its "
+                 "own), or derives positions from something other than position_ids")
+    worst, step_no, k, p, kind = max(errors)
+    return UnsupportedModelError(
+        f"{name} gives different logits through kvpaging's paged attention than through its own forward pass: "
+        f"their root-mean-square difference is {error:.3g} of the logits' spread ({scale:.3g}), beyond the "
+        f"tolerance {tol} for {dtype} (the first chunk {by_kind['first chunk']:.3g}, the packed steps over the "
+        f"cache {by_kind['packed or over the cache']:.3g}; worst at sequence {k} position {p}, {kind} in step {step_no}: "
+        f"{worst ** 0.5:.3g}). Likely cause: {cause}.", "logits")

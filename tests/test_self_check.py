@@ -1,0 +1,154 @@
+"""The load-time self-check (kvpaging/self_check.py): served exactly, or refused before the first request.
+
+The refusals are checked on real transformers architectures whose attention the
+engine cannot serve, each for the cause its own modeling code shows (read in
+transformers' source, not taken from our output): Falcon runs its own attention,
+StableLM's decoder layer drops the keyword arguments, DiffLlama calls attention
+twice per layer, DeepSeek-V2's latent attention has keys wider than the config's
+head_dim, and gpt-oss passes attention sinks. A model with token mixing outside
+attention checks the numerical comparison itself, which nothing structural catches.
+"""
+
+import pytest
+import torch
+from engine_helpers import assert_pool_clean, build_llm, greedy_params, make_model, random_prompt
+
+from kvpaging import LLM, UnsupportedModelError
+from kvpaging.architectures import tiny_model
+from kvpaging.self_check import TOLERANCES, AttentionProbe, _plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_served_model_passes_and_the_pool_is_left_as_it_was():
+    llm = build_llm(make_model("qwen3"))
+    check = llm.engine.self_check
+    assert check is not None and check.error <= check.tolerance == TOLERANCES[torch.float32]
+    assert check.error < 1e-4  # float32 through both paths: only the order of the sums differs
+    assert check.positions == 21 + 13 and check.steps == 4
+    assert check.seconds > 0
+    assert_pool_clean(llm.engine)
+    assert all(not k.any() and not v.any() for k, v in llm.engine.runner.kv_caches)  # zeros, as allocated
+    # the block manager never saw the check: the first request gets the blocks it would get without one
+    unchecked = build_llm(make_model("qwen3"), self_check=False)
+    assert unchecked.engine.self_check is None
+    prompt = random_prompt(10, seed=3)
+    tables = []
+    for engine in (llm.engine, unchecked.engine):
+        engine.add_request("r", prompt, greedy_params(2))
+        engine.step()
+        tables.append(engine.block_manager.get_block_table(engine.scheduler.running[0].seq_id))
+    assert tables[0] == tables[1]
+
+
+@pytest.mark.parametrize("dtype, kv", [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.float32, "fp8")])
+def test_lower_precision_passes_within_its_tolerance(dtype, kv):
+    llm = build_llm(make_model("llama"), dtype=dtype, kv_cache_dtype=kv)
+    check = llm.engine.self_check
+    expected = TOLERANCES[torch.float8_e4m3fn if kv == "fp8" else dtype]
+    assert check.tolerance == expected and check.error <= expected
+    assert check.error > 1e-4  # rounding shows: the comparison is not vacuous
+
+
+def test_short_pools_and_long_blocks_still_check():
+    for settings in ({"block_size": 1, "num_blocks": 40, "max_model_len": 30},
+                     {"block_size": 256, "num_blocks": 1, "max_model_len": 200},  # one sequence only
+                     {"block_size": 2, "num_blocks": 1, "max_model_len": 2}):  # one prefill token and one decode
+        check = build_llm(make_model("llama"), **settings).engine.self_check
+        assert check.error < 1e-4
+    assert check.positions == 2
+
+
+def test_the_plan_covers_each_kind_of_step():
+    steps = _plan((21, 13))
+    assert steps == [[(0, 0, 9)], [(0, 9, 1), (1, 0, 6)], [(0, 10, 10), (1, 6, 6)], [(0, 20, 1), (1, 12, 1)]]
+    for lengths in [(2,), (3,), (4,), (5, 2), (21, 13)]:  # every token of every sequence, once, in order
+        plan = _plan(lengths)
+        for k, n in enumerate(lengths):
+            spans = [(s, m) for step in plan for kk, s, m in step if kk == k]
+            assert [p for s, m in spans for p in range(s, s + m)] == list(range(n))
+
+
+def refusal(model, **settings) -> UnsupportedModelError:
+    with pytest.raises(UnsupportedModelError) as info:
+        LLM(model, **{"block_size": 16, "num_blocks": 64, "max_model_len": 256, **settings})
+    return info.value
+
+
+@pytest.mark.parametrize("model_type, cause, words", [
+    ("falcon", "attention_interface", "does not go through transformers' AttentionInterface"),
+    ("stablelm", "no_metadata", "without the step's metadata"),
+    ("diffllama", "double_call", "called attention 2 times in one forward pass"),
+    ("deepseek_v2", "kv_shape", "do not fit the paged cache"),
+])
+def test_real_architectures_are_refused_for_their_cause(model_type, cause, words):
+    model = tiny_model(model_type)
+    error = refusal(model)
+    assert error.cause == cause and words in str(error)
+    assert type(model).__name__ in str(error) or "layer_idx" in str(error)
+
+
+def test_attention_sinks_are_refused_by_name():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                  num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    error = refusal(model)
+    assert error.cause == "attention_arguments" and "s_aux=a tensor of shape (4,)" in str(error)
+
+
+def test_a_model_that_mixes_tokens_outside_attention_is_refused_by_its_logits():
+    """A running mean over the sequence after the first layer: state outside the KV cache, as a recurrent or
+    convolution layer keeps. The first chunk still matches; what reads earlier steps does not."""
+    model = make_model("llama")
+
+    def running_mean(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        mixed = hidden + hidden.cumsum(1) / torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[:, None]
+        return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+
+    model.model.layers[0].register_forward_hook(running_mean)
+    error = refusal(model)
+    assert error.cause == "logits"
+    assert "the first chunk, alone in its step, matches" in str(error)
+    assert "tolerance 0.001 for torch.float32" in str(error)
+
+
+def test_the_private_model_refuses_a_call_without_metadata():
+    llm = build_llm(make_model("qwen3"))
+    with pytest.raises(UnsupportedModelError, match="without the step's metadata") as info:
+        llm.engine.model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert info.value.cause == "no_metadata"
+
+
+def test_the_opt_out_serves_without_checking():
+    model = tiny_model("falcon")
+    llm = LLM(model, block_size=16, num_blocks=64, max_model_len=256, self_check=False)  # at the user's risk
+    assert llm.engine.self_check is None
+    with pytest.raises(ValueError, match="self_check must be True or False, got 'yes'"):
+        LLM(model, block_size=16, num_blocks=64, max_model_len=256, self_check="yes")
+
+
+def test_the_probe_names_arguments_the_kernels_ignore():
+    probe = AttentionProbe("M", num_layers=1, num_kv_heads=2, head_dim=8)
+    probe.start_step(3)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    probe.record(module, q, kv, kv, 0.0, {"position_ids": 1, "sliding_window": None, "is_causal": True})
+    probe.finish_step()
+    for kwargs, words in [({"softcap": 50.0}, "softcap=50.0"), ({"is_causal": False}, "a non-causal mask"),
+                          ({"sliding_window": 4}, "sliding-window attention")]:
+        probe.start_step(3)
+        with pytest.raises(UnsupportedModelError, match=words):
+            probe.record(module, q, kv, kv, 0.0, kwargs)
+    probe.start_step(3)
+    with pytest.raises(UnsupportedModelError, match="do not fit the paged cache"):
+        probe.record(module, q, torch.zeros(1, 2, 3, 16), kv, 0.0, {})
+    probe.start_step(3)
+    with pytest.raises(UnsupportedModelError, match="never called|no layer called"):
+        probe.finish_step()
