@@ -154,6 +154,12 @@ OVERRIDES: dict[str, dict] = {
     "blt": {"encoder_hash_byte_group_vocab": 512},
     # MiniCPM3 has MLA with a query low-rank projection too.
     "minicpm3": {"q_lora_rank": 32},
+    # LFM2 interleaves short convolutions with attention (its config's default, with no index list, is
+    # attention everywhere): layer 0 a convolution, layer 1 attention, as in the released models.
+    "lfm2": {"full_attn_idxs": [1]},
+    "lfm2_moe": {"full_attn_idxs": [1]},
+    # Mllama's text model has cross-attention layers (to the image) at 3, 8, ...: with 2 layers, at 1.
+    "mllama": {"text_config": {"cross_attention_layers": [1]}},
 }
 
 

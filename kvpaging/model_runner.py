@@ -52,6 +52,11 @@ def check_model_supported(model) -> None:
 
     if getattr(config, "is_encoder_decoder", False):
         raise refuse("is an encoder-decoder model; kvpaging serves decoder-only causal LMs")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and getattr(config, "num_attention_heads", None) is None:
+        raise refuse(f"is a composite model ({type(config).__name__}, its language model's settings in a sub-config "
+                     f"{type(text).__name__}); kvpaging serves text-only causal LMs: load the language model "
+                     "alone (AutoModelForCausalLM.from_config(config.get_text_config()) and its weights)")
     for field in ("num_hidden_layers", "num_attention_heads"):
         value = getattr(config, field, None)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -124,13 +129,22 @@ class ModelRunner:
         if capture_graphs:
             self.capture_graphs()
 
+    @property
+    def uses_graphs(self) -> bool:
+        """Whether this runner serves its decode steps through CUDA graphs (once ``capture_graphs`` has run).
+
+        Only the Triton kernels are capture-safe (no host syncs, padding slots skipped in-kernel);
+        the torch backend checks and masks its padding on the host, so it always runs eagerly.
+        With tensor parallelism a graph would have to capture the all-reduces too.
+        """
+        config = self._config
+        return (not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton"
+                and config.tensor_parallel_size == 1)
+
     def capture_graphs(self) -> None:
         """Capture the decode step in CUDA graphs, where they apply (the engine does it after its self-check)."""
         config = self._config
-        # Only the Triton kernels are capture-safe (no host syncs, padding slots skipped in-kernel);
-        # the torch backend checks and masks its padding on the host, so it always runs eagerly.
-        if (not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton"
-                and config.tensor_parallel_size == 1):  # a graph would have to capture the all-reduces too
+        if self.uses_graphs:
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():

@@ -8,12 +8,12 @@ state in the keys and values of one attention call per layer. Most causal LMs
 do; some do not, and a model that does not would not crash: it would write
 wrong tokens, silently. So before serving, the engine checks.
 
-``run_self_check`` sends two short random prompts through the engine's own path,
-the way the scheduler would (a first prompt chunk, a step that mixes a decode
-with another sequence's chunk, chunks that read earlier tokens back from the
-cache, and a step of decodes only, replayed through CUDA graphs when the engine
-uses them), and compares the logits at every position with those of the model's
-own forward pass over the same tokens. During those steps an ``AttentionProbe``
+``run_self_check`` sends two short random prompts (21 and 13 tokens) through the
+engine's own path the way the scheduler would (both first chunks packed in one
+step; then one's decode packed with the other's next chunk, both reading the
+cache; and, where the engine uses CUDA graphs, a step of decodes replayed through
+them), and compares the logits at every position with those of the model's own
+forward pass over the same tokens. During those steps an ``AttentionProbe``
 watches every attention call, so the usual causes are named exactly:
 
 - ``attention_interface``: no layer (or not every layer) called our function;
@@ -26,8 +26,8 @@ watches every attention call, so the usual causes are named exactly:
 
 The check uses the first blocks of the KV pool directly (not the block
 manager, whose books it leaves untouched) and zeroes them afterwards. It costs
-a few forward passes over 34 tokens: ``LLMEngine.self_check`` records the
-seconds (see ``benchmarks/RESULTS.md`` for the trained model's figure).
+three forward passes over 34 tokens (0.4 s for the trained model on a 2-core CPU:
+``benchmarks/self_check.py``); ``LLMEngine.self_check`` records what it found and its seconds.
 ``self_check=False`` skips it, for people who have checked their model already.
 """
 
@@ -100,14 +100,16 @@ def no_metadata_error(module) -> UnsupportedModelError:
 def not_routed_error(model_name: str, missing: list[int], num_layers: int) -> UnsupportedModelError:
     """No layer, or not every layer, called kvpaging's attention in a forward pass."""
     if len(missing) == num_layers:
-        what = "no layer called kvpaging's attention function in a forward pass"
-    else:
-        what = f"layers {missing} of {num_layers} never called kvpaging's attention function in a forward pass"
+        return UnsupportedModelError(
+            f"{model_name}'s attention does not go through transformers' AttentionInterface: no layer called "
+            "kvpaging's attention function in a forward pass, so set_attn_implementation('kvpaging') left it with "
+            "attention of its own, which would run without the paged KV cache. kvpaging serves models whose "
+            "attention transformers dispatches by config._attn_implementation.", "attention_interface")
     return UnsupportedModelError(
-        f"{model_name}'s attention does not go through transformers' AttentionInterface: {what}, so "
-        "set_attn_implementation('kvpaging') left it with attention of its own, which would run without the "
-        "paged KV cache. kvpaging serves models whose every layer's attention transformers dispatches by "
-        "config._attn_implementation.", "attention_interface")
+        f"{model_name}: layers {missing} of {num_layers} never called kvpaging's attention function in a forward "
+        "pass. The paged cache gives every layer one self-attention call per step; those layers do something else "
+        "(cross-attention to another input, a recurrent or convolution layer, or attention of their own that "
+        "AttentionInterface does not dispatch), which kvpaging does not serve.", "attention_interface")
 
 
 class AttentionProbe:
@@ -193,42 +195,49 @@ _ARGUMENT_HINTS = {
 
 # --------------------------------------------------------------------------- the check
 
-def _plan(lengths: tuple[int, ...]) -> list[list[tuple[int, int, int]]]:
+def _plan(lengths: tuple[int, ...], decode_step: bool) -> list[list[tuple[int, int, int]]]:
     """The steps, each a list of ``(sequence, start, num_tokens)``, as the scheduler could have made them.
 
-    Sequence 0: a first chunk; a decode (beside sequence 1's first chunk); a chunk read over cached
-    tokens; a decode. Sequence 1 starts one step later, so the last step is decodes only.
+    Step 1: both sequences' first chunks, packed side by side (sequence 0 first, so its tokens are
+    computed as if alone). Step 2: sequence 1's decode packed with sequence 0's next chunk, both
+    reading the cache. With ``decode_step`` (the engine will capture CUDA graphs, which serve steps
+    of decodes only) both keep their last token for a third step of decodes.
     """
-    def segments(length: int, split: int, with_middle_decode: bool) -> list[tuple[int, int]]:
-        out = [(0, split)]
-        pos = split
-        if with_middle_decode and pos < length - 1:
-            out.append((pos, 1))
-            pos += 1
-        if pos < length - 1:
-            out.append((pos, length - 1 - pos))
-        if length - 1 >= split:
-            out.append((length - 1, 1))
-        return out
-
-    per_seq = [segments(lengths[0], max(1, (lengths[0] - 2) // 2), True)]
+    tail = 1 if decode_step else 0
+    a = lengths[0]
+    split = max(1, (a - 1) // 2)
+    pieces = [[split, a - split - tail, tail]]
     if len(lengths) > 1:
-        per_seq.append([(0, 0)] + segments(lengths[1], max(1, (lengths[1] - 1) // 2), False))  # (0, 0): waits
+        b = lengths[1]
+        pieces.append([b - 1 - tail, 1, tail])
     steps = []
-    for i in range(max(len(s) for s in per_seq)):
-        step = [(k, *segs[i]) for k, segs in enumerate(per_seq) if i < len(segs) and segs[i][1] > 0]
-        steps.append(sorted(step, key=lambda e: e[2] != 1))  # decodes first, as the runner packs them
+    for i in range(3):
+        step = []
+        for k, sizes in enumerate(pieces):
+            start = sum(sizes[:i])
+            if sizes[i] > 0:
+                step.append((k, start, sizes[i]))
+        if step:
+            steps.append(sorted(step, key=lambda e: e[2] != 1))  # decodes first, as the runner packs them
     return steps
 
 
-def _reference_copy(model):
-    """The model's own forward pass, on a copy (the user's model is never touched, not even its train/eval mode)."""
+def _own_logits(model, tokens: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """The model's own forward pass over each sequence, in one batch (right-padded: a causal model's logits at a
+    position see only the tokens up to it, so the padding after them changes nothing)."""
     from .models import private_copy
 
-    ref = private_copy(model).eval()
-    if getattr(ref.config, "_attn_implementation", None) == ATTN_NAME:  # someone handed us a model set to ours
-        ref.set_attn_implementation("sdpa")
-    return ref
+    ref = model
+    if model.training or getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
+        ref = private_copy(model).eval()  # a copy, so the user's model keeps its mode and its attention
+        if getattr(ref.config, "_attn_implementation", None) == ATTN_NAME:  # someone handed us a model set to ours
+            ref.set_attn_implementation("sdpa")
+    batch = torch.zeros(len(tokens), max(len(t) for t in tokens), dtype=torch.int64)
+    for row, t in enumerate(tokens):
+        batch[row, : len(t)] = t
+    with torch.inference_mode():
+        logits = ref(input_ids=batch.to(device), use_cache=False).logits.float()
+    return [logits[row, : len(t)] for row, t in enumerate(tokens)]
 
 
 def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool = False) -> SelfCheckResult:
@@ -247,17 +256,13 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     tokens = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
 
     try:
-        ref = _reference_copy(model)
-        with torch.inference_mode():
-            own = [ref(input_ids=t[None].to(runner.device), attention_mask=torch.ones_like(t[None]).to(runner.device),
-                       use_cache=False).logits[0].float() for t in tokens]
+        own = _own_logits(model, tokens, runner.device)
     except (torch.OutOfMemoryError, KeyboardInterrupt):
         raise
     except Exception as error:
         raise UnsupportedModelError(
             f"{name}'s own forward pass failed on a {lengths[0]}-token prompt, so kvpaging cannot check it: "
             f"{type(error).__name__}: {error}", "crash") from error
-    del ref
 
     blocks, first = [], 0  # each sequence's blocks: the pool's first ones, in turn
     for n in lengths:
@@ -269,14 +274,15 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
     probe = AttentionProbe(name, runner.num_layers, runner.num_kv_heads, runner.head_dim)
-    steps = _plan(tuple(lengths))
+    graphs = capture_graphs and runner.uses_graphs
+    steps = _plan(tuple(lengths), decode_step=graphs)
     errors: list[tuple[float, int, int, int, str]] = []  # (mean squared error, step, sequence, position, kind)
     scale = float(torch.cat(own).std()) or 1.0
 
     def compare(logits: torch.Tensor, step: list, step_no: int, replay: bool = False) -> None:
-        # step 1 is sequence 0's first chunk alone: its tokens see only one another
-        kind = "graph replay" if replay else "first chunk" if step_no == 1 else "packed or over the cache"
-        rows = [(k, p, kind) for k, start, n in step for p in range(start, start + n)]
+        # sequence 0's first chunk comes first in step 1: its tokens see only one another
+        rows = [(k, p, "graph replay" if replay else "first chunk" if step_no == 1 and k == 0 else
+                 "packed or over the cache") for k, start, n in step for p in range(start, start + n)]
         if logits.shape[0] != len(rows) or not torch.isfinite(logits).all():
             raise UnsupportedModelError(
                 f"{name}'s paged forward pass gave {tuple(logits.shape)} logits, with non-finite values or not "
@@ -292,7 +298,7 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
             compare(_execute(runner, _step_output(step, seqs, table, bs), True, i, step, lengths), step, i)
             probe.finish_step()
         runner.probe = None
-        if capture_graphs:
+        if graphs:
             try:
                 runner.capture_graphs()
             except (torch.OutOfMemoryError, KeyboardInterrupt):

@@ -25,7 +25,7 @@ def test_a_served_model_passes_and_the_pool_is_left_as_it_was():
     check = llm.engine.self_check
     assert check is not None and check.error <= check.tolerance == TOLERANCES[torch.float32]
     assert check.error < 1e-4  # float32 through both paths: only the order of the sums differs
-    assert check.positions == 21 + 13 and check.steps == 4
+    assert check.positions == 21 + 13 and check.steps == 2  # no CUDA graphs here
     assert check.seconds > 0
     assert_pool_clean(llm.engine)
     assert all(not k.any() and not v.any() for k, v in llm.engine.runner.kv_caches)  # zeros, as allocated
@@ -60,13 +60,18 @@ def test_short_pools_and_long_blocks_still_check():
 
 
 def test_the_plan_covers_each_kind_of_step():
-    steps = _plan((21, 13))
-    assert steps == [[(0, 0, 9)], [(0, 9, 1), (1, 0, 6)], [(0, 10, 10), (1, 6, 6)], [(0, 20, 1), (1, 12, 1)]]
-    for lengths in [(2,), (3,), (4,), (5, 2), (21, 13)]:  # every token of every sequence, once, in order
-        plan = _plan(lengths)
-        for k, n in enumerate(lengths):
-            spans = [(s, m) for step in plan for kk, s, m in step if kk == k]
-            assert [p for s, m in spans for p in range(s, s + m)] == list(range(n))
+    # two first chunks packed; then a decode packed with a chunk over the cache
+    assert _plan((21, 13), decode_step=False) == [[(0, 0, 10), (1, 0, 12)], [(1, 12, 1), (0, 10, 11)]]
+    # where CUDA graphs will serve the decodes, the last step is decodes only
+    assert _plan((21, 13), decode_step=True) == [[(0, 0, 10), (1, 0, 11)], [(1, 11, 1), (0, 10, 10)],
+                                                 [(0, 20, 1), (1, 12, 1)]]
+    for lengths in [(2,), (3,), (4,), (5, 2), (3, 3), (21, 13)]:  # every token of every sequence, once, in order
+        for decode_step in (False, True):
+            plan = _plan(lengths, decode_step)
+            for k, n in enumerate(lengths):
+                spans = [(s, m) for step in plan for kk, s, m in step if kk == k]
+                assert [p for s, m in spans for p in range(s, s + m)] == list(range(n))
+            assert all(step for step in plan)
 
 
 def refusal(model, **settings) -> UnsupportedModelError:
