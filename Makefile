@@ -49,7 +49,7 @@ lab: $(STAMP)
 # Each runs on one CPU thread (OMP_NUM_THREADS=1): on a 2-core machine two processes that each
 # spin two OpenMP threads wait on each other and slow down many times over. The trained model's
 # cache is built first, once, so the two halves never build it at the same time.
-LATE_TESTS := tests/test_async_llm.py
+LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py
 test: $(STAMP) browser-deps
 	$(BIN)/python -c "from kvpaging.trained import trained_path; print('trained model cache:', trained_path())"
 	@export OMP_NUM_THREADS=1; \

@@ -45,6 +45,8 @@ from .validation import (
     check_decode_args,
     check_prefill_args,
     check_store_kv_args,
+    check_softcap,
+    check_window,
 )
 
 
@@ -126,8 +128,10 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of one new query token per sequence over its whole cached context.
+    """Attention of one new query token per sequence over its cached context (or the last ``window`` tokens of it).
 
     Args:
         query: ``[batch, num_heads, head_dim]``; the new token's own K/V is
@@ -140,11 +144,17 @@ def paged_decode_attention(
         k_scale, v_scale: FP8 scales, or None for an unquantized cache.
         num_splits: ignored here (the Triton kernel splits the context across
             programs; one torch expression has nothing to split).
+        window: sliding-window attention: the query sees only the last ``window``
+            positions, its own included (transformers' ``kv > q - window``); 0: all.
+        softcap: soft-capping of the scores (Gemma 2): each scaled score ``s``
+            becomes ``softcap * tanh(s / softcap)`` before the softmax; 0: none.
 
     Returns:
         ``[batch, num_heads, head_dim]`` in the query's dtype.
     """
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
+    check_window(window)
+    check_softcap(softcap)
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -158,10 +168,16 @@ def paged_decode_attention(
     #    dimension into (kv head, position in its group).
     q = query.float().reshape(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,btkd->bkgt", q, keys) * scale  # [batch, kv, group, T]
+    if softcap:  # squash every score into (-softcap, softcap)
+        scores = softcap * torch.tanh(scores / softcap)
 
-    # 3. Masked softmax: only the first seq_lens[b] positions are real tokens.
+    # 3. Masked softmax: only the first seq_lens[b] positions are real tokens
+    #    (with a window, only the last `window` of them).
     positions = torch.arange(max_tokens, device=query.device)
-    is_real = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]  # [batch, 1, 1, T]
+    is_real = positions[None, :] < seq_lens[:, None].long()
+    if window:
+        is_real &= positions[None, :] >= seq_lens[:, None].long() - window
+    is_real = is_real[:, None, None, :]  # [batch, 1, 1, T]
     scores = scores.masked_fill(~is_real, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A sequence of length 0 has every score at -inf and softmax gives NaN;
@@ -183,6 +199,8 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new query tokens per sequence over the cache.
 
@@ -202,12 +220,17 @@ def paged_prefill_attention(
         query: ``[total_q_tokens, num_heads, head_dim]``.
         cu_seqlens_q: int32 ``[batch + 1]``, starts of each sequence's queries.
         seq_lens: int32 ``[batch]``, cached tokens per sequence, chunk included.
+        window: sliding-window attention: query ``j`` sees only keys after position
+            ``context_len + j - window``; 0: all.
+        softcap: as :func:`paged_decode_attention`.
         other arguments: as :func:`paged_decode_attention`.
 
     Returns:
         ``[total_q_tokens, num_heads, head_dim]`` in the query's dtype.
     """
     check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
+    check_window(window)
+    check_softcap(softcap)
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -242,11 +265,15 @@ def paged_prefill_attention(
         q_positions = context_len + torch.arange(q_len, device=query.device)
         k_positions = torch.arange(seq_len, device=query.device)
         visible = k_positions[None, :] <= q_positions[:, None]  # [q_len, seq_len]
+        if window:  # sliding window: and only the last `window` positions up to the query's own
+            visible &= k_positions[None, :] > q_positions[:, None] - window
 
         # 4. Ordinary softmax attention. Every query sees at least key 0, so no
         #    row is fully masked.
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

@@ -63,6 +63,8 @@ import triton.language as tl
 
 from .fp8 import is_fp8
 from .triton_utils import (
+    NO_WINDOW,
+    soft_cap,
     dot_dtype,
     matmul,
     multiprocessor_count,
@@ -70,7 +72,8 @@ from .triton_utils import (
     scale_pointer_and_stride,
     unit_stride,
 )
-from .validation import check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device
+from .validation import (check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device,
+                         check_softcap, check_window)
 
 LOG2_E = math.log2(math.e)
 # A split with fewer tokens than this costs more to merge than it saves.
@@ -91,6 +94,8 @@ def _decode_split_kernel(
     partial_lse_ptr,  # float32 [batch, num_heads, num_splits], log2 units
     qk_scale,  # softmax scale * log2(e)
     tokens_per_split,
+    window,  # a sliding window: only the last `window` positions are seen (NO_WINDOW: all of them)
+    softcap,  # soft-capping of the scores (with SOFTCAP): softcap * tanh(score / softcap)
     query_stride_batch,
     query_stride_head,
     cache_stride_block,
@@ -106,6 +111,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # whether the scores are soft-capped (a separate compiled kernel: no cost without)
     DOT_DTYPE: tl.constexpr,
 ):
     batch = tl.program_id(0)
@@ -113,8 +119,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + batch)
-    split_start = split * tokens_per_split
-    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+    split_end = tl.minimum(split * tokens_per_split + tokens_per_split, seq_len)
+    # a sliding window starts the context later: slices wholly before it are empty
+    split_start = tl.maximum(split * tokens_per_split, seq_len - window)
 
     # The query heads of this KV head's group, one per row.
     rows = tl.arange(0, GROUP_PAD)
@@ -155,6 +162,8 @@ def _decode_split_kernel(
 
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         scores = matmul(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, TILE_N]
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
         scores = tl.where(is_real[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -279,15 +288,21 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention (one query token per sequence) over a paged KV cache.
 
     Same arguments and result as the reference. ``num_splits`` slices each
     context across programs (None: chosen from shapes, see
     :func:`choose_num_splits`; an explicit value is capped at ``MAX_SPLITS``);
-    any value gives the same answer up to rounding.
+    any value gives the same answer up to rounding. ``window``: a sliding window
+    (0: the whole context); the slices before it read nothing. ``softcap``: soft-capping
+    of the scores (0: none).
     """
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
+    check_window(window)
+    check_softcap(softcap)
     check_triton_device(query.device, k_cache.dtype)
     check_head_dim(query.shape[2])
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
@@ -326,6 +341,8 @@ def paged_decode_attention(
         partial_out, partial_lse,
         float(scale) * LOG2_E,
         tokens_per_split,
+        window or NO_WINDOW,
+        float(softcap),
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -337,6 +354,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         FP8=is_fp8(k_cache.dtype),
+        SOFTCAP=bool(softcap),
         DOT_DTYPE=dot,
         num_warps=num_warps,
     )

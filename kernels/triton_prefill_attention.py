@@ -43,8 +43,10 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .triton_utils import dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, unit_stride
-from .validation import check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device
+from .triton_utils import (NO_WINDOW, dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, soft_cap,
+                           unit_stride)
+from .validation import (check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device,
+                         check_softcap, check_window)
 
 LOG2_E = math.log2(math.e)
 
@@ -85,6 +87,8 @@ def _prefill_kernel(
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # a sliding window: a query sees keys after its position - window (NO_WINDOW: all before it)
+    softcap,  # soft-capping of the scores (with SOFTCAP): softcap * tanh(score / softcap)
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -104,6 +108,7 @@ def _prefill_kernel(
     QUERIES_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP_PAD
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # whether the scores are soft-capped (a separate compiled kernel: no cost without)
     DOT_DTYPE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -140,13 +145,14 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
-    # The tile's last query sees the most keys: positions < kv_end. Key 0 is
-    # visible to every row, so each row's max is finite after the first step.
+    # The tile's last query sees the most keys: positions < kv_end; its first
+    # query's window starts earliest, at kv_begin (0 without a window).
     kv_end = context_len + tl.minimum(first_query + QUERIES_PER_TILE, q_len)
+    kv_begin = tl.maximum(context_len + first_query - window + 1, 0)
     table_row = block_tables_ptr + seq * table_stride_batch
     head_offset = kv_head * cache_stride_head
     key_in_tile = tl.arange(0, BLOCK_N)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         key_position = kv_start + key_in_tile
         is_real = key_position < kv_end
         block_ids = tl.load(table_row + key_position // BLOCK_SIZE, mask=is_real, other=0)
@@ -160,13 +166,19 @@ def _prefill_kernel(
 
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         scores = matmul(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
-        # Causal: a query sees keys at its own position and before.
-        visible = (key_position[None, :] <= query_position[:, None]) & is_real[None, :]
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
+        # Causal: a query sees keys at its own position and before (and after position - window).
+        visible = ((key_position[None, :] <= query_position[:, None])
+                   & (key_position[None, :] > query_position[:, None] - window) & is_real[None, :])
         scores = tl.where(visible, scores, float("-inf"))
 
+        # a row whose window begins after this tile's keys has seen nothing yet: its max stays -inf, and
+        # shifting by 0 instead keeps exp2(-inf - -inf) = NaN out of its sums (they stay 0)
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        correction = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        correction = tl.exp2(m - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
         l = l * correction + tl.sum(p, axis=1)
 
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
@@ -221,14 +233,19 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks over a paged KV cache.
 
     Same arguments and result as the reference. Each sequence needs
     ``q_len <= seq_len``; rows of ``query`` past ``cu_seqlens_q[-1]`` are left
-    as zeros.
+    as zeros. ``window``: a sliding window (0: none); keys before the first
+    query's window are not read. ``softcap``: soft-capping of the scores (0: none).
     """
     check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
+    check_window(window)
+    check_softcap(softcap)
     check_triton_device(query.device, k_cache.dtype)
     check_head_dim(query.shape[2])
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
@@ -264,6 +281,8 @@ def paged_prefill_attention(
         query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
         tile_seq, tile_first_query, k_scale_arg, v_scale_arg,
         float(scale) * LOG2_E,
+        window or NO_WINDOW,
+        float(softcap),
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -278,6 +297,7 @@ def paged_prefill_attention(
         QUERIES_PER_TILE=queries_per_tile,
         BLOCK_N=block_n,
         FP8=is_fp8(k_cache.dtype),
+        SOFTCAP=bool(softcap),
         DOT_DTYPE=dot,
         num_warps=num_warps,
     )

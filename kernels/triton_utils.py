@@ -13,6 +13,10 @@ import triton.language as tl
 from . import validation
 from .validation import interpreter_enabled
 
+# the window the kernels take for "no sliding window": longer than any context (a plain int, so one compiled kernel
+# serves full and sliding layers alike)
+NO_WINDOW = 1 << 30
+
 
 def padded_head_dim(head_dim: int) -> int:
     """Next power of two, at least 16: the smallest K dimension ``tl.dot`` accepts."""
@@ -102,3 +106,12 @@ def bit_copy_dtype(element_size: int) -> torch.dtype:
     """An integer dtype as wide as one cache element: copying bits instead of
     numbers works for every cache dtype, FP8 included, and changes nothing."""
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[element_size]
+
+
+@triton.jit
+def soft_cap(scores, softcap):
+    """Gemma 2's soft-capping, on scores in log2 units (scaled by log2(e)): ``softcap * tanh(s / softcap)``
+    of the natural score ``s``, returned in log2 units again. tanh(x) = 2 sigmoid(2x) - 1."""
+    natural = scores * 0.6931471805599453  # ln(2) = 1 / log2(e)
+    capped = softcap * (2.0 * tl.sigmoid(2.0 * natural / softcap) - 1.0)
+    return capped * 1.4426950408889634  # log2(e)

@@ -316,3 +316,18 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {t.stride()}")
+
+
+def check_window(window) -> int:
+    """A sliding window: the number of most recent positions a query sees (itself included); 0 means all."""
+    _require(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+             f"window must be a non-negative int (0: the whole context), got {window!r}")
+    return window
+
+
+def check_softcap(softcap) -> float:
+    """Soft-capping of the attention scores (Gemma 2): ``softcap * tanh(score / softcap)``; 0 means none."""
+    _require(isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap >= 0
+             and softcap == softcap and softcap != float("inf"),
+             f"softcap must be a non-negative finite number (0: none), got {softcap!r}")
+    return float(softcap)

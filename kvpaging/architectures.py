@@ -101,6 +101,9 @@ SMALL = {
     # DeepSeek-V3.2's sparse-attention indexer
     "indexer_heads": (4, ("index_n_heads",)),
     "indexer_head_dim": (16, ("index_head_dim",)),
+    # sliding-window attention: a window shorter than the prompt (12 tokens) and the self-check's (13 and 21),
+    # so that it changes which keys a query sees
+    "sliding_window": (6, ("sliding_window",)),
     # random logits a few units apart, so greedy decoding has no near-ties (trained models use ~0.02)
     "init": (0.2, ("initializer_range", "init_std")),
     # token ids 0, 1, 2 are pad, bos and eos, inside the vocabulary
@@ -111,7 +114,7 @@ SMALL = {
 
 # Fields whose default is None ("this feature is off") stay None rather than taking a size above.
 # (A None head_dim or expert count is usually "work it out" or "required", and gets the size.)
-KEEP_IF_NONE = {"kv_lora_rank", "rotary_dim", "moe_intermediate_size", "n_group", "topk_group", "n_inner",
+KEEP_IF_NONE = {"sliding_window", "kv_lora_rank", "rotary_dim", "moe_intermediate_size", "n_group", "topk_group", "n_inner",
                 "shared_expert_intermediate_size", "num_kv_heads", "kv_channels", "attention_head_dim"}
 
 # What some types need on top of (or instead of) the table above, one entry per reason. A dict value
@@ -154,6 +157,9 @@ OVERRIDES: dict[str, dict] = {
     "blt": {"encoder_hash_byte_group_vocab": 512},
     # MiniCPM3 has MLA with a query low-rank projection too.
     "minicpm3": {"q_lora_rank": 32},
+    # Dory's own generate() fails with a window shorter than the prompt (a mask of the wrong width): a window of
+    # 32 keeps it runnable, so its sliding layers are checked only where the window covers everything.
+    "dory": {"sliding_window": 32},
     # LFM2 interleaves short convolutions with attention (its config's default, with no index list, is
     # attention everywhere): layer 0 a convolution, layer 1 attention, as in the released models.
     "lfm2": {"full_attn_idxs": [1]},
@@ -212,16 +218,16 @@ def _small_sub_config(spec) -> dict:
     return {**spec.init_kwargs, **_small_fields(CONFIG_MAPPING[spec.model_type]), "model_type": spec.model_type}
 
 
-def tiny_config(model_type: str):
-    """The type's config with every size small and every attention feature at its default."""
+def tiny_config(model_type: str, **overrides):
+    """The type's config with every size small and every attention feature at its default (or ``overrides``)."""
     config_class = _config_class(model_type)
     try:
-        return config_class(**_small_fields(config_class, OVERRIDES.get(model_type)))
+        return config_class(**_small_fields(config_class, {**OVERRIDES.get(model_type, {}), **overrides}))
     except Exception as exc:
         raise ArchitectureSkip(f"config: {type(exc).__name__}: {_first_line(exc)}") from exc
 
 
-def tiny_model(model_type: str, seed: int = 0):
+def tiny_model(model_type: str, seed: int = 0, **overrides):
     """A tiny float32 causal LM of ``model_type`` with seeded random weights, on the CPU, in eval mode.
 
     transformers initialises the weights its own way (with ``initializer_range`` 0.2), from
@@ -231,7 +237,7 @@ def tiny_model(model_type: str, seed: int = 0):
     """
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:

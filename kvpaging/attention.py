@@ -70,8 +70,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if meta.probe is not None:  # the load-time self-check: record and check this call
         meta.probe.record(module, query, key, value, dropout, kwargs)
-    if kwargs.get("sliding_window"):
-        raise ValueError(f"layer {module.layer_idx} uses sliding-window attention, which kvpaging does not serve")
+    window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
+    softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
     # transformers hands us [batch=1, heads, tokens, head_dim]; the kernels take [tokens, heads, head_dim]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
@@ -85,16 +85,18 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale)
+        out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale,
+                                         window=window, softcap=softcap)
         return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
     out = torch.empty_like(q)
     if nd:
         out[:nd] = ops.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale,
+            window=window, softcap=softcap,
         )
     out[nd:] = ops.paged_prefill_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q, meta.seq_lens[nd:],
-        scaling, k_scale, v_scale,
+        scaling, k_scale, v_scale, window=window, softcap=softcap,
     )
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
 

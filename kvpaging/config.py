@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_math import kv_bytes_per_token
+from .kv_math import paged_kv_bytes_per_token
 
 logger = logging.getLogger("kvpaging")
 
@@ -196,7 +196,7 @@ class EngineConfig:
         num_blocks = self.num_blocks
         if num_blocks is None:
             # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
-            bytes_per_block = kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size // tp
+            bytes_per_block = paged_kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size // tp
             # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
             shard_bytes = 0
             if tp > 1 and dev.type == "cuda":

@@ -33,7 +33,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import DuplicateSequenceError, RequestFailedError
 from .input_processor import InputProcessor, normalize_batch
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, check_model_supported
 from .self_check import SelfCheckResult, run_self_check
 from .outputs import RequestOutput, request_output
 from .sampler import Sampler, SamplerOutput, make_generator
@@ -54,6 +54,7 @@ class LLMEngine:
         ``config`` is checked when it is made and resolved here against the model
         ("auto" backend, KV dtype, pool size and max_model_len become concrete).
         """
+        check_model_supported(model)  # what the config says kvpaging cannot serve, before sizing anything for it
         config = (config if config is not None else EngineConfig()).resolve(model)
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -110,6 +110,19 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str = torch.bfloat16) -
     return 2 * num_layers * num_kv_heads * head_dim * element_bytes
 
 
+def paged_kv_bytes_per_token(config: Any, dtype: torch.dtype | str = torch.bfloat16) -> int:
+    """Bytes of keys and values per token in kvpaging's paged cache, which has a store for every layer.
+
+    The same as `kv_bytes_per_token` for a model of full-attention layers. A sliding-window
+    layer needs only its window, but the engine keeps its blocks as a full layer's (every
+    layer of a sequence shares one block table), so here it counts as one.
+    """
+    element_bytes = dtype_nbytes(dtype)
+    language_config = _language_model_config(config)
+    num_layers = _required_positive_int(language_config, "num_hidden_layers")
+    return 2 * num_layers * _num_key_value_heads(language_config) * _head_dim(language_config) * element_bytes
+
+
 def kv_cache_bytes(config: Any, num_tokens: int, dtype: torch.dtype | str = torch.bfloat16) -> int:
     """Exact bytes of keys and values for `num_tokens` tokens of one sequence."""
     # bool is a subclass of int in Python, and True tokens is surely a mistake.

@@ -38,6 +38,23 @@ logger = logging.getLogger("kvpaging")
 __all__ = ["ModelRunner", "StepInputs", "check_model_supported", "prepare_step_inputs"]
 
 
+def layer_windows(config) -> list:
+    """Each layer's sliding window as the config declares it (0: full attention).
+
+    A config with ``layer_types`` windows its "sliding_attention" layers; one without (Mistral,
+    Phi-3, Starcoder2) windows every layer when ``sliding_window`` is set, unless
+    ``use_sliding_window`` is False (Qwen2). The self-check holds each layer's attention call
+    to this: its ``sliding_window`` argument must be the same number.
+    """
+    window = getattr(config, "sliding_window", None) or 0
+    if getattr(config, "use_sliding_window", True) is False:
+        window = 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    return [window] * getattr(config, "num_hidden_layers", 0)
+
+
 def check_model_supported(model) -> None:
     """Refuse models whose config declares what kvpaging cannot serve, saying which feature is the problem.
 
@@ -57,6 +74,12 @@ def check_model_supported(model) -> None:
         raise refuse(f"is a composite model ({type(config).__name__}, its language model's settings in a sub-config "
                      f"{type(text).__name__}); kvpaging serves text-only causal LMs: load the language model "
                      "alone (AutoModelForCausalLM.from_config(config.get_text_config()) and its weights)")
+    for field in ("head_dim", "num_key_value_heads"):
+        try:
+            getattr(config, field, None)
+        except Exception as error:  # noqa: BLE001 - e.g. Gemma 4's per-layer configs refuse a global head_dim
+            raise refuse(f"declares its {field} per layer ({type(error).__name__}: {str(error)[:120]}); kvpaging's "
+                         "paged cache has one key/value shape for every layer") from error
     for field in ("num_hidden_layers", "num_attention_heads"):
         value = getattr(config, field, None)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,18 +87,13 @@ def check_model_supported(model) -> None:
                          f"{value!r} (a recurrent or state-space model keeps no keys and values)")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({str(t) for t in layer_types if t != "full_attention"})
+        other = sorted({str(t) for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if other:
-            raise refuse(f"has {other} layers; kvpaging serves full-attention layers only")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        if getattr(config, "model_type", "") in ("mistral", "mixtral", "phi3") or layer_types is None:
-            raise refuse(
-                f"uses sliding-window attention (sliding_window={config.sliding_window}); "
-                "kvpaging serves full attention only (set config.sliding_window=None to run it as full attention)"
-            )
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, field, None):
-            raise refuse(f"uses logit soft-capping ({field}={getattr(config, field)}), which kvpaging does not serve")
+            raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers only")
+    windows = layer_windows(config)
+    if any(windows) and not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows if w):
+        raise refuse(f"has sliding windows {sorted(set(windows))!r}; kvpaging serves windows of a positive number "
+                     "of tokens")
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise refuse("has no language-model head; pass a causal LM (AutoModelForCausalLM)")
 

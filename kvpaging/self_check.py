@@ -19,7 +19,7 @@ watches every attention call, so the usual causes are named exactly:
 - ``attention_interface``: no layer (or not every layer) called our function;
 - ``no_metadata``: a layer called it without the step's metadata;
 - ``attention_arguments``: an argument the kernels would ignore (attention
-  sinks, soft-capping, a sliding window, a non-causal mask, dropout);
+  sinks, a sliding window other than the config's, a non-causal mask, dropout);
 - ``double_call``: two attention calls with one layer index in one step;
 - ``kv_shape``: keys or values that do not fit the cache sized from the config;
 - ``crash``, ``cuda_graphs``, ``logits``: what is left, with the numbers.
@@ -119,9 +119,11 @@ class AttentionProbe:
     wrong; ``finish_step`` then checks that every layer called exactly once.
     """
 
-    def __init__(self, model_name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, model_name: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                 windows: list | None = None) -> None:
         self.model_name = model_name
         self.num_layers = num_layers
+        self.windows = list(windows) if windows is not None else [0] * num_layers  # the config's, per layer
         self.kv_shape = (num_kv_heads, head_dim)
         self.calls = [0] * num_layers
         self.num_tokens = 0
@@ -144,6 +146,7 @@ class AttentionProbe:
                 "would overwrite the first's (two attention maps in one layer, as in differential attention)",
                 "double_call")
         self._check_shapes(module, query, key, value)
+        self._check_window(module, layer, kwargs.get("sliding_window"))
         if dropout:
             raise UnsupportedModelError(
                 f"{_layer_name(module)} asks for attention dropout={dropout!r} in eval mode, which the paged "
@@ -152,12 +155,27 @@ class AttentionProbe:
             if name == "is_causal":
                 if arg is None or arg is True:
                     continue
-            elif name in IGNORED_ARGUMENTS or arg is None or arg is False:
+            elif name in IGNORED_ARGUMENTS or name == "sliding_window" or arg is None or arg is False:
                 continue
+            elif name == "softcap" and isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg >= 0:
+                continue  # the kernels soft-cap the scores (Gemma 2)
             raise UnsupportedModelError(
                 f"{_layer_name(module)} passes attention the argument {name}={_describe(arg)}, which kvpaging's "
                 f"paged kernels do not implement ({_ARGUMENT_HINTS.get(name, 'they would ignore it')}), so its "
                 "tokens would be wrong", "attention_arguments")
+
+    def _check_window(self, module, layer: int, window) -> None:
+        """The kernels window a layer by its ``sliding_window`` argument, the model's own mask by its config:
+        the two must be the same number, or the paged and the model's attention would see different keys."""
+        expected = self.windows[layer] if layer < len(self.windows) else 0
+        if window is None or window is False:
+            window = 0
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0 or window != expected:
+            raise UnsupportedModelError(
+                f"{_layer_name(module)} passes attention sliding_window={_describe(window)}, but its config declares "
+                f"{f'a window of {expected} tokens' if expected else 'full attention'} for layer {layer}: kvpaging's "
+                "kernels window a layer by that argument and the model's own masks by the config, so they would "
+                "attend to different keys", "attention_arguments")
 
     def _check_shapes(self, module, query, key, value) -> None:
         heads, width = self.kv_shape
@@ -273,7 +291,10 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
         table[row, : len(ids)] = ids
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
-    probe = AttentionProbe(name, runner.num_layers, runner.num_kv_heads, runner.head_dim)
+    from .model_runner import layer_windows
+
+    probe = AttentionProbe(name, runner.num_layers, runner.num_kv_heads, runner.head_dim,
+                           layer_windows(runner.model.config))
     graphs = capture_graphs and runner.uses_graphs
     steps = _plan(tuple(lengths), decode_step=graphs)
     errors: list[tuple[float, int, int, int, str]] = []  # (mean squared error, step, sequence, position, kind)

@@ -39,6 +39,7 @@ class Reference:
 
     def __init__(self, arch: str = "qwen3", **overrides) -> None:
         self.arch = arch
+        self.overrides = overrides
         self.model = make_model(arch, **overrides)
         # No end token at all on the reference model: generate() must produce exactly the
         # tokens asked for, and may pick the EOS token as greedily as the engine does with
@@ -47,6 +48,10 @@ class Reference:
         self.model.config.eos_token_id = None
         self.model.generation_config.eos_token_id = None
         self._cache: dict[tuple[int, ...], list[int]] = {}
+
+    def engine_model(self):
+        """A second model from the same seed and settings, for the engine to serve."""
+        return make_model(self.arch, **self.overrides)
 
     def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
         key = tuple(prompt)

@@ -185,9 +185,10 @@ def test_generate_checks_its_sampling_params(params, match):
     assert llm.engine.num_steps == 0
 
 
-def sliding_mistral():
-    model = make_model("mistral")
-    model.config.sliding_window = 8
+def edited_window():
+    """Qwen2's layers keep the window they were built with (8); the masks would follow the edited config (4)."""
+    model = make_model("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=0)
+    model.config.sliding_window = 4
     return model
 
 
@@ -220,9 +221,10 @@ CONSTRUCTOR_CASES = [
      r"no memory left for the KV cache: budget 100 bytes", None),
     ("enable_prefix_caching='yes'", {"enable_prefix_caching": "yes"}, r"enable_prefix_caching .*got 'yes'", None),
     ("seed=-1", {"seed": -1}, r"seed must be at least 0, got -1", None),
-    ("mistral with a sliding window", {}, r"sliding-window attention \(sliding_window=8\)", sliding_mistral),
-    ("qwen2 with sliding-window layers", {}, r"\['sliding_attention'\] layers",
-     lambda: make_model("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=0)),
+    ("a window the layers do not use", {}, r"passes attention sliding_window=8.* a window of 4 tokens for layer 0",
+     edited_window),
+    ("qwen2 with linear-attention layers", {}, r"\['linear_attention'\] layers",
+     lambda: make_model("qwen2", layer_types=["full_attention", "linear_attention"])),
 ]
 
 

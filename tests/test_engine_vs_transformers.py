@@ -6,7 +6,8 @@ the same seed; kvpaging's code produces none of the expected tokens. The engine
 runs all prompts together, packed into one batch with mixed lengths, and must give
 the same tokens with every feature that changes *how* the KV is computed or
 stored: block sizes, the prefix cache, chunked prefill, preemption and
-recomputation, n > 1 with shared blocks and copy-on-write, static batching.
+recomputation, n > 1 with shared blocks and copy-on-write, static batching; and
+on models with sliding-window attention, whose windows are shorter than the prompts.
 
 Ties: where the two best logits are within 1e-4 of each other, float32 rounding
 in a differently ordered computation may legitimately pick the other one. At the
@@ -28,7 +29,6 @@ from engine_helpers import (
     assert_pool_clean,
     build_llm,
     greedy_params,
-    make_model,
     random_prompt,
 )
 
@@ -38,9 +38,19 @@ NUM_TOKENS = 12
 PROMPT_LENGTHS = (1, 5, 16, 17, 40)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# Sliding-window attention, with windows shorter than the prompts (a query then sees only its last few
+# tokens): Mistral's on every layer, Qwen2's on the layers above max_window_layers.
+SLIDING = {
+    "mistral, window 6": ("mistral", {"sliding_window": 6}),
+    "qwen2, sliding layers": ("qwen2", {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 1}),
+}
+VARIANTS = {arch: (arch, {}) for arch in ARCHS} | SLIDING
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def ref(request, one_thread) -> Reference:
-    return Reference(request.param)
+    arch, overrides = VARIANTS[request.param]
+    return Reference(arch, **overrides)
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -65,7 +75,7 @@ def test_mixed_batch_equals_generate(ref, block_size, backend):
     fast = backend.endswith("fast layers")
     backend = backend.split(",")[0]
     prompts = mixed_prompts()
-    llm = build_llm(make_model(ref.arch), block_size=block_size, num_blocks=64, max_model_len=64,
+    llm = build_llm(ref.engine_model(), block_size=block_size, num_blocks=64, max_model_len=64,
                     enable_prefix_caching=False, attention_backend=backend, cpu_fast_layers=fast)
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
     check_outputs(ref, prompts, outputs, what=f"block_size={block_size} backend={backend} fast layers={fast}")
@@ -83,7 +93,7 @@ def test_prefix_cache_hits_give_the_same_tokens(ref):
         shared + random_prompt(3, seed=9),  # these two share a prefix new to the cache and
         shared + random_prompt(5, seed=10),  # are computed in the same step
     ]
-    llm = build_llm(make_model(ref.arch), block_size=4, num_blocks=96, max_model_len=64, enable_prefix_caching=True)
+    llm = build_llm(ref.engine_model(), block_size=4, num_blocks=96, max_model_len=64, enable_prefix_caching=True)
     check_outputs(ref, base, llm.generate(base, greedy_params(NUM_TOKENS), use_tqdm=False), what="first pass")
     assert_pool_clean(llm)
     hits_before = llm.engine.block_manager.stats().prefix_hit_tokens
@@ -100,7 +110,7 @@ def test_prefix_cache_hits_give_the_same_tokens(ref):
 def test_chunked_prefill_gives_the_same_tokens(ref):
     prompts = mixed_prompts()
     budget = 7
-    llm = build_llm(make_model(ref.arch), block_size=4, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm = build_llm(ref.engine_model(), block_size=4, max_num_batched_tokens=budget, enable_prefix_caching=False)
     llm.engine.keep_trace = True
     llm.engine.trace = []
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
@@ -130,7 +140,7 @@ def test_chunked_prefill_gives_the_same_tokens(ref):
 def test_preemption_gives_the_same_tokens(ref, prefix_caching):
     prompts = mixed_prompts()
     # 13 blocks of 4 hold one 40-token prompt plus its 12 tokens, nowhere near the whole batch
-    llm = build_llm(make_model(ref.arch), block_size=4, num_blocks=13, max_model_len=40 + NUM_TOKENS,
+    llm = build_llm(ref.engine_model(), block_size=4, num_blocks=13, max_model_len=40 + NUM_TOKENS,
                     enable_prefix_caching=prefix_caching)
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
     check_outputs(ref, prompts, outputs, what="preempted")
@@ -141,7 +151,7 @@ def test_preemption_gives_the_same_tokens(ref, prefix_caching):
 def test_n_greedy_completions_all_equal_the_reference(ref):
     prompts = mixed_prompts()
     n = 3
-    llm = build_llm(make_model(ref.arch), block_size=4, num_blocks=128, enable_prefix_caching=False)
+    llm = build_llm(ref.engine_model(), block_size=4, num_blocks=128, enable_prefix_caching=False)
     llm.engine.keep_trace = True
     llm.engine.trace = []
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS, n=n), use_tqdm=False)
@@ -159,7 +169,7 @@ def test_n_greedy_completions_all_equal_the_reference(ref):
 
 def test_static_scheduling_gives_the_same_tokens(ref):
     prompts = mixed_prompts()
-    llm = build_llm(make_model(ref.arch), block_size=4, scheduling="static", max_num_seqs=3)
+    llm = build_llm(ref.engine_model(), block_size=4, scheduling="static", max_num_seqs=3)
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
     check_outputs(ref, prompts, outputs, what="static")
     assert_pool_clean(llm)
@@ -168,7 +178,7 @@ def test_static_scheduling_gives_the_same_tokens(ref):
 def test_different_lengths_per_request_in_one_batch(ref):
     prompts = mixed_prompts()
     lengths = [3, 12, 1, 7, 5]
-    llm = build_llm(make_model(ref.arch), block_size=16, num_blocks=16, max_model_len=64)
+    llm = build_llm(ref.engine_model(), block_size=16, num_blocks=16, max_model_len=64)
     outputs = llm.generate(prompts, [greedy_params(k) for k in lengths], use_tqdm=False)
     for prompt, out, k in zip(prompts, outputs, lengths):
         assert out.outputs[0].finish_reason == "length"

@@ -29,11 +29,14 @@ def gen():
 # --- naive oracle: one query vector, one head, one token at a time -----------------
 
 
-def naive_attention_one(q, keys_by_slot, values_by_slot, slots, scale):
-    """softmax(q . k_t * scale) weighted sum of v_t over the given slots, in float64."""
+def naive_attention_one(q, keys_by_slot, values_by_slot, slots, scale, softcap=0.0):
+    """softmax(q . k_t * scale) weighted sum of v_t over the given slots, in float64 (scores soft-capped:
+    softcap * tanh(score / softcap), when softcap is given)."""
     if len(slots) == 0:
         return torch.zeros_like(q)
     logits = torch.stack([torch.dot(q, keys_by_slot[s]) * scale for s in slots])
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     weights = torch.exp(logits - logits.max())
     weights = weights / weights.sum()
     return sum(w * values_by_slot[s] for w, s in zip(weights, slots))
@@ -51,22 +54,24 @@ def slots_of(block_table_row, block_size, num_tokens):
     return [int(block_table_row[t // block_size]) * block_size + t % block_size for t in range(num_tokens)]
 
 
-def naive_decode(query, kv, scale):
+def naive_decode(query, kv, scale, window=0, softcap=0.0):
     batch, num_heads, _ = query.shape
     group = num_heads // kv.k_cache.shape[2]
     keys, values = flat_cache(kv.k_cache, kv.k_scale), flat_cache(kv.v_cache, kv.v_scale)
     out = torch.zeros(query.shape, dtype=torch.float64)
     for b in range(batch):
         slots = slots_of(kv.block_tables[b], kv.block_size, int(kv.seq_lens[b]))
+        if window:  # a sliding window: the last `window` tokens only
+            slots = slots[-window:]
         for h in range(num_heads):
             kv_head = h // group
             out[b, h] = naive_attention_one(
-                query[b, h].double(), keys[:, kv_head], values[:, kv_head], slots, scale
+                query[b, h].double(), keys[:, kv_head], values[:, kv_head], slots, scale, softcap
             )
     return out
 
 
-def naive_prefill(query, kv, cu, scale):
+def naive_prefill(query, kv, cu, scale, window=0, softcap=0.0):
     num_heads = query.shape[1]
     group = num_heads // kv.k_cache.shape[2]
     keys, values = flat_cache(kv.k_cache, kv.k_scale), flat_cache(kv.v_cache, kv.v_scale)
@@ -76,9 +81,11 @@ def naive_prefill(query, kv, cu, scale):
         for j in range(q_len):
             position = seq_len - q_len + j
             slots = slots_of(kv.block_tables[b], kv.block_size, position + 1)
+            if window:  # transformers' sliding window: keys after position - window
+                slots = slots[max(0, position + 1 - window):]
             for h in range(num_heads):
                 out[cu[b] + j, h] = naive_attention_one(
-                    query[cu[b] + j, h].double(), keys[:, h // group], values[:, h // group], slots, scale
+                    query[cu[b] + j, h].double(), keys[:, h // group], values[:, h // group], slots, scale, softcap
                 )
     return out
 
@@ -405,3 +412,42 @@ def test_torch_backend_matches_the_references(fp8):
     expected = reference.paged_prefill_attention(pq, k_cache, v_cache, tables, cu, pre_lens, dim**-0.5, k_scale, v_scale)
     got = torch_backend.paged_prefill_attention(pq, k_cache, v_cache, tables, cu, pre_lens, dim**-0.5, k_scale, v_scale)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# -- sliding-window attention: each query sees only the last `window` positions, its own included -------------
+
+
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (5, 0.0), (16, 0.0), (17, 0.0), (1000, 0.0), (0, 0.5),
+                                             (6, 2.0)])
+def test_reference_and_torch_window_match_naive(gen, window, softcap):
+    """Sliding windows, and Gemma 2's soft-capped scores (caps of 0.5 and 2 bite: the scores here reach 3)."""
+    from kvpaging.kernels import cpu_backend, torch_backend
+
+    block_size, head_dim, num_kv_heads, group = 4, 16, 2, 2
+    lens = [1, 3, 5, 6, 17, 40]
+    kv = random_paged_kv(lens, num_kv_heads, head_dim, block_size, torch.float32, generator=gen)
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
+    expected = naive_decode(query, kv, 0.25, window, softcap)
+    for fn in (reference.paged_decode_attention, torch_backend.paged_decode_attention,
+               cpu_backend.paged_decode_attention):
+        got = fn(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, window=window, softcap=softcap)
+        torch.testing.assert_close(got.double(), expected, **tolerance(torch.float32))
+    # prefill: whole prompts, a chunk after a cached context, one query
+    sequences = [(1, 1), (5, 5), (17, 17), (40, 13), (6, 1)]
+    kv = random_paged_kv([s for s, _ in sequences], num_kv_heads, head_dim, block_size, torch.float32, generator=gen)
+    cu = cu_seqlens([q for _, q in sequences])
+    query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim, generator=gen)
+    expected = naive_prefill(query, kv, cu, 0.25, window, softcap)
+    for fn in (reference.paged_prefill_attention, torch_backend.paged_prefill_attention):
+        got = fn(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.25, window=window,
+                 softcap=softcap)
+        torch.testing.assert_close(got.double(), expected, **tolerance(torch.float32))
+
+
+def test_a_window_must_be_a_non_negative_int(gen):
+    kv = random_paged_kv([3], 1, 16, 4, torch.float32, generator=gen)
+    query = torch.randn(1, 1, 16, generator=gen)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=f"window must be a non-negative int .*got {bad!r}"):
+            reference.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25,
+                                             window=bad)

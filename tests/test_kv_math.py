@@ -260,3 +260,15 @@ def test_layer_types_length_must_match_num_hidden_layers():
     config = {**QWEN3_0_6B, "layer_types": ["full_attention"] * 27}
     with pytest.raises(ValueError, match="layer_types lists 27 layers but num_hidden_layers=28"):
         num_kv_cache_layers(config)
+
+
+def test_the_paged_cache_counts_sliding_layers_as_full_ones():
+    """The engine keeps a sliding-window layer's blocks for the whole sequence (one block table for every
+    layer), so its pool is sized per token with every layer: 2 (K and V) x 4 layers x 2 heads x 32 x 2 bytes."""
+    from kvpaging.kv_math import kv_bytes_per_token, paged_kv_bytes_per_token
+
+    config = SimpleNamespace(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                             hidden_size=256, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention"] * 2)
+    assert paged_kv_bytes_per_token(config, torch.bfloat16) == 2 * 4 * 2 * 32 * 2
+    assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 2 * 2 * 32 * 2  # the growing part: full layers only

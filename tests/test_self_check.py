@@ -144,10 +144,11 @@ def test_the_probe_names_arguments_the_kernels_ignore():
     module = torch.nn.Module()
     module.layer_idx = 0
     q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
-    probe.record(module, q, kv, kv, 0.0, {"position_ids": 1, "sliding_window": None, "is_causal": True})
+    probe.record(module, q, kv, kv, 0.0, {"position_ids": 1, "sliding_window": None, "is_causal": True,
+                                          "softcap": 50.0})  # Gemma 2's soft-capping: the kernels do it
     probe.finish_step()
-    for kwargs, words in [({"softcap": 50.0}, "softcap=50.0"), ({"is_causal": False}, "a non-causal mask"),
-                          ({"sliding_window": 4}, "sliding-window attention")]:
+    for kwargs, words in [({"s_aux": torch.zeros(4)}, r"s_aux=a tensor of shape \(4,\)"), ({"is_causal": False}, "a non-causal mask"),
+                          ({"sliding_window": 4}, "sliding_window=4, but its config declares full attention")]:
         probe.start_step(3)
         with pytest.raises(UnsupportedModelError, match=words):
             probe.record(module, q, kv, kv, 0.0, kwargs)

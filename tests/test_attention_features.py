@@ -1,0 +1,79 @@
+"""Attention features beyond plain causal attention, served exactly: sliding windows and soft-capped scores.
+
+Gemma 2 has both: its sliding layers alternate with full ones, and every layer's
+scores go through ``softcap * tanh(score / softcap)`` (and the final logits through
+another cap, which the model's own forward pass applies). The tiny model gets a
+6-token window and caps small enough to bite, then its greedy tokens must equal
+transformers' ``generate()`` on every attention backend, with prefix caching,
+chunked prefill and preemption. (Mistral's and Qwen2's windows are checked in
+``test_engine_vs_transformers.py``, with every engine feature.)
+"""
+
+import pytest
+import torch
+from engine_helpers import TIE_TOLERANCE, assert_pool_clean, greedy_params
+
+from kvpaging import LLM
+from kvpaging.architectures import tiny_model
+from kvpaging.teach.setup_check import greedy_agreement
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GEMMA2 = {"sliding_window": 6, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}
+NUM_TOKENS = 8
+
+
+def reference_tokens(model, prompt):
+    ids = torch.tensor([prompt])
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_TOKENS,
+                             min_new_tokens=NUM_TOKENS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def gemma2(one_thread):
+    model = tiny_model("gemma2", **GEMMA2)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 14, 23)]
+    return model, prompts, [reference_tokens(model, p) for p in prompts]
+
+
+def test_the_caps_and_the_window_change_the_models_logits():
+    """Otherwise the comparisons below would not test them."""
+    capped = tiny_model("gemma2", **GEMMA2)
+    ids = torch.randint(3, 512, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = capped(ids).logits
+        for change in ({"attn_logit_softcapping": None}, {"sliding_window": 4096}):
+            other = tiny_model("gemma2", **{**GEMMA2, **change})
+            assert (other(ids).logits - base).abs().max() > 0.1, change
+
+
+CHUNKED = "chunked, prefix cache, preemption"
+# (the Triton interpreter is slow: one mode for it; tests/test_kernels_triton.py tests its masks alone)
+@pytest.mark.parametrize("backend, mode", [("torch", "default"), ("torch", CHUNKED), ("cpu", "default"),
+                                           ("cpu", CHUNKED), ("triton", "default")])
+def test_gemma2_equals_generate(gemma2, backend, mode):
+    if backend == "cpu":
+        from kvpaging.kernels import cpu_backend
+
+        if not cpu_backend.available():
+            pytest.skip(cpu_backend.unavailable_reason())
+    model, prompts, expected = gemma2
+    settings = {"block_size": 16, "num_blocks": 32, "max_model_len": 64}
+    if mode != "default":  # 5-token chunks; 12 blocks of 4 hold the longest sequence, not all three
+        settings = {"block_size": 4, "num_blocks": 12, "max_model_len": 40, "max_num_batched_tokens": 5}
+    llm = LLM(model, attention_backend=backend, **settings)
+    runs = 2 if mode != "default" else 1  # the second run starts from the prefix cache
+    for _ in range(runs):
+        outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
+        for prompt, out, want in zip(prompts, outputs, expected):
+            got = out.outputs[0].token_ids
+            verdict = greedy_agreement(model, prompt, got, want, tolerance=TIE_TOLERANCE)
+            assert verdict.agrees, f"{backend} {mode}: prompt of {len(prompt)}: {got} != generate()'s {want}"
+        assert_pool_clean(llm)
+    if mode != "default":
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.block_manager.stats().prefix_hit_tokens > 0
