@@ -89,6 +89,7 @@ SHAPES = {
     "8/1/256": (8, 1, 256),  # the largest head dim the kernels take
     "16/8/256": (16, 8, 256),
     "Gemma-2-2B": (8, 4, 256),  # soft-capped scores (SOFTCAP: a kernel of its own)
+    "gpt-oss-20b": (64, 8, 64),  # attention sinks (SINKS: merge and prefill kernels of their own)
 }
 # (cache dtype, query dtype)
 DTYPES = [
@@ -117,6 +118,7 @@ class Config:
     table_width: int | None = None  # decode/prefill: block table columns (None: MAX_MODEL_LEN / block_size)
     num_splits: int | None = None  # decode: None lets the wrapper choose
     softcap: float = 0.0  # decode/prefill: soft-capped scores (Gemma 2), a separately compiled kernel
+    sinks: bool = False  # decode/prefill: attention sinks (gpt-oss), separately compiled kernels
 
     @property
     def label(self) -> str:
@@ -130,6 +132,8 @@ class Config:
             text += f" s{self.num_splits}"
         if self.softcap:
             text += f" cap{self.softcap:g}"
+        if self.sinks:
+            text += " sinks"
         return text
 
     @property
@@ -186,8 +190,8 @@ def full_matrix() -> list[Config]:
 
 def subset() -> list[Config]:
     """Every model shape, every dtype pair, block sizes from 1 to 256, batches 1 to 256, splits 1 to 64,
-    head dims 32 to 256 and GQA groups 1 to 8 (7 included), each a few times, and Gemma 2's soft-capped
-    kernels: 47 calls, 49 compiles."""
+    head dims 32 to 256 and GQA groups 1 to 8 (7 included), each a few times, Gemma 2's soft-capped
+    kernels and gpt-oss's sinks: 49 calls, 52 compiles."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     c = []
     # decode: the engine's shapes, the split count the wrapper picks at batch 1 / 8 / 64 / 256
@@ -233,6 +237,9 @@ def subset() -> list[Config]:
     # Gemma 2: sliding windows (a runtime argument: the same kernels) and soft-capped scores (other kernels)
     c.append(Config("decode", "Gemma-2-2B", bf16, bf16, 16, batch=8, softcap=50.0))
     c.append(Config("prefill", "Gemma-2-2B", bf16, bf16, 16, batch=3, softcap=50.0))
+    # gpt-oss: attention sinks (in the merge kernel and the prefill kernel)
+    c.append(Config("decode", "gpt-oss-20b", bf16, bf16, 16, batch=8, sinks=True))
+    c.append(Config("prefill", "gpt-oss-20b", bf16, bf16, 16, batch=3, sinks=True))
     # store_kv and copy-on-write
     for shape, cache, query, block_size in [
         ("Qwen3-0.6B", bf16, bf16, 16),
@@ -425,7 +432,8 @@ def call_wrapper(config: Config) -> None:
         tables = torch.zeros(config.batch, width, dtype=torch.int32)
         seq_lens = torch.ones(config.batch, dtype=torch.int32)
         paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, head_dim**-0.5, k_scale, v_scale,
-                               num_splits=config.num_splits, window=4096, softcap=config.softcap)
+                               num_splits=config.num_splits, window=4096, softcap=config.softcap,
+                               sinks=torch.zeros(num_heads) if config.sinks else None)
     elif config.op == "prefill":
         # chunks of 100, 37 and 1 queries (the tile map needs real lengths; the kernel's code does not)
         q_lens = [100, 37, 1, 64][: config.batch]
@@ -434,7 +442,8 @@ def call_wrapper(config: Config) -> None:
         seq_lens = torch.tensor([n + 5 for n in q_lens], dtype=torch.int32)
         cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         paged_prefill_attention(query, k_cache, v_cache, tables, cu, seq_lens, head_dim**-0.5, k_scale, v_scale,
-                                window=4096, softcap=config.softcap)
+                                window=4096, softcap=config.softcap,
+                                sinks=torch.zeros(num_heads) if config.sinks else None)
     elif config.op == "copy_blocks":
         mapping = torch.tensor([[i, i + 1] for i in range(0, 2 * min(config.batch, 2), 2)], dtype=torch.int64)
         copy_blocks([k_cache, k_cache.clone()], [v_cache, v_cache.clone()], mapping)

@@ -11,7 +11,7 @@ How the C code is built and loaded: ``kernels/cpu/__init__.py``.
 
 Only float32 queries and caches on the CPU go to the C kernel (what the engine
 uses for models in float32 there), over the whole context; anything else (bfloat16,
-FP8 caches, CUDA tensors, sliding-window or soft-capped layers) is served by the torch backend's function, so this backend accepts
+FP8 caches, CUDA tensors, sliding-window, soft-capped or sink layers) is served by the torch backend's function, so this backend accepts
 every input the torch backend does. ``store_kv``, prefill attention and
 ``copy_blocks`` are the torch backend's.
 """
@@ -43,13 +43,14 @@ def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
-                           num_splits=None, window=0, softcap=0.0):
+                           num_splits=None, window=0, softcap=0.0, sinks=None):
     """``reference.paged_decode_attention``, by the C kernel for float32 on the CPU (see the module docstring)."""
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     fn = decode_attention_fn()
-    if fn is None or window or softcap or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale):
+    if (fn is None or window or softcap or sinks is not None
+            or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale)):
         return torch_backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                    k_scale, v_scale, num_splits, window, softcap)
+                                                    k_scale, v_scale, num_splits, window, softcap, sinks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):  # (the torch backend's views need that too)
         raise ValueError("the cpu backend needs contiguous caches (as the engine allocates them)")
     batch, num_heads, head_dim = query.shape

@@ -45,6 +45,7 @@ from .validation import (
     check_decode_args,
     check_prefill_args,
     check_store_kv_args,
+    check_sinks,
     check_softcap,
     check_window,
 )
@@ -130,6 +131,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached context (or the last ``window`` tokens of it).
 
@@ -148,6 +150,8 @@ def paged_decode_attention(
             positions, its own included (transformers' ``kv > q - window``); 0: all.
         softcap: soft-capping of the scores (Gemma 2): each scaled score ``s``
             becomes ``softcap * tanh(s / softcap)`` before the softmax; 0: none.
+        sinks: attention sinks (gpt-oss): ``[num_heads]`` learned logits, one more
+            entry in each head's softmax that takes probability but has no value.
 
     Returns:
         ``[batch, num_heads, head_dim]`` in the query's dtype.
@@ -155,6 +159,7 @@ def paged_decode_attention(
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -179,7 +184,11 @@ def paged_decode_attention(
         is_real &= positions[None, :] >= seq_lens[:, None].long() - window
     is_real = is_real[:, None, None, :]  # [batch, 1, 1, T]
     scores = scores.masked_fill(~is_real, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:  # the sink: one more logit per head, whose probability is dropped after the softmax
+        sink = sinks.float().reshape(1, num_kv_heads, group, 1).expand(batch, -1, -1, -1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     # A sequence of length 0 has every score at -inf and softmax gives NaN;
     # zeroing the masked positions turns its output into zeros instead.
     probs = torch.where(is_real, probs, 0.0)
@@ -201,6 +210,7 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new query tokens per sequence over the cache.
 
@@ -222,7 +232,7 @@ def paged_prefill_attention(
         seq_lens: int32 ``[batch]``, cached tokens per sequence, chunk included.
         window: sliding-window attention: query ``j`` sees only keys after position
             ``context_len + j - window``; 0: all.
-        softcap: as :func:`paged_decode_attention`.
+        softcap, sinks: as :func:`paged_decode_attention`.
         other arguments: as :func:`paged_decode_attention`.
 
     Returns:
@@ -231,6 +241,7 @@ def paged_prefill_attention(
     check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -275,7 +286,11 @@ def paged_prefill_attention(
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more logit per head; its probability is dropped
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .fp8 import dequantize_kv_cache, is_fp8
 from .reference import copy_blocks, tables_in_range
 from .reference import store_kv as reference_store_kv
-from .validation import check_prefill_args, check_softcap, check_window
+from .validation import check_prefill_args, check_sinks, check_softcap, check_window
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks"]
 
@@ -52,28 +52,35 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale) -> torch.Te
     return dequantize_kv_cache(rows.view(-1, num_kv_heads, head_dim), scale, torch.float32)
 
 
-def _attention(q, k, v, visible, scale, softcap, is_causal=False):
-    """Fused SDPA; with soft-capping (which SDPA has no option for), the same maths spelled out.
+def _attention(q, k, v, visible, scale, softcap, sink=None, is_causal=False):
+    """Fused SDPA; with soft-capping or sinks (which SDPA has no option for), the same maths spelled out.
 
     ``q`` ``[..., heads, q_len, d]``; ``k``, ``v`` ``[..., kv_heads, t, d]`` (GQA: the heads of a group
     share one KV head); ``visible`` a boolean mask broadcast to ``[..., heads, q_len, t]``, or None
-    with ``is_causal``.
+    with ``is_causal``; ``sink`` each head's sink logit, broadcast to ``[..., heads, q_len, 1]``.
     """
-    if not softcap:
+    if not softcap and sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sink.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
-                           num_splits=None, window=0, softcap=0.0):
+                           num_splits=None, window=0, softcap=0.0, sinks=None):
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -88,8 +95,10 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
         visible &= positions[None, :] >= seq_lens[:, None] - window
     visible = visible[:, None, None, :]  # [batch, 1, 1, T]
     q = query.float().reshape(batch, num_kv_heads, group, head_dim)
-    if softcap:  # (the spelled-out path takes a KV head's group as its query rows too)
-        out = _attention(q[:, :, None], keys[:, :, None], values[:, :, None], visible[:, :, None], scale, softcap)[:, :, 0]
+    if softcap or sinks is not None:  # (the spelled-out path takes a KV head's group as its query rows)
+        sink = None if sinks is None else sinks.reshape(1, num_kv_heads, 1, group, 1)
+        out = _attention(q[:, :, None], keys[:, :, None], values[:, :, None], visible[:, :, None], scale, softcap,
+                         sink)[:, :, 0]
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
     # a sequence of length 0 sees no key at all: zeros, as the reference gives (CUDA-graph padding)
@@ -98,10 +107,12 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
-                            v_scale=None, window=0, softcap=0.0):
+                            v_scale=None, window=0, softcap=0.0, sinks=None):
     check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
+    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros_like(query)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -118,13 +129,13 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
         v = _gather_blocks(v_cache, blocks, v_scale)[:seq_len].transpose(0, 1)[None]
         q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
         if q_len == seq_len and not (window and window < seq_len):  # from position 0, no window: plain causal
-            o = _attention(q, k, v, None, scale, softcap, is_causal=True)
+            o = _attention(q, k, v, None, scale, softcap, sink, is_causal=True)
         else:  # the queries are the LAST q_len positions: the causal mask is aligned to the end
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)[None, :]
             visible = k_pos <= q_pos[:, None]
             if window:  # sliding window: and only the last `window` positions up to the query's own
                 visible &= k_pos > q_pos[:, None] - window
-            o = _attention(q, k, v, visible, scale, softcap)
+            o = _attention(q, k, v, visible, scale, softcap, sink)
         out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
     return out

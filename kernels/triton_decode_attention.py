@@ -73,7 +73,7 @@ from .triton_utils import (
     unit_stride,
 )
 from .validation import (check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device,
-                         check_softcap, check_window)
+                         check_sinks, check_softcap, check_window)
 
 LOG2_E = math.log2(math.e)
 # A split with fewer tokens than this costs more to merge than it saves.
@@ -204,6 +204,7 @@ def _decode_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    sinks_ptr,  # float32 [num_heads] (with SINKS): each head's sink logit
     out_stride_batch,
     out_stride_head,
     num_splits,
@@ -211,6 +212,7 @@ def _decode_merge_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     batch = tl.program_id(0)
     head = tl.program_id(1)
@@ -231,11 +233,16 @@ def _decode_merge_kernel(
     )
 
     lse_max = tl.max(lse, axis=0)
+    if SINKS:  # the sink is one more softmax entry, in the denominator only (it has no value)
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # natural logit -> log2 units
+        lse_max = tl.maximum(lse_max, sink)
     # seq_len == 0: every slice is empty, lse_max is -inf; shifting by 0 instead
     # makes every weight exp2(-inf) = 0 and the output 0, not NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(lse - lse_max)
     total = tl.sum(weights, axis=0)
+    if SINKS:
+        total += tl.exp2(sink - lse_max)
     out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
 
     tl.store(
@@ -290,6 +297,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (one query token per sequence) over a paged KV cache.
 
@@ -298,11 +306,12 @@ def paged_decode_attention(
     :func:`choose_num_splits`; an explicit value is capped at ``MAX_SPLITS``);
     any value gives the same answer up to rounding. ``window``: a sliding window
     (0: the whole context); the slices before it read nothing. ``softcap``: soft-capping
-    of the scores (0: none).
+    of the scores (0: none). ``sinks``: attention sinks, added where the slices are merged.
     """
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
     check_triton_device(query.device, k_cache.dtype)
     check_head_dim(query.shape[2])
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
@@ -360,12 +369,14 @@ def paged_decode_attention(
     )
     _decode_merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out,
+        partial_lse if sinks is None else sinks.float().contiguous(),  # (a placeholder pointer without sinks)
         out.stride(0), out.stride(1),
         num_splits,
         NUM_HEADS=num_heads,
         SPLITS_PAD=triton.next_power_of_2(num_splits),  # 1, 2, 4, ... 64: at most 7 merge kernels
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        SINKS=sinks is not None,
         num_warps=4,
     )
     return out

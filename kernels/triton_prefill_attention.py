@@ -46,7 +46,7 @@ from .fp8 import is_fp8
 from .triton_utils import (NO_WINDOW, dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, soft_cap,
                            unit_stride)
 from .validation import (check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device,
-                         check_softcap, check_window)
+                         check_sinks, check_softcap, check_window)
 
 LOG2_E = math.log2(math.e)
 
@@ -86,6 +86,7 @@ def _prefill_kernel(
     tile_first_query_ptr,  # int32 [num_tiles]: index of its first query in that sequence
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,  # float32 [num_heads] (with SINKS): each head's sink logit
     qk_scale,  # softmax scale * log2(e)
     window,  # a sliding window: a query sees keys after its position - window (NO_WINDOW: all before it)
     softcap,  # soft-capping of the scores (with SOFTCAP): softcap * tanh(score / softcap)
@@ -109,6 +110,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     SOFTCAP: tl.constexpr,  # whether the scores are soft-capped (a separate compiled kernel: no cost without)
+    SINKS: tl.constexpr,  # whether each head's softmax has a sink entry
     DOT_DTYPE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -185,6 +187,12 @@ def _prefill_kernel(
         acc = acc * correction[:, None] + matmul(p.to(DOT_DTYPE), v)
         m = m_new
 
+    if SINKS:  # one more softmax entry per head, with no value: it only adds to the denominator
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634  # log2 units
+        m_final = tl.maximum(m, sink)
+        rescale = tl.exp2(m - m_final)
+        l = l * rescale + tl.exp2(sink - m_final)
+        acc = acc * rescale[:, None]
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     if FP8:
         out = out * tl.load(v_scale_ptr + kv_head * v_scale_stride)
@@ -235,6 +243,7 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks over a paged KV cache.
 
@@ -242,10 +251,12 @@ def paged_prefill_attention(
     ``q_len <= seq_len``; rows of ``query`` past ``cu_seqlens_q[-1]`` are left
     as zeros. ``window``: a sliding window (0: none); keys before the first
     query's window are not read. ``softcap``: soft-capping of the scores (0: none).
+    ``sinks``: attention sinks (gpt-oss), one logit per query head.
     """
     check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
     check_triton_device(query.device, k_cache.dtype)
     check_head_dim(query.shape[2])
     check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache)
@@ -280,6 +291,7 @@ def paged_prefill_attention(
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
         tile_seq, tile_first_query, k_scale_arg, v_scale_arg,
+        out if sinks is None else sinks.float().contiguous(),  # (a placeholder pointer without sinks)
         float(scale) * LOG2_E,
         window or NO_WINDOW,
         float(softcap),
@@ -298,6 +310,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         FP8=is_fp8(k_cache.dtype),
         SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         DOT_DTYPE=dot,
         num_warps=num_warps,
     )

@@ -331,3 +331,13 @@ def check_softcap(softcap) -> float:
              and softcap == softcap and softcap != float("inf"),
              f"softcap must be a non-negative finite number (0: none), got {softcap!r}")
     return float(softcap)
+
+
+def check_sinks(sinks, num_heads: int, device) -> None:
+    """Attention sinks (gpt-oss): one learned logit per query head, an extra entry in every softmax."""
+    if sinks is None:
+        return
+    _require(isinstance(sinks, torch.Tensor) and sinks.shape == (num_heads,) and sinks.is_floating_point(),
+             f"sinks must be a float tensor of shape ({num_heads},) (one logit per query head), got "
+             f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    _require(sinks.device == device, f"sinks are on {sinks.device}, the query on {device}")

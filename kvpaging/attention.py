@@ -72,6 +72,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         meta.probe.record(module, query, key, value, dropout, kwargs)
     window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
     softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per query head
     # transformers hands us [batch=1, heads, tokens, head_dim]; the kernels take [tokens, heads, head_dim]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
@@ -86,17 +87,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     nd = meta.num_decodes
     if nd == q.shape[0]:
         out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sinks=sinks)
         return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
     out = torch.empty_like(q)
     if nd:
         out[:nd] = ops.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks,
         )
     out[nd:] = ops.paged_prefill_attention(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q, meta.seq_lens[nd:],
-        scaling, k_scale, v_scale, window=window, softcap=softcap,
+        scaling, k_scale, v_scale, window=window, softcap=softcap, sinks=sinks,
     )
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
 

@@ -18,8 +18,9 @@ watches every attention call, so the usual causes are named exactly:
 
 - ``attention_interface``: no layer (or not every layer) called our function;
 - ``no_metadata``: a layer called it without the step's metadata;
-- ``attention_arguments``: an argument the kernels would ignore (attention
-  sinks, a sliding window other than the config's, a non-causal mask, dropout);
+- ``attention_arguments``: an argument the kernels would get wrong or ignore (a
+  sliding window other than the config's, sinks not one per query head, a
+  non-causal mask, dropout, an argument they do not know);
 - ``double_call``: two attention calls with one layer index in one step;
 - ``kv_shape``: keys or values that do not fit the cache sized from the config;
 - ``crash``, ``cuda_graphs``, ``logits``: what is left, with the numbers.
@@ -159,6 +160,8 @@ class AttentionProbe:
                 continue
             elif name == "softcap" and isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg >= 0:
                 continue  # the kernels soft-cap the scores (Gemma 2)
+            elif name == "s_aux" and isinstance(arg, torch.Tensor) and tuple(arg.shape) == (query.shape[1],):
+                continue  # the kernels add each head's sink logit to its softmax (gpt-oss)
             raise UnsupportedModelError(
                 f"{_layer_name(module)} passes attention the argument {name}={_describe(arg)}, which kvpaging's "
                 f"paged kernels do not implement ({_ARGUMENT_HINTS.get(name, 'they would ignore it')}), so its "
@@ -203,7 +206,7 @@ class AttentionProbe:
 
 
 _ARGUMENT_HINTS = {
-    "s_aux": "attention sinks: a learned extra logit in every softmax",
+    "s_aux": "attention sinks, which they take as one logit per query head",
     "sinks": "attention sinks: a learned extra logit in every softmax",
     "softcap": "soft-capping of the attention scores",
     "sliding_window": "sliding-window attention: each token sees only the last few",

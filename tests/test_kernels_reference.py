@@ -29,16 +29,17 @@ def gen():
 # --- naive oracle: one query vector, one head, one token at a time -----------------
 
 
-def naive_attention_one(q, keys_by_slot, values_by_slot, slots, scale, softcap=0.0):
+def naive_attention_one(q, keys_by_slot, values_by_slot, slots, scale, softcap=0.0, sink=None):
     """softmax(q . k_t * scale) weighted sum of v_t over the given slots, in float64 (scores soft-capped:
-    softcap * tanh(score / softcap), when softcap is given)."""
+    softcap * tanh(score / softcap), when softcap is given; with a sink logit, exp(sink) joins the sum)."""
     if len(slots) == 0:
         return torch.zeros_like(q)
     logits = torch.stack([torch.dot(q, keys_by_slot[s]) * scale for s in slots])
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    weights = torch.exp(logits - logits.max())
-    weights = weights / weights.sum()
+    top = logits.max() if sink is None else torch.maximum(logits.max(), torch.tensor(float(sink), dtype=logits.dtype))
+    weights = torch.exp(logits - top)
+    weights = weights / (weights.sum() + (0.0 if sink is None else torch.exp(float(sink) - top)))
     return sum(w * values_by_slot[s] for w, s in zip(weights, slots))
 
 
@@ -54,7 +55,7 @@ def slots_of(block_table_row, block_size, num_tokens):
     return [int(block_table_row[t // block_size]) * block_size + t % block_size for t in range(num_tokens)]
 
 
-def naive_decode(query, kv, scale, window=0, softcap=0.0):
+def naive_decode(query, kv, scale, window=0, softcap=0.0, sinks=None):
     batch, num_heads, _ = query.shape
     group = num_heads // kv.k_cache.shape[2]
     keys, values = flat_cache(kv.k_cache, kv.k_scale), flat_cache(kv.v_cache, kv.v_scale)
@@ -66,12 +67,13 @@ def naive_decode(query, kv, scale, window=0, softcap=0.0):
         for h in range(num_heads):
             kv_head = h // group
             out[b, h] = naive_attention_one(
-                query[b, h].double(), keys[:, kv_head], values[:, kv_head], slots, scale, softcap
+                query[b, h].double(), keys[:, kv_head], values[:, kv_head], slots, scale, softcap,
+                None if sinks is None else sinks[h],
             )
     return out
 
 
-def naive_prefill(query, kv, cu, scale, window=0, softcap=0.0):
+def naive_prefill(query, kv, cu, scale, window=0, softcap=0.0, sinks=None):
     num_heads = query.shape[1]
     group = num_heads // kv.k_cache.shape[2]
     keys, values = flat_cache(kv.k_cache, kv.k_scale), flat_cache(kv.v_cache, kv.v_scale)
@@ -85,7 +87,8 @@ def naive_prefill(query, kv, cu, scale, window=0, softcap=0.0):
                 slots = slots[max(0, position + 1 - window):]
             for h in range(num_heads):
                 out[cu[b] + j, h] = naive_attention_one(
-                    query[cu[b] + j, h].double(), keys[:, h // group], values[:, h // group], slots, scale, softcap
+                    query[cu[b] + j, h].double(), keys[:, h // group], values[:, h // group], slots, scale, softcap,
+                    None if sinks is None else sinks[h],
                 )
     return out
 
@@ -417,30 +420,33 @@ def test_torch_backend_matches_the_references(fp8):
 # -- sliding-window attention: each query sees only the last `window` positions, its own included -------------
 
 
-@pytest.mark.parametrize("window, softcap", [(1, 0.0), (5, 0.0), (16, 0.0), (17, 0.0), (1000, 0.0), (0, 0.5),
-                                             (6, 2.0)])
-def test_reference_and_torch_window_match_naive(gen, window, softcap):
-    """Sliding windows, and Gemma 2's soft-capped scores (caps of 0.5 and 2 bite: the scores here reach 3)."""
+@pytest.mark.parametrize("window, softcap, with_sinks", [(1, 0.0, False), (5, 0.0, False), (16, 0.0, False),
+                                                         (17, 0.0, False), (1000, 0.0, False), (0, 0.5, False),
+                                                         (6, 2.0, False), (0, 0.0, True), (5, 0.0, True)])
+def test_reference_and_torch_window_match_naive(gen, window, softcap, with_sinks):
+    """Sliding windows, Gemma 2's soft-capped scores (caps of 0.5 and 2 bite: the scores here reach 3) and
+    gpt-oss's attention sinks (logits around 1: they take a good share of every softmax)."""
     from kvpaging.kernels import cpu_backend, torch_backend
 
     block_size, head_dim, num_kv_heads, group = 4, 16, 2, 2
     lens = [1, 3, 5, 6, 17, 40]
     kv = random_paged_kv(lens, num_kv_heads, head_dim, block_size, torch.float32, generator=gen)
     query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
-    expected = naive_decode(query, kv, 0.25, window, softcap)
+    sinks = torch.randn(num_kv_heads * group, generator=gen) + 1.0 if with_sinks else None
+    options = {"window": window, "softcap": softcap, "sinks": sinks}
+    expected = naive_decode(query, kv, 0.25, window, softcap, sinks)
     for fn in (reference.paged_decode_attention, torch_backend.paged_decode_attention,
                cpu_backend.paged_decode_attention):
-        got = fn(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, window=window, softcap=softcap)
+        got = fn(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, **options)
         torch.testing.assert_close(got.double(), expected, **tolerance(torch.float32))
     # prefill: whole prompts, a chunk after a cached context, one query
     sequences = [(1, 1), (5, 5), (17, 17), (40, 13), (6, 1)]
     kv = random_paged_kv([s for s, _ in sequences], num_kv_heads, head_dim, block_size, torch.float32, generator=gen)
     cu = cu_seqlens([q for _, q in sequences])
     query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim, generator=gen)
-    expected = naive_prefill(query, kv, cu, 0.25, window, softcap)
+    expected = naive_prefill(query, kv, cu, 0.25, window, softcap, sinks)
     for fn in (reference.paged_prefill_attention, torch_backend.paged_prefill_attention):
-        got = fn(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.25, window=window,
-                 softcap=softcap)
+        got = fn(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.25, **options)
         torch.testing.assert_close(got.double(), expected, **tolerance(torch.float32))
 
 

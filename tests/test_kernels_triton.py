@@ -424,15 +424,18 @@ def test_triton_available_is_true_here():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("window, num_splits, softcap", [(5, 4, 0.0), (40, 3, 0.0), (1, None, 0.0), (0, 2, 1.5),
-                                                       (7, 4, 1.5)])
-def test_sliding_window_matches_reference(gen, window, num_splits, softcap):
+@pytest.mark.parametrize("window, num_splits, softcap, with_sinks", [(5, 4, 0.0, False), (40, 3, 0.0, False),
+                                                                   (1, None, 0.0, False), (0, 2, 1.5, False),
+                                                                   (7, 4, 1.5, False), (0, 3, 0.0, True),
+                                                                   (6, 4, 0.0, True)])
+def test_sliding_window_matches_reference(gen, window, num_splits, softcap, with_sinks):
     """Decode over several slices (the ones wholly before the window read nothing), and prefill with chunks
     longer than a key tile, so that a query's window can begin after a whole tile of keys (its max stays -inf
     there, which must not become NaN)."""
     kv, query = decode_case(gen, 8, 32, 2, 2, torch.float32, lens=[1, 5, 9, 120, 200])
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32 ** -0.5)
-    options = {"window": window, "softcap": softcap}  # and Gemma 2's soft-capped scores
+    sinks = torch.randn(4, generator=gen).to(DEVICE) + 1.0 if with_sinks else None  # gpt-oss's attention sinks
+    options = {"window": window, "softcap": softcap, "sinks": sinks}  # and Gemma 2's soft-capped scores
     torch.testing.assert_close(kernels.paged_decode_attention(*args, num_splits=num_splits, **options),
                                reference.paged_decode_attention(*args, **options), **tolerance(torch.float32))
     kv, cu, query = prefill_case(gen, 8, 32, 2, 2, torch.float32, sequences=[(100, 100), (150, 70), (9, 1), (0, 0)])

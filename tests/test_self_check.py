@@ -4,8 +4,8 @@ The refusals are checked on real transformers architectures whose attention the
 engine cannot serve, each for the cause its own modeling code shows (read in
 transformers' source, not taken from our output): Falcon runs its own attention,
 StableLM's decoder layer drops the keyword arguments, DiffLlama calls attention
-twice per layer, DeepSeek-V2's latent attention has keys wider than the config's
-head_dim, and gpt-oss passes attention sinks. A model with token mixing outside
+twice per layer, and DeepSeek-V2's latent attention has keys wider than the
+config's head_dim. A model with token mixing outside
 attention checks the numerical comparison itself, which nothing structural catches.
 """
 
@@ -93,19 +93,6 @@ def test_real_architectures_are_refused_for_their_cause(model_type, cause, words
     assert type(model).__name__ in str(error) or "layer_idx" in str(error)
 
 
-def test_attention_sinks_are_refused_by_name():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                  num_experts_per_tok=2, layer_types=["full_attention"] * 2)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-    error = refusal(model)
-    assert error.cause == "attention_arguments" and "s_aux=a tensor of shape (4,)" in str(error)
-
-
 def test_a_model_that_mixes_tokens_outside_attention_is_refused_by_its_logits():
     """A running mean over the sequence after the first layer: state outside the KV cache, as a recurrent or
     convolution layer keeps. The first chunk still matches; what reads earlier steps does not."""
@@ -147,7 +134,7 @@ def test_the_probe_names_arguments_the_kernels_ignore():
     probe.record(module, q, kv, kv, 0.0, {"position_ids": 1, "sliding_window": None, "is_causal": True,
                                           "softcap": 50.0})  # Gemma 2's soft-capping: the kernels do it
     probe.finish_step()
-    for kwargs, words in [({"s_aux": torch.zeros(4)}, r"s_aux=a tensor of shape \(4,\)"), ({"is_causal": False}, "a non-causal mask"),
+    for kwargs, words in [({"s_aux": torch.zeros(3)}, r"s_aux=a tensor of shape \(3,\)"), ({"is_causal": False}, "a non-causal mask"),
                           ({"sliding_window": 4}, "sliding_window=4, but its config declares full attention")]:
         probe.start_step(3)
         with pytest.raises(UnsupportedModelError, match=words):
