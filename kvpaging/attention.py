@@ -14,9 +14,11 @@ queries, keys and values (RoPE already applied) and:
    multi-token prefill chunks after them through ``paged_prefill_attention``.
 
 The step's bookkeeping travels as a keyword argument (``kvpaging=AttentionMetadata``)
-that transformers passes down to every attention call: no global state. A call
-without it means the model did not pass its keyword arguments down to attention
-(or someone called the engine's private model directly): the function raises
+that transformers passes down to every attention call. Some decoder layers do not
+pass their keyword arguments on (StableLM, Nemotron); for them the runner also
+holds the step's metadata in a context variable (``CURRENT_STEP``) for the length
+of its forward pass, and the function reads it there. A call with neither means
+someone called the engine's private model outside a step: the function raises
 rather than attend without the cache, since that would give wrong tokens silently.
 The one exception is the FP8 calibration pass, which runs the model unpaged.
 
@@ -27,6 +29,7 @@ key/value shapes that fit the cache, no attention argument the kernels ignore).
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +37,10 @@ import torch
 ATTN_NAME = "kvpaging"
 CALIBRATION_KWARG = "kvpaging_calibration"  # a dict layer -> (k amax, v amax) per KV head, filled in place
 
-__all__ = ["AttentionMetadata", "register_attention", "ATTN_NAME"]
+__all__ = ["AttentionMetadata", "register_attention", "ATTN_NAME", "CURRENT_STEP"]
+
+# the step being run (ModelRunner.forward sets it around the model's forward pass), for layers that drop kwargs
+CURRENT_STEP: contextvars.ContextVar = contextvars.ContextVar("kvpaging_step", default=None)
 
 
 @dataclass(eq=False)
@@ -53,7 +59,7 @@ class AttentionMetadata:
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    meta: AttentionMetadata | None = kwargs.get(ATTN_NAME)
+    meta: AttentionMetadata | None = kwargs.get(ATTN_NAME) or CURRENT_STEP.get()
     if meta is None:
         amax = kwargs.pop(CALIBRATION_KWARG, None)
         if amax is None:

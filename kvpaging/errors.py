@@ -57,8 +57,8 @@ class UnsupportedModelError(ValueError):
     ``cause`` names the reason in one word, for programs: ``"architecture"`` (a feature the
     config declares: encoder-decoder, hybrid layers, per-layer head sizes, no attention heads, no LM head),
     ``"attention_interface"`` (the model's attention does not go through transformers'
-    ``AttentionInterface``), ``"no_metadata"`` (a layer called the paged attention without its
-    step metadata), ``"attention_arguments"`` (the model passes attention arguments the
+    ``AttentionInterface``), ``"no_metadata"`` (the paged attention was called outside an engine
+    step), ``"attention_arguments"`` (the model passes attention arguments the
     backend does not implement), ``"double_call"`` (more than one attention call for one layer
     index in a step), ``"kv_shape"`` (key/value shapes that do not match the cache),
     ``"crash"`` (the check's forward pass raised) or ``"logits"`` (the paged and the model's

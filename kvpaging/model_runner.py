@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import ATTN_NAME, AttentionMetadata, register_attention
+from .attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
 from .config import EngineConfig
 from .errors import UnsupportedModelError
 from .kernels.backends import get_backend
@@ -233,14 +233,18 @@ class ModelRunner:
             backend=self.backend,
             probe=self.probe,
         )
-        return self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=self._placeholder_mask,  # a ready 4D mask: transformers builds none; we ignore it
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-            **{ATTN_NAME: meta},
-        ).logits
+        step = CURRENT_STEP.set(meta)  # for decoder layers that do not pass the keyword argument on
+        try:
+            return self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=self._placeholder_mask,  # a ready 4D mask: transformers builds none; we ignore it
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+                **{ATTN_NAME: meta},
+            ).logits
+        finally:
+            CURRENT_STEP.reset(step)
 
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order

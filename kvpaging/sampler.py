@@ -167,7 +167,8 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
     if needs_top_k:  # keep ranks 0 .. k-1
         vocab_size = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+        # (a top_k beyond the vocabulary keeps every token, as no top_k does)
+        top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
 
     if needs_top_p:  # keep a token while the tokens before it hold less than top_p of the mass

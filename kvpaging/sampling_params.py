@@ -121,7 +121,7 @@ class SamplingParams:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         _check_int("max_tokens", self.max_tokens, minimum=1)
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stop):
+        if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in stop):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stop!r}")
         stop_strings = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
         if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(t, str) and t for t in stop_strings):
@@ -179,11 +179,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+INT64_MAX = 2**63 - 1  # every integer setting becomes a tensor element or a C integer somewhere
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer (at most 2**63 - 1), got {value}")
 
 
 def _check_float(name: str, value) -> None:

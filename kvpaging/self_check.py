@@ -17,7 +17,7 @@ forward pass over the same tokens. During those steps an ``AttentionProbe``
 watches every attention call, so the usual causes are named exactly:
 
 - ``attention_interface``: no layer (or not every layer) called our function;
-- ``no_metadata``: a layer called it without the step's metadata;
+- ``no_metadata``: it was called outside an engine step;
 - ``attention_arguments``: an argument the kernels would get wrong or ignore (a
   sliding window other than the config's, sinks not one per query head, a
   non-causal mask, dropout, an argument they do not know);
@@ -91,10 +91,9 @@ def _layer_name(module) -> str:
 def no_metadata_error(module) -> UnsupportedModelError:
     """Raised by the paged attention function when a call comes without the step's metadata."""
     return UnsupportedModelError(
-        f"{_layer_name(module)} called kvpaging's paged attention without the step's metadata (the "
-        f"'{ATTN_NAME}' keyword argument): the model's decoder layer does not pass its keyword arguments down to "
-        "attention (or the engine's private model was called outside an engine step). Attention would then run "
-        "over the step's tokens alone, without the KV cache: kvpaging refuses rather than fall back to it.",
+        f"{_layer_name(module)} called kvpaging's paged attention outside an engine step (no '{ATTN_NAME}' keyword "
+        "argument, no step running): the engine's private model was called directly. Attention would then run "
+        "over the call's tokens alone, without the KV cache: kvpaging refuses rather than fall back to it.",
         "no_metadata")
 
 

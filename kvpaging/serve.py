@@ -623,6 +623,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
     It starts the engine thread now (``app.state.llm`` is the ``AsyncLLM``, ``app.state.metrics``
     the ``ServingMetrics``) and stops it when the app shuts down.
     """
+    if api_key == "":  # before anything starts: an empty key must not read as "no key"
+        raise ValueError("api_key is empty: pass a key, or None to serve without one")
     engine = getattr(llm, "engine", llm)
     config = engine.config
     metrics = ServingMetrics(served_model_name, config.num_blocks, config.block_size)
@@ -920,11 +922,28 @@ def load_llm(model: str, **engine_options):
     return LLM(model, **engine_options)
 
 
+def resolve_api_key(flag: str | None, environ=os.environ) -> str | None:
+    """The key the server requires: ``--api-key``, else ``$KVPAGING_API_KEY``, else none.
+
+    An empty flag (``--api-key "$UNSET"``) never switches a key off: the environment's key
+    stays, and with none there it is an error rather than a server open to everyone.
+    """
+    from_env = environ.get("KVPAGING_API_KEY") or None
+    if flag is None:
+        return from_env
+    if flag == "":
+        if from_env is None:
+            raise SystemExit("kvpaging serve: --api-key is empty (an unset variable?); pass a key, or leave the "
+                             "flag out to serve without one")
+        return from_env
+    return flag
+
+
 def run(args: argparse.Namespace) -> None:
     """Load the model, build the app and serve it until SIGINT or SIGTERM (uvicorn's handlers: requests
     in flight get a few seconds, then the engine thread is stopped and joined)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("KVPAGING_API_KEY") or None
+    api_key = resolve_api_key(args.api_key)
     if threading.current_thread() is threading.main_thread():
         # uvicorn catches SIGTERM, shuts down gracefully, then raises the signal again: let that end the
         # process as a normal exit (status 0), as SIGINT's KeyboardInterrupt does below

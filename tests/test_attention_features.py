@@ -11,6 +11,8 @@ with prefix caching, chunked prefill and preemption. (Mistral's and Qwen2's
 windows are checked in ``test_engine_vs_transformers.py``, with every engine feature.)
 """
 
+import copy
+
 import pytest
 import torch
 from engine_helpers import TIE_TOLERANCE, assert_pool_clean, greedy_params
@@ -89,7 +91,10 @@ def test_equals_generate(case, backend, mode):
     settings = {"block_size": 16, "num_blocks": 32, "max_model_len": 64}
     if mode != "default":  # 5-token chunks; 12 blocks of 4 hold the longest sequence, not all three
         settings = {"block_size": 4, "num_blocks": 12, "max_model_len": 40, "max_num_batched_tokens": 5}
-    llm = LLM(model, attention_backend=backend, **settings)
+    served = model
+    if backend == "triton" and torch.cuda.is_available():  # compiled kernels take CUDA tensors only
+        served = copy.deepcopy(model).to("cuda")
+    llm = LLM(served, attention_backend=backend, **settings)
     runs = 2 if mode != "default" else 1  # the second run starts from the prefix cache
     for _ in range(runs):
         outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)

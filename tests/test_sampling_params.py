@@ -65,3 +65,30 @@ def test_frozen_and_clone_checks_again():
     assert p.clone() == p
     with pytest.raises(ValueError, match="top_p"):
         p.clone(top_p=2.0)
+
+
+@pytest.mark.parametrize("name, value", [("top_k", 2**63), ("n", 2**64), ("max_tokens", 2**70), ("logprobs", 2**63),
+                                         ("seed", 2**64)])
+def test_integers_must_fit_64_bits(name, value):
+    """A value no tensor can hold is refused where the params are made, naming it (a server's 400), not left to
+    overflow inside a step that other requests share."""
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[2**64])
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token_and_harms_no_neighbour():
+    """top_k = 2**63 - 1 fits int64 and is served as 'no top_k'; the greedy requests batched with it keep
+    the tokens they get alone."""
+    from kvpaging import LLM
+    from kvpaging.models import tiny
+
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=64, max_model_len=64)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    hostile = SamplingParams(max_tokens=6, temperature=1.0, top_k=2**63 - 1, seed=1, ignore_eos=True)
+    outs = llm.generate(prompts + [[12, 13]], [greedy, greedy, hostile], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    assert len(outs[2].outputs[0].token_ids) == 6

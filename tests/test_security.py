@@ -365,3 +365,17 @@ def test_a_hub_id_is_the_one_thing_that_goes_online(no_network, monkeypatch):
     with pytest.raises(Exception):  # noqa: B017 - whichever error the hub client makes of a refused connection
         load_model("kvpaging-tests/no-such-model")
     assert no_network, "loading a hub id made no network attempt the guard could see"
+
+
+def test_an_empty_api_key_flag_never_switches_the_key_off():
+    """`--api-key "$UNSET"` gives an empty flag: the environment's key stays, and with none it is an error."""
+    from kvpaging.serve import create_app, resolve_api_key
+
+    assert resolve_api_key(None, {"KVPAGING_API_KEY": "env-key"}) == "env-key"
+    assert resolve_api_key("", {"KVPAGING_API_KEY": "env-key"}) == "env-key"
+    assert resolve_api_key("flag-key", {"KVPAGING_API_KEY": "env-key"}) == "flag-key"
+    assert resolve_api_key(None, {}) is None
+    with pytest.raises(SystemExit, match="--api-key is empty"):
+        resolve_api_key("", {})
+    with pytest.raises(ValueError, match="api_key is empty"):
+        create_app(object(), api_key="")

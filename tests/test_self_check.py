@@ -3,10 +3,9 @@
 The refusals are checked on real transformers architectures whose attention the
 engine cannot serve, each for the cause its own modeling code shows (read in
 transformers' source, not taken from our output): Falcon runs its own attention,
-StableLM's decoder layer drops the keyword arguments, DiffLlama calls attention
-twice per layer, and DeepSeek-V2's latent attention has keys wider than the
-config's head_dim. A model with token mixing outside
-attention checks the numerical comparison itself, which nothing structural catches.
+DiffLlama calls attention twice per layer, and DeepSeek-V2's latent attention has
+keys wider than the config's head_dim. A model with token mixing outside attention
+checks the numerical comparison itself, which nothing structural catches.
 """
 
 import pytest
@@ -82,7 +81,6 @@ def refusal(model, **settings) -> UnsupportedModelError:
 
 @pytest.mark.parametrize("model_type, cause, words", [
     ("falcon", "attention_interface", "does not go through transformers' AttentionInterface"),
-    ("stablelm", "no_metadata", "without the step's metadata"),
     ("diffllama", "double_call", "called attention 2 times in one forward pass"),
     ("deepseek_v2", "kv_shape", "do not fit the paged cache"),
 ])
@@ -110,9 +108,19 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused_by_its_logits():
     assert "tolerance 0.001 for torch.float32" in str(error)
 
 
-def test_the_private_model_refuses_a_call_without_metadata():
+def test_layers_that_do_not_pass_keyword_arguments_on_are_served():
+    """StableLM's and Nemotron's decoder layers drop the attention keyword arguments; the step's metadata
+    reaches their attention through the runner's context variable, and their tokens are generate()'s."""
+    from kvpaging.architectures import EXACT, check_architecture
+
+    for model_type in ("stablelm", "nemotron"):
+        verdicts = check_architecture(model_type)
+        assert {mode: v.verdict for mode, v in verdicts.items()} == {"default": EXACT, "chunked_prefix": EXACT}
+
+
+def test_the_private_model_refuses_a_call_outside_a_step():
     llm = build_llm(make_model("qwen3"))
-    with pytest.raises(UnsupportedModelError, match="without the step's metadata") as info:
+    with pytest.raises(UnsupportedModelError, match="outside an engine step") as info:
         llm.engine.model(input_ids=torch.tensor([[5, 6, 7]]))
     assert info.value.cause == "no_metadata"
 
