@@ -43,6 +43,9 @@ import torch
 
 from .attention import ATTN_NAME
 from .errors import TensorParallelError, UnsupportedModelError
+from .model_runner import layer_windows
+from .models import private_copy
+from .scheduler import ScheduledSeq, SchedulerOutput
 
 __all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES"]
 
@@ -245,8 +248,6 @@ def _plan(lengths: tuple[int, ...], decode_step: bool) -> list[list[tuple[int, i
 def _own_logits(model, tokens: list[torch.Tensor], device) -> list[torch.Tensor]:
     """The model's own forward pass over each sequence, in one batch (right-padded: a causal model's logits at a
     position see only the tokens up to it, so the padding after them changes nothing)."""
-    from .models import private_copy
-
     ref = model
     if model.training or getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
         ref = private_copy(model).eval()  # a copy, so the user's model keeps its mode and its attention
@@ -293,8 +294,6 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
         table[row, : len(ids)] = ids
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
-    from .model_runner import layer_windows
-
     probe = AttentionProbe(name, runner.num_layers, runner.num_kv_heads, runner.head_dim,
                            layer_windows(runner.model.config))
     graphs = capture_graphs and runner.uses_graphs
@@ -318,8 +317,9 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     try:
         for i, step in enumerate(steps, 1):
             probe.start_step(sum(n for _, _, n in step))
-            compare(_execute(runner, _step_output(step, seqs, table, bs), True, i, step, lengths), step, i)
-            probe.finish_step()
+            logits = _execute(runner, _step_output(step, seqs, table, bs), True, i, step, lengths)
+            probe.finish_step()  # the structural causes first: they name the problem better than the numbers
+            compare(logits, step, i)
         runner.probe = None
         if graphs:
             try:
@@ -359,8 +359,6 @@ def _rms(errors) -> float:
 
 
 def _step_output(step, seqs, table, bs):
-    from .scheduler import ScheduledSeq, SchedulerOutput
-
     out = SchedulerOutput(step=0, table_array=table, block_size=bs)
     decodes = [(k, start) for k, start, n in step if n == 1]
     out.decodes = [seqs[k] for k, _ in decodes]
