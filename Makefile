@@ -44,8 +44,9 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=lessons
 
 # The suite in two halves, side by side: the tests (pytest), and the lessons executed by nbval
-# followed by the AsyncLLM tests (LATE_TESTS), so that the two halves take about as long (on the 2-core
-# VM of 2026-12-02: tests 14:53 with the server's tests in the second half, lessons 15:15 + 1:08).
+# followed by the AsyncLLM tests and the architecture matrix (LATE_TESTS), so that the two halves take
+# about as long (on the 2-core VM of 2026-12-03, from a clean clone: tests 13:28, lessons 12:17 + 0:09;
+# 15:17 in all with the install).
 # Each runs on one CPU thread (OMP_NUM_THREADS=1): on a 2-core machine two processes that each
 # spin two OpenMP threads wait on each other and slow down many times over. The trained model's
 # cache is built first, once, so the two halves never build it at the same time.

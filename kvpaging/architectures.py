@@ -256,7 +256,7 @@ class Verdict:
 
     verdict: str  # one of VERDICTS
     detail: str = ""
-    cause: str | None = None  # REFUSED: the error's cause (or its class for a plain ValueError)
+    cause: str | None = None  # REFUSED: UnsupportedModelError.cause
     error_class: str | None = None  # REFUSED / CRASH: the exception's class
     stage: str | None = None  # CRASH: "construction" or "generation"
     position: int | None = None  # WRONG: first differing token
@@ -327,15 +327,9 @@ def _check_mode(model, prompt: list[int], expected: list[int], mode: str) -> Ver
 
     try:
         llm = LLM(model, **MODE_SETTINGS[mode])
-    except UnsupportedModelError as exc:
+    except UnsupportedModelError as exc:  # the one way kvpaging refuses a model: it names the cause
         return Verdict(REFUSED, f"{exc.cause}: {_first_line(exc)}", cause=exc.cause, error_class=type(exc).__name__)
-    except ValueError as exc:
-        # the older up-front checks raise a plain ValueError that names the model and the feature
-        message = _first_line(exc)
-        if type(model).__name__ in message or "kvpaging serves" in message or "does not serve" in message:
-            return Verdict(REFUSED, f"ValueError: {message}", cause="ValueError", error_class=type(exc).__name__)
-        return _crash(exc, "construction")
-    except Exception as exc:
+    except Exception as exc:  # anything else (a plain ValueError included) is a crash
         return _crash(exc, "construction")
 
     params = SamplingParams(max_tokens=len(expected), temperature=0.0, ignore_eos=True)
