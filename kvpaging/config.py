@@ -91,6 +91,9 @@ class EngineConfig:
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
         per rank, as in vLLM, and ``num_blocks`` counts blocks of every rank's share of the heads.
         On a CPU every rank runs the caller's torch thread count: set it to cores // N first.
+    max_logprobs: the most log-probabilities a request may ask for per token (``SamplingParams.logprobs``),
+        vLLM's setting and default: each one is a dict entry per token, so a request asking for the
+        whole vocabulary would cost every request of its step.
     self_check: before serving, run a short prompt through the paged path and through the model's
         own forward pass, and refuse the model (``UnsupportedModelError``, naming the cause) if their
         logits differ (``kvpaging/self_check.py``). On by default; turn it off only for a model
@@ -113,6 +116,7 @@ class EngineConfig:
     cpu_fast_layers: bool = False
     tensor_parallel_size: int = 1
     self_check: bool = True
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -136,6 +140,7 @@ class EngineConfig:
         check_bool("cpu_fast_layers", self.cpu_fast_layers)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_bool("self_check", self.self_check)
+        check_int("max_logprobs", self.max_logprobs, 0)
 
     # -- resolving "auto" --------------------------------------------------------------------
     @property

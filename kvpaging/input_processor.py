@@ -38,6 +38,8 @@ class InputProcessor:
             )
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs} (an LLM setting)")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer to find strings in the text, and this "
                              "engine has none: use stop_token_ids, or give LLM a tokenizer")

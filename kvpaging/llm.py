@@ -54,6 +54,7 @@ class LLM:
         cpu_fast_layers: bool = False,
         tensor_parallel_size: int = 1,
         self_check: bool = True,
+        max_logprobs: int = 20,
     ) -> None:
         """Load ``model`` (a model object, a local folder, a hub id, or "smollm2") and start an engine on it.
 
@@ -69,6 +70,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
             cpu_fast_layers=cpu_fast_layers, tensor_parallel_size=tensor_parallel_size, self_check=self_check,
+            max_logprobs=max_logprobs,
         )
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)

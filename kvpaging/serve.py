@@ -67,7 +67,6 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: far more than max_model_len t
 MAX_PROMPTS_PER_REQUEST = 64  # a batch of prompts in one completion request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4
 MAX_STOP_TOKEN_IDS = 256
-MAX_LOGPROBS = 20  # the most alternatives per token (vLLM's default max_logprobs; OpenAI allows 5 for completions)
 GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long before they are cancelled
 
 
@@ -326,6 +325,7 @@ class _Server:
         self.tokenizer = llm.tokenizer  # the server's own copy (AsyncLLM): used on the event loop only
         self.max_model_len = llm.config.max_model_len
         self.vocab_size = llm.engine.vocab_size
+        self.max_logprobs = llm.config.max_logprobs  # the engine's (vLLM's default 20; OpenAI allows 5 for completions)
         self.created = int(time.time())
 
     # -- reading a request ---------------------------------------------------------------------
@@ -693,8 +693,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             raise _bad_request("suffix is not supported by kvpaging", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise _bad_request("best_of is not supported by kvpaging (only best_of = n)", "best_of")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise _bad_request(f"logprobs must be from 0 to {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= server.max_logprobs:
+            raise _bad_request(f"logprobs must be from 0 to {server.max_logprobs}, got {req.logprobs}", "logprobs")
         prompts = server.completion_prompts(req.prompt)
         params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
                   for _, ids in prompts]
@@ -738,8 +738,9 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
     async def chat_completions(request: Request):
         req = _parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise _bad_request(f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {req.top_logprobs}", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= server.max_logprobs:
+            raise _bad_request(f"top_logprobs must be from 0 to {server.max_logprobs}, got {req.top_logprobs}",
+                               "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise _bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -866,7 +867,7 @@ class BackgroundServer:
 ENGINE_OPTIONS = ("block_size", "num_blocks", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "enable_prefix_caching", "scheduling", "attention_backend", "enforce_eager",
                   "device", "dtype", "seed", "gpu_memory_utilization", "kv_cache_memory_bytes", "trust_remote_code",
-                  "cpu_fast_layers", "tensor_parallel_size", "self_check")
+                  "cpu_fast_layers", "tensor_parallel_size", "self_check", "max_logprobs")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -901,6 +902,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--cpu-fast-layers", action="store_true")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model and its KV cache across this many processes (GPUs on CUDA)")
+    engine.add_argument("--max-logprobs", type=int, default=20,
+                        help="the most log-probabilities a request may ask for per token (vLLM's default, 20)")
     engine.add_argument("--self-check", action=argparse.BooleanOptionalAction, default=True,
                         help="check the model's paged logits against its own forward pass before serving, and "
                              "refuse it if they differ (default: on)")

@@ -92,3 +92,20 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_token_and_harms_no_neighbour(
     outs = llm.generate(prompts + [[12, 13]], [greedy, greedy, hostile], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:2]] == alone
     assert len(outs[2].outputs[0].token_ids) == 6
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_before_anything_is_queued():
+    """vLLM's max_logprobs (default 20): a request asking for the whole vocabulary per token would make every
+    step it shares build thousands of dict entries per token."""
+    from kvpaging import LLM
+    from kvpaging.models import tiny
+
+    llm = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=64, max_model_len=64)
+    with pytest.raises(ValueError, match="logprobs=21 exceeds max_logprobs=20"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)
+    assert all(len(top) == 20 for top in out[0].outputs[0].top_logprobs)
+    wide = LLM(tiny("qwen3", num_hidden_layers=2), num_blocks=64, max_model_len=64, max_logprobs=50)
+    out = wide.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=50), use_tqdm=False)
+    assert all(len(top) == 50 for top in out[0].outputs[0].top_logprobs)
