@@ -92,8 +92,8 @@ def check_model_supported(model) -> None:
             raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers only")
     windows = layer_windows(config)
     if any(windows) and not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows if w):
-        raise refuse(f"has sliding windows {sorted(set(windows))!r}; kvpaging serves windows of a positive number "
-                     "of tokens")
+        raise refuse(f"has sliding windows {sorted(set(map(repr, windows)))}; kvpaging serves windows of a positive "
+                     "number of tokens")
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise refuse("has no language-model head; pass a causal LM (AutoModelForCausalLM)")
 
