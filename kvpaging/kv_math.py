@@ -100,14 +100,16 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | str = torch.bfloat16) -
     Only layers that keep a growing cache count (see `num_kv_cache_layers`).
     A model with no such layer adds nothing per token, so the answer is 0.
     """
-    element_bytes = dtype_nbytes(dtype)
     num_layers = num_kv_cache_layers(config)
     if num_layers == 0:
         return 0
+    return num_layers * _layer_kv_bytes_per_token(config, dtype)
+
+
+def _layer_kv_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
+    """One layer's keys and values for one token: 2 (K and V) x KV heads x head dim x bytes."""
     language_config = _language_model_config(config)
-    num_kv_heads = _num_key_value_heads(language_config)
-    head_dim = _head_dim(language_config)
-    return 2 * num_layers * num_kv_heads * head_dim * element_bytes
+    return 2 * _num_key_value_heads(language_config) * _head_dim(language_config) * dtype_nbytes(dtype)
 
 
 def paged_kv_bytes_per_token(config: Any, dtype: torch.dtype | str = torch.bfloat16) -> int:
@@ -117,10 +119,8 @@ def paged_kv_bytes_per_token(config: Any, dtype: torch.dtype | str = torch.bfloa
     layer needs only its window, but the engine keeps its blocks as a full layer's (every
     layer of a sequence shares one block table), so here it counts as one.
     """
-    element_bytes = dtype_nbytes(dtype)
-    language_config = _language_model_config(config)
-    num_layers = _required_positive_int(language_config, "num_hidden_layers")
-    return 2 * num_layers * _num_key_value_heads(language_config) * _head_dim(language_config) * element_bytes
+    num_layers = _required_positive_int(_language_model_config(config), "num_hidden_layers")
+    return num_layers * _layer_kv_bytes_per_token(config, dtype)
 
 
 def kv_cache_bytes(config: Any, num_tokens: int, dtype: torch.dtype | str = torch.bfloat16) -> int:

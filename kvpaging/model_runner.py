@@ -105,7 +105,7 @@ class ModelRunner:
                  capture_graphs: bool = True) -> None:
         if not config.is_resolved:
             raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
-        check_model_supported(model)
+        # (LLMEngine has run check_model_supported on the model before sizing the pool for it)
         self.model = private_copy(model).eval()
         model = self.model
         self.block_size = config.block_size

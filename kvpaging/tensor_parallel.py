@@ -73,7 +73,7 @@ from torch import nn
 
 from .config import EngineConfig
 from .errors import TensorParallelError
-from .model_runner import ModelRunner, StepInputs, check_model_supported, prepare_step_inputs
+from .model_runner import ModelRunner, StepInputs, prepare_step_inputs
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("kvpaging")
@@ -307,7 +307,6 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model, config: EngineConfig) -> None:
         tp = config.tensor_parallel_size
-        check_model_supported(model)
         check_tensor_parallel(model, tp, config.kv_cache_dtype, config.cpu_fast_layers)
         styles = shard_styles(model)
         device = next(model.parameters()).device
