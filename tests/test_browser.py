@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,27 @@ def run_all_and_wait(page) -> None:
     pytest.fail(f"the notebook did not finish within {NOTEBOOK_TIMEOUT} s")
 
 
+def drawn_within(page, condition: str, seconds: float) -> bool:
+    try:
+        page.wait_for_function(condition, timeout=seconds * 1000)
+        return True
+    except Exception:  # noqa: BLE001 - playwright's TimeoutError: the caller says what was missing
+        return False
+
+
+# What the page holds of lesson 03's view: its box, its plot, the traces drawn, and the text of its output area.
+WHAT_LESSON03_HOLDS = """() => {
+    const views = document.querySelectorAll('.lesson03-view');
+    const gd = document.querySelector('.lesson03-view .js-plotly-plot');
+    const area = views.length ? views[0].closest('.jp-OutputArea') : null;
+    const cells = [...document.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText.slice(0, 120))
+        .filter(t => t.includes('rror') || t.includes('oading'));
+    return {views: views.length, plots: document.querySelectorAll('.js-plotly-plot').length,
+            plot: !!gd, fullData: gd && gd._fullData ? gd._fullData.map(t => t.name) : null,
+            area: area ? area.innerText.slice(0, 300) : null, errors_or_loading: cells.slice(0, 5)};
+}"""
+
+
 def step_number(title: str) -> int:
     return int(title.split("after step ")[1].split(":")[0])
 
@@ -326,10 +348,15 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
     artifacts = ARTIFACTS / front_end
     artifacts.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    retried = False
     with sync_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright, tmp_path / "chromium-profile")
         try:
             page = browser.new_page()
+            console: list[str] = []  # the page's errors and warnings, for a failure's account
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text[:300]}")
+                    if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: console.append(f"pageerror: {str(e)[:300]}"))
             page.set_default_timeout(NOTEBOOK_TIMEOUT * 1000)
             page.goto(url + FRONT_ENDS[front_end][1].format(name=NOTEBOOK.name))
             page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
@@ -341,7 +368,22 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
 
             # lesson 03's live view, after two batched redraws: holes white and hatched, refusals red crosses,
             # the colours the Python side asks for (they were lost in the browser once)
-            page.wait_for_function(f"({LESSON03_COLOURS})() !== null")
+            if not drawn_within(page, f"({LESSON03_COLOURS})() !== null", NOTEBOOK_TIMEOUT):
+                # Once in a CI run the view was never drawn (the rest of the page was, its cell had run). Say
+                # what the page held, then reload and run the notebook once more, as a learner would; a second
+                # miss fails, with the same account.
+                first_miss = page.evaluate(WHAT_LESSON03_HOLDS)
+                warnings.warn(f"lesson 03's view was not drawn in {NOTEBOOK_TIMEOUT} s; reloading once: {first_miss}")
+                retried = True
+                page.reload()
+                page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
+                page.wait_for_function(KERNEL_READY)
+                page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+                page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+                run_all_and_wait(page)
+                if not drawn_within(page, f"({LESSON03_COLOURS})() !== null", NOTEBOOK_TIMEOUT):
+                    pytest.fail(f"lesson 03's view was not drawn, twice: first {first_miss}; "
+                                f"then {page.evaluate(WHAT_LESSON03_HOLDS)}; console: {console[-20:]}")
             colours = page.evaluate(LESSON03_COLOURS)
             page.locator(".lesson03-view").screenshot(path=str(artifacts / "0-lesson03-live.png"))
             hole, refused = python_side_colours()
@@ -407,7 +449,7 @@ def test_dashboard_step_and_play_in_the_browser(jupyterlab, tmp_path):
             raise
         finally:
             browser.close()
-    assert time.monotonic() - started < 120
+    assert time.monotonic() - started < (120 + 2 * NOTEBOOK_TIMEOUT if retried else 120)
 
 
 # Plays every plot of the page to one frame (the middle or the last), then compares what each trace's data
