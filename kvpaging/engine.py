@@ -266,7 +266,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         try:
-            sampled = self._forward_and_sample(out)
+            logits = self.runner.execute(out)  # one row per sequence whose chunk reached its end
+            sampled, failed_rows = self._sample(out, logits)
         except BaseException as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
             # The scheduler has already given this step's sequences their slots, and nothing
             # can take them back half way: fail the step's requests so that the books balance,
@@ -280,7 +281,7 @@ class LLMEngine:
             return self._outputs(failed, failed)
         listening = self.observers.listening
         result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening,
-                              top_logprobs=sampled.top_logprobs)
+                              top_logprobs=sampled.top_logprobs, failed_rows=failed_rows)
         now = time.perf_counter()
         for seq in result.sampled:
             if seq.index == 0:  # completion 0's token times: time to first token, inter-token latency
@@ -288,31 +289,69 @@ class LLMEngine:
                 if not times:
                     seq.request.first_token_time = now
                 times.append(now)
-        for seq in result.finished:
+        finished = result.finished + result.failed if result.failed else result.finished
+        for seq in finished:
             if seq.request.is_finished:
                 seq.request.finished_time = now
-        self._forget_generators(result.finished)
+        self._forget_generators(finished)
         if listening:
-            self.observers.emit(out, start, sched, self.block_manager, result.finished, result.sampled,
+            self.observers.emit(out, start, sched, self.block_manager, finished, result.sampled,
                                 result.released_tables)
-        return self._outputs(result.sampled, result.finished)
+        return self._outputs(result.sampled, finished)
 
-    def _forward_and_sample(self, out: SchedulerOutput):
-        """Run the model and sample: the part of a step that may fail."""
-        logits = self.runner.execute(out)  # one row per sequence whose chunk reached its end
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[SamplerOutput, dict | None]:
+        """One token per sampling sequence, and the rows that could not get one (row -> error), if any.
+
+        The batch is sampled at once. Should that raise, each row is sampled alone (seeded rows from
+        their generators as they were before the batch's attempt), so that a row that cannot be
+        sampled fails its own request and no other: greedy and seeded rows get the tokens they would
+        have got anyway. (Should every row fail alone too, every sampling request fails; the step's
+        prompt chunks that sample nothing yet go on.)"""
         samples = out.samples
         if not samples:
-            return SamplerOutput(token_ids=[])
+            return SamplerOutput(token_ids=[]), None
         if out.sample_rows is not None:  # n > 1 forks: several completions read one row
             logits = logits[out.sample_rows]
         params = [seq.request.params for seq in samples]
-        generators = None
+        generators = states = None
         if any(p.seed is not None for p in params):
             generators = [None if p.seed is None else self._generator(seq.seq_id, seq.seed)
                           for seq, p in zip(samples, params)]
+            states = [None if g is None else g.get_state() for g in generators]  # ~2 us each, against a draw's 100s
         # built only if some row has a penalty (the sampler looks once): each sequence's tokens so far
         histories = lambda: [(seq.token_ids, seq.request.prompt_len) for seq in samples]  # noqa: E731
-        return self.sampler(logits, params, generators, self.generator, histories)
+        try:
+            return self.sampler(logits, params, generators, self.generator, histories), None
+        except Exception as error:  # noqa: BLE001 - find the row(s) at fault, below
+            if len(samples) == 1:
+                return SamplerOutput(token_ids=[0]), {0: error}
+            logger.warning("step %d: sampling the batch raised %r; sampling its %d rows one by one",
+                           out.step, error, len(samples))
+        if states is not None:
+            for g, state in zip(generators, states):
+                if g is not None:
+                    g.set_state(state)
+        return self._sample_rows_alone(logits, params, generators, samples)
+
+    def _sample_rows_alone(self, logits, params, generators, samples) -> tuple[SamplerOutput, dict]:
+        token_ids, logprobs, top_logprobs, failed = [], [], [], {}
+        for i, (seq, p) in enumerate(zip(samples, params)):
+            try:
+                one = self.sampler(logits[i:i + 1], [p], None if generators is None else [generators[i]],
+                                   self.generator, [(seq.token_ids, seq.request.prompt_len)])
+            except Exception as error:  # noqa: BLE001 - this row's request fails, alone
+                failed[i] = error
+                token_ids.append(0)  # never used: the scheduler drops failed rows before appending tokens
+                logprobs.append(float("nan"))
+                top_logprobs.append({})
+                continue
+            token_ids.append(one.token_ids[0])
+            # rows that asked for none have no log-probabilities; theirs are never read
+            logprobs.append(one.logprobs[0] if one.logprobs is not None else float("nan"))
+            top_logprobs.append(one.top_logprobs[0] if one.top_logprobs is not None else {})
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        return SamplerOutput(token_ids, logprobs if wants_logprobs else None,
+                             top_logprobs if any(p.logprobs for p in params) else None), failed
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         """A seeded completion's own generator, made from its seed the first time it samples."""
@@ -336,7 +375,16 @@ class LLMEngine:
             for req in requests:
                 if req.is_finished:
                     self._streaming.discard(req.request_id)
-        return [request_output(req) for req in sorted(requests, key=lambda r: r.arrival_time)]
+        outputs = []
+        for req in sorted(requests, key=lambda r: r.arrival_time):
+            try:
+                outputs.append(request_output(req))
+            except Exception as error:  # noqa: BLE001 - its text could not be made: it fails, alone
+                logger.error("request %s failed: making its output raised %r", req.request_id, error)
+                self._forget_generators(self.scheduler.fail_request(req, error))
+                self._streaming.discard(req.request_id)
+                outputs.append(request_output(req))  # with the error; its text as far as it decodes
+        return outputs
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()

@@ -63,6 +63,14 @@ class RequestOutput:
     error: BaseException | None = None  # set when the request failed inside the model's forward
 
 
+def _text_or_empty(seq) -> str:
+    """A failed request's text, as far as it decodes (the failure may have been in decoding it)."""
+    try:
+        return seq.text()
+    except Exception:  # noqa: BLE001 - the request's error says what went wrong
+        return ""
+
+
 def request_output(req) -> RequestOutput:
     """A request's state now, as vLLM shapes it: one CompletionOutput per completion, text included
     (final once a completion finished; while it runs, its text so far, held back where a stop string
@@ -73,7 +81,7 @@ def request_output(req) -> RequestOutput:
         completions.append(
             CompletionOutput(
                 index=seq.index,
-                text=seq.text(),
+                text=seq.text() if req.error is None else _text_or_empty(seq),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=math.fsum(lp) if lp else None,
                 logprobs=list(lp) if lp is not None else None,

@@ -25,6 +25,7 @@ changes block tables.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ from .block_manager import BlockManager
 from .config import SCHEDULING, check_choice
 from .errors import InvariantError
 from .sequence import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "UpdateResult"]
 
@@ -116,6 +119,9 @@ class UpdateResult:
     sampled: list[Sequence]  # sequences that got a token, in sampling order (the step's ``samples``)
     finished: list[Sequence]  # of those, the ones that are done (their blocks are freed)
     released_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # finished seq id -> its last table
+    # sequences of requests that failed on their own this step (their row could not be sampled, their stop
+    # check raised): finished with the error, blocks freed, out of the queues; not in ``sampled`` or ``finished``
+    failed: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -322,7 +328,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None,
-               keep_tables: bool = False, top_logprobs: list[dict[int, float]] | None = None) -> UpdateResult:
+               keep_tables: bool = False, top_logprobs: list[dict[int, float]] | None = None,
+               failed_rows: dict[int, BaseException] | None = None) -> UpdateResult:
         """Take a successful step's results: one call per step, after the forward pass and the sampler.
 
         Records the computed tokens and offers newly full blocks to the prefix cache,
@@ -331,6 +338,10 @@ class Scheduler:
         (EOS, a stop token or string, max_tokens, max_model_len), freeing their
         blocks at once. With ``keep_tables``, each finished sequence's block table is
         kept in the result just before its blocks go back (for step records).
+
+        ``failed_rows`` maps a sample's index to the error that kept it from getting a
+        token: its request fails alone (every completion of it, blocks freed), and the
+        step goes on for everyone else. A stop check that raises fails its request the same way.
         """
         bm = self.bm
         bs = bm.block_size
@@ -351,6 +362,10 @@ class Scheduler:
 
         result = UpdateResult(out.samples, [])
         samples = out.samples
+        if failed_rows:
+            num_decodes, token_ids, logprobs, top_logprobs = self._drop_failed(
+                out, failed_rows, token_ids, logprobs, top_logprobs, result, keep_tables)
+            samples, decodes = result.sampled, result.sampled[:num_decodes]  # the decodes stay the first samples
         if logprobs is not None:
             for seq, logprob in zip(samples, logprobs):
                 seq.output_logprobs.append(logprob)
@@ -386,13 +401,17 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:
         """After ``token`` was appended: finish ``seq`` if it is done, in vLLM's order of reasons
         (EOS, a stop token, a stop string, then its length), and note it in ``result``."""
+        if seq.status.is_finished:  # its request failed earlier in this step (a sibling's stop check raised)
+            return
         if token in seq.stop_ids:  # EOS or one of the request's stop tokens
             status = SequenceStatus.FINISHED_STOPPED
             # EOS ends it with no stop_reason (vLLM's meaning), a stop token with that token
             seq.stop_reason = None if token in self.eos_token_ids and not seq.request.params.ignore_eos else token
-        elif seq.has_stop_strings and seq.detokenizer.update(seq.output_token_ids) is not None:
+        elif seq.has_stop_strings and self._stop_string_found(seq, result, keep_tables):
             status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
             seq.stop_reason = seq.detokenizer.stop_reason
+        elif seq.status.is_finished:  # the stop-string search raised: the request has failed
+            return
         elif len(seq.token_ids) >= seq.max_len:  # max_tokens, or max_model_len
             status = SequenceStatus.FINISHED_LENGTH
         else:
@@ -402,17 +421,54 @@ class Scheduler:
         self._finish(seq, status, remove=False)
         result.finished.append(seq)
 
+    def _stop_string_found(self, seq: Sequence, result: UpdateResult, keep_tables: bool) -> bool:
+        """Whether the text now holds a stop string; if decoding the text raises, the request fails alone."""
+        try:
+            return seq.detokenizer.update(seq.output_token_ids) is not None
+        except Exception as error:  # noqa: BLE001 - this request's text, nobody else's
+            logger.error("request %s failed: its stop-string check raised %r", seq.request.request_id, error)
+            self._fail_request(seq.request, error, result.failed, result.released_tables if keep_tables else None)
+            return False
+
+    def _drop_failed(self, out: SchedulerOutput, failed_rows: dict[int, BaseException], token_ids, logprobs,
+                     top_logprobs, result: UpdateResult, keep_tables: bool):
+        """Fail the requests of the rows that got no token; the step's lists without any of their rows."""
+        samples = out.samples
+        for k, error in failed_rows.items():
+            logger.error("request %s failed: sampling its row raised %r", samples[k].request.request_id, error)
+            self._fail_request(samples[k].request, error, result.failed,
+                               result.released_tables if keep_tables else None)
+        keep = [k for k, seq in enumerate(samples) if not seq.status.is_finished]
+        result.sampled = [samples[k] for k in keep]
+        num_decodes = sum(1 for k in keep if k < len(out.decodes))
+        return (num_decodes, [token_ids[k] for k in keep],
+                None if logprobs is None else [logprobs[k] for k in keep],
+                None if top_logprobs is None else [top_logprobs[k] for k in keep])
+
+    def fail_request(self, request: Request, error: BaseException) -> list[Sequence]:
+        """Finish every unfinished sequence of ``request`` with ``error`` and free their blocks (its
+        output could not be made, say); the sequences that were failed. Nobody else is touched."""
+        failed: list[Sequence] = []
+        self._fail_request(request, error, failed, None)
+        return failed
+
+    def _fail_request(self, request: Request, error: BaseException, failed: list[Sequence],
+                      released_tables: dict | None) -> None:
+        request.error = error
+        for seq in request.seqs:
+            if not seq.status.is_finished:
+                if released_tables is not None and self.bm.has_sequence(seq.seq_id):
+                    released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
+                self._finish(seq, SequenceStatus.FINISHED_ERROR, remove=True)
+                failed.append(seq)
+
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> list[Sequence]:
-        """The forward (or the sampler) raised: finish every sequence of the step's requests with the
-        error, and free their blocks. Nothing the step computed is offered to the prefix cache."""
+        """The forward (or the sampler, outside any one row) raised: finish every sequence of the step's
+        requests with the error, and free their blocks. Nothing the step computed is offered to the prefix cache."""
         self.bm.copies_made()
-        failed = []
+        failed: list[Sequence] = []
         for step_seq in out.decodes + [c.seq for c in out.chunks]:
-            for seq in step_seq.request.seqs:
-                if not seq.status.is_finished:
-                    seq.request.error = error
-                    self._finish(seq, SequenceStatus.FINISHED_ERROR, remove=True)
-                    failed.append(seq)
+            self._fail_request(step_seq.request, error, failed, None)
         return failed
 
     def _finish(self, seq: Sequence, status: SequenceStatus, remove: bool) -> None:

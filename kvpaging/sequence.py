@@ -39,7 +39,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS or a stop token
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # the model's forward raised during its step
+    FINISHED_ERROR = "error"  # its step's forward raised, or its own row, stop check or output did
 
     @property
     def is_finished(self) -> bool:

@@ -6,12 +6,13 @@ requests. Here the failing step is drawn at random (from a seeded
 prefill, ``n`` up to 3, greedy and seeded sampling, shared prefixes, a pool
 small enough to preempt -- and the fault comes from a random layer of the real
 model (after the layers before it wrote their keys and values) or from the
-sampler (after the step's forks). More requests arrive after the failure, some
+sampler (after the step's forks), where it fails one request's rows. More requests arrive after the failure, some
 with the prompts of the failed ones, so the prefix cache is tempted to serve
 what the failed step wrote.
 
-Checks: the requests scheduled in the failing step, and only those, finish with
-``finish_reason="error"`` and ``RequestOutput.error`` set; what they had
+Checks: a forward fault fails the requests scheduled in its step, and only those; a
+sampler fault fails the one request whose rows raise, and no other request of its
+step. They finish with ``finish_reason="error"`` and ``RequestOutput.error`` set; what they had
 generated before is a prefix of their solo run; their blocks are freed at once;
 every other request, earlier or later, finishes with exactly the tokens it gets
 when run alone on a fresh engine; the engine ends clean.
@@ -95,6 +96,27 @@ class FaultAt:
         return None  # a forward pre-hook: go on unchanged
 
 
+class RowFault:
+    """A drop-in sampler that, at the chosen steps (1-based, counting the steps that sample), raises
+    whenever the rows it is given include one request's: the first row's request of that step."""
+
+    def __init__(self, calls: set[int], inner, engine) -> None:
+        self.calls, self.inner, self.engine = calls, inner, engine
+        self.count, self.last_step, self.raised, self.victims = 0, None, [], {}
+
+    def __call__(self, logits, params, *args, **kwargs):
+        step = self.engine.num_steps
+        if step != self.last_step:  # the step's first call: the whole batch
+            self.last_step, self.count = step, self.count + 1
+            if self.count in self.calls:
+                self.victims[step] = params[0]
+                self.raised.append(Injected(f"injected at sampling step {self.count}"))
+        victim = self.victims.get(step)
+        if victim is not None and any(p is victim for p in params):
+            raise self.raised[-1]
+        return self.inner(logits, params, *args, **kwargs)
+
+
 def run_with_faults(seed: int, kind: str, num_faults: int, solo) -> dict:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB) for _ in range(rng.randint(8, 20))] for _ in range(3)]
@@ -109,7 +131,7 @@ def run_with_faults(seed: int, kind: str, num_faults: int, solo) -> dict:
         fault = FaultAt(fail_at)
         handle = engine.model.model.layers[layer].register_forward_pre_hook(fault, with_kwargs=True)
     else:
-        fault = FaultAt(fail_at, inner=engine.sampler)
+        fault = RowFault(fail_at, engine.sampler, engine)
         engine.sampler = fault
 
     schedules = []  # every step's SchedulerOutput, read from outside: which requests each step ran
@@ -135,16 +157,26 @@ def run_with_faults(seed: int, kind: str, num_faults: int, solo) -> dict:
         steps += 1
         assert steps < 500
         if len(fault.raised) > raised_before:
-            # the failing step's requests, and only those, come back failed, at once
+            # a forward fault: the failing step's requests, and only those, come back failed, at once;
+            # a sampler fault: the requests whose rows raised (one request, or repeats sharing its params)
             in_step = {s.seq.request.request_id for s in schedules[-1].scheduled}
-            assert {o.request_id for o in outs} == in_step
+            if kind == "forward":
+                victims = in_step
+            else:
+                victim = fault.victims[engine.num_steps]
+                victims = {seq.request.request_id for seq in schedules[-1].samples if seq.request.params is victim}
+                assert victims, "the victim's rows were sampled in this step"
+            assert victims <= {o.request_id for o in outs} <= in_step
             for o in outs:
+                if o.request_id not in victims:
+                    assert o.error is None and all(c.finish_reason != "error" for c in o.outputs), o
+                    continue
                 assert o.finished and o.error is fault.raised[-1], o
                 assert "error" in [c.finish_reason for c in o.outputs]
                 assert all(c.finish_reason in ("error", "length") for c in o.outputs)  # some finished before
                 failed[o.request_id] = o
                 assert o.request_id not in engine.scheduler.requests
-            for request in {s.seq.request for s in schedules[-1].scheduled}:
+            for request in {s.seq.request for s in schedules[-1].scheduled if s.seq.request.request_id in victims}:
                 for seq in request.seqs:  # forks made in the failed step included
                     assert not engine.block_manager.has_sequence(seq.seq_id), f"failed {seq.seq_id} still holds blocks"
             if not added_later:
