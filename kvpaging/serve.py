@@ -13,7 +13,8 @@ them; ``AsyncLLM`` (kvpaging/async_llm.py) runs the engine in a thread of its ow
 each request's outputs back; ``prometheus_client`` exposes the engine's figures on
 ``/metrics`` under vLLM's metric names, with a ``kvpaging:`` prefix.
 
-A request travels: API key (401) -> body size, before parsing (413) -> JSON and its
+A request travels: Host and Origin (400, 403) -> API key (401) -> Content-Type: application/json
+(415) -> body size, before parsing (413), and time (408) -> JSON and its
 fields, strictly typed, unknown fields refused (400) -> the model's name (404) ->
 the prompt (chat template, tokens) and its length against ``max_model_len`` (400)
 -> ``SamplingParams`` (400) -> the engine's own checks (400) -> tokens, streamed as
@@ -61,13 +62,17 @@ from .sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("kvpaging.serve")
 
 __all__ = ["create_app", "ServingMetrics", "BackgroundServer", "make_parser", "load_llm", "main", "ENGINE_OPTIONS",
-           "DEFAULT_MAX_REQUEST_BODY_BYTES"]
+           "DEFAULT_MAX_REQUEST_BODY_BYTES", "make_server", "HostAndOriginMiddleware", "LOOPBACK_HOSTS"]
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20  # 1 MiB: far more than max_model_len tokens of text
 MAX_PROMPTS_PER_REQUEST = 64  # a batch of prompts in one completion request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4
 MAX_STOP_TOKEN_IDS = 256
-GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long before they are cancelled
+GRACEFUL_SHUTDOWN_S = 5  # on SIGINT/SIGTERM, requests in flight get this long to finish; then they are ended
+HEADER_TIMEOUT_S = 10.0  # a request's headers must all arrive within this (slowloris)
+BODY_TIMEOUT_S = 30.0  # and its body within this, once the headers are in
+LIMIT_CONCURRENCY = 512  # open connections and requests in progress; beyond it, new requests get 503 (uvicorn)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the Host names a server bound to loopback answers
 
 
 # =============================================================================== errors
@@ -83,7 +88,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # after a body that never finished arriving, the connection cannot carry another request
+        headers = {"connection": "close"} if self.status == 408 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _bad_request(message: str, param: str | None = None) -> APIError:
@@ -318,10 +325,14 @@ class _Choice:
 class _Server:
     """The routes' shared state: the engine front, the model's name and limits."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, max_request_body_bytes: int) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_request_body_bytes: int,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.llm = llm
         self.model_name = model_name
         self.max_body = max_request_body_bytes
+        self.body_timeout_s = body_timeout_s
+        # set when the server's grace period for requests in flight runs out: they end, with a message
+        self.stopping = asyncio.Event()
         self.tokenizer = llm.tokenizer  # the server's own copy (AsyncLLM): used on the event loop only
         self.max_model_len = llm.config.max_model_len
         self.vocab_size = llm.engine.vocab_size
@@ -330,7 +341,21 @@ class _Server:
 
     # -- reading a request ---------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it is known to exceed the limit (before any parsing)."""
+        """The body of a JSON POST: refused with 415 unless it says it is JSON (a web page can send a
+        ``text/plain`` or form POST anywhere without asking; it cannot send JSON to another origin
+        without the server's consent), with 413 as soon as it is known to exceed the limit (before any
+        parsing), and with 408 if it has not all arrived within ``body_timeout_s``."""
+        content_type = request.headers.get("content-type")
+        if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {content_type!r}",
+                           code="unsupported_media_type")
+        try:
+            return await asyncio.wait_for(self._read_body(request), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                           code="request_timeout") from None
+
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.max_body
         length = request.headers.get("content-length")
         if length is not None:
@@ -494,18 +519,27 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _outputs(streams: list[RequestStream], request: Request):
+class ServerShuttingDown(Exception):
+    """The server is stopping and its grace period for requests in flight has run out."""
+
+
+async def _outputs(streams: list[RequestStream], request: Request, stopping: asyncio.Event):
     """``(i, output)`` for each output of ``streams[i]``, as they come, until every stream has finished.
 
-    Stops early, aborting every request, if the client goes away (or this response is cancelled)."""
+    Stops early, aborting every request, if the client goes away (or this response is cancelled);
+    raises ``ServerShuttingDown``, having aborted them, when ``stopping`` is set."""
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    stopped = asyncio.ensure_future(stopping.wait())
     waiting = {asyncio.ensure_future(stream.get()): i for i, stream in enumerate(streams)}
     try:
         while waiting:
-            done, _ = await asyncio.wait({*waiting, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*waiting, disconnected, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if disconnected in done:  # the client went away: abort (finally), at once
                 logger.info("client disconnected: aborting %s", ", ".join(s.request_id for s in streams))
                 return
+            if stopped in done:
+                logger.info("the server is shutting down: aborting %s", ", ".join(s.request_id for s in streams))
+                raise ServerShuttingDown("the server is shutting down; this request was stopped before its end")
             for task in sorted(done, key=waiting.get):
                 i = waiting.pop(task)
                 output = task.result()  # raises what the engine raised for this request
@@ -514,22 +548,26 @@ async def _outputs(streams: list[RequestStream], request: Request):
                 yield i, output
     finally:  # also when the server cancels this response (uvicorn saw the disconnect first, or shuts down)
         disconnected.cancel()
+        stopped.cancel()
         for task in waiting:
             task.cancel()
         for stream in streams:
             stream.abort()
 
 
-async def _final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+async def _final_outputs(streams: list[RequestStream], request: Request,
+                         stopping: asyncio.Event) -> list[RequestOutput] | None:
     """Each stream's finished output, or None if the client went away first (the requests are then aborted)."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
-        async for i, output in _outputs(streams, request):
+        async for i, output in _outputs(streams, request, stopping):
             finals[i] = output
     except EngineGenerateError as error:
         raise APIError(500, str(error), type="server_error") from None
     except EngineDeadError as error:
         raise APIError(503, f"the engine is not running: {error}", type="server_error") from None
+    except ServerShuttingDown as error:
+        raise APIError(503, str(error), type="server_error", code="server_shutting_down") from None
     if any(o is None or not o.finished for o in finals):
         return None
     return finals
@@ -559,18 +597,19 @@ class _Piece:
     prompt_token_ids: list[int] | None  # its prompt's tokens, with the choice's first piece only
 
 
-async def _sse_events(head: dict, streams: list[RequestStream], request: Request, n: int, every_token: bool,
-                      chunk, include_usage: bool, usage, first: list[dict] = ()):
+async def _sse_events(head: dict, streams: list[RequestStream], request: Request, stopping: asyncio.Event, n: int,
+                      every_token: bool, chunk, include_usage: bool, usage, first: list[dict] = ()):
     """A streamed response's server-sent events: ``first`` (if any), then one chunk per piece of output
     (``chunk(piece)`` makes its choice), then the usage chunk when asked and every request finished, then
-    ``[DONE]``. An engine failure becomes an error event in the stream (its status line is long sent)."""
+    ``[DONE]``. An engine failure, or the server's shutdown, becomes an error event in the stream (its
+    status line is long sent), then ``[DONE]``."""
     for event in first:
         yield _sse(event)
     finals = []
     try:
-        async for p in _pieces(streams, request, n, every_token, finals):
+        async for p in _pieces(streams, request, stopping, n, every_token, finals):
             yield _sse({**head, "choices": [chunk(p)]})
-    except (EngineGenerateError, EngineDeadError) as error:
+    except (EngineGenerateError, EngineDeadError, ServerShuttingDown) as error:
         yield _error_event(error)
     else:
         if include_usage and finals and all(o is not None and o.finished for o in finals):
@@ -578,7 +617,8 @@ async def _sse_events(head: dict, streams: list[RequestStream], request: Request
     yield "data: [DONE]\n\n"
 
 
-async def _pieces(streams: list[RequestStream], request: Request, n: int, every_token: bool, finals: list):
+async def _pieces(streams: list[RequestStream], request: Request, stopping: asyncio.Event, n: int, every_token: bool,
+                  finals: list):
     """The stream's pieces, choice by choice, as the outputs come: deltas of the cumulative outputs.
 
     A piece is made when a choice has new text or finished, and with ``every_token`` also for new tokens
@@ -586,7 +626,7 @@ async def _pieces(streams: list[RequestStream], request: Request, n: int, every_
     ``finals`` receives each request's last output, for the usage."""
     sent: dict[int, _Choice] = {}
     finals.extend([None] * len(streams))
-    async for i, output in _outputs(streams, request):
+    async for i, output in _outputs(streams, request, stopping):
         finals[i] = output
         for c in output.outputs:
             index = i * n + c.index
@@ -611,25 +651,38 @@ def _sse(data: dict) -> str:
 def _error_event(error: BaseException) -> str:
     if isinstance(error, EngineGenerateError):
         body = APIError(500, str(error), type="server_error").body()
+    elif isinstance(error, ServerShuttingDown):
+        body = APIError(503, str(error), type="server_error", code="server_shutting_down").body()
     else:
         body = APIError(503, f"the engine is not running: {error}", type="server_error").body()
     return _sse(body)
 
 
 def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None = None,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               allowed_hosts: list[str] | tuple[str, ...] | None = LOOPBACK_HOSTS,
+               allowed_origins: list[str] | tuple[str, ...] = (), body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``, idle) as ``served_model_name``.
 
     It starts the engine thread now (``app.state.llm`` is the ``AsyncLLM``, ``app.state.metrics``
     the ``ServingMetrics``) and stops it when the app shuts down.
+
+    ``allowed_hosts``: the names the ``Host`` header may give (default: loopback's, so that a web
+    page that rebinds its own name to 127.0.0.1 is not answered; ``None`` or ``["*"]``: any).
+    ``allowed_origins``: web origins allowed to call ``/v1`` from a browser (CORS; default none, and a
+    request carrying another ``Origin`` is refused); ``["*"]`` allows every origin.
     """
     if api_key == "":  # before anything starts: an empty key must not read as "no key"
         raise ValueError("api_key is empty: pass a key, or None to serve without one")
+    hosts = _check_names("allowed_hosts", allowed_hosts)
+    origins = _check_names("allowed_origins", allowed_origins)
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     engine = getattr(llm, "engine", llm)
     config = engine.config
     metrics = ServingMetrics(served_model_name, config.num_blocks, config.block_size)
     async_llm = AsyncLLM(engine, stat_logger=metrics)
-    server = _Server(async_llm, served_model_name, max_request_body_bytes)
+    server = _Server(async_llm, served_model_name, max_request_body_bytes, body_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -642,8 +695,16 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                   openapi_url=None)
     app.state.llm = async_llm
     app.state.metrics = metrics
+    app.state.stop_requests = server.stopping.set  # the grace period is over (on the server's loop)
+    # the last added runs first: hosts and origins, then CORS (a preflight carries no key), then the key
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(HostAndOriginMiddleware, allowed_hosts=hosts, allowed_origins=origins)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
@@ -715,7 +776,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                     **_token_id_fields(req.return_token_ids, token_ids, prompt_token_ids)}
 
         if not req.stream:
-            finals = await _final_outputs(streams, request)
+            finals = await _final_outputs(streams, request, server.stopping)
             if finals is None:
                 return Response(status_code=499)  # the client has gone: nobody reads this
             choices = [choice(i * req.n + c.index, c, c.text, c.token_ids, c.logprobs or [], c.top_logprobs, 0,
@@ -730,7 +791,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             return choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.top_logprobs, p.text_offset,
                           p.prompt_token_ids)
 
-        events = _sse_events(head, streams, request, req.n, every_token, chunk, include_usage, server.usage)
+        events = _sse_events(head, streams, request, server.stopping, req.n, every_token, chunk, include_usage,
+                             server.usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     # -- /v1/chat/completions ---------------------------------------------------------------------
@@ -754,7 +816,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         created = int(time.time())
 
         if not req.stream:
-            finals = await _final_outputs(streams, request)
+            finals = await _final_outputs(streams, request, server.stopping)
             if finals is None:
                 return Response(status_code=499)
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -778,8 +840,8 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         # OpenAI's order: each choice first says its role, then its content in pieces, then why it ended
         roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]} for i in range(req.n)]
-        events = _sse_events(head, streams, request, req.n, bool(req.logprobs or req.return_token_ids), chunk,
-                             include_usage, server.usage, first=roles)
+        events = _sse_events(head, streams, request, server.stopping, req.n, bool(req.logprobs or req.return_token_ids),
+                             chunk, include_usage, server.usage, first=roles)
         return StreamingResponse(events, media_type="text/event-stream")
 
     return app
@@ -818,7 +880,136 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _check_names(what: str, names) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"{what} must be a list of non-empty names, got {names!r}")
+    return tuple(n.strip().lower() for n in names)
+
+
+class HostAndOriginMiddleware:
+    """Refuse requests addressed to a name this server does not answer to, and browser requests to ``/v1``
+    from web origins it does not allow.
+
+    A ``Host`` outside ``allowed_hosts`` gets 400: a page whose own name was rebound to 127.0.0.1 (DNS
+    rebinding) reaches the port, but its requests still say that name. An ``Origin`` on a ``/v1``
+    request that is not in ``allowed_origins`` gets 403: browsers send it on every cross-origin POST,
+    and a local server without a key must not generate for any page that asks. ``"*"`` allows all.
+    """
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...] | None, allowed_origins: tuple[str, ...]) -> None:
+        self.app = app
+        self.hosts = None if allowed_hosts is None or "*" in allowed_hosts else set(allowed_hosts)
+        self.origins = None if "*" in allowed_origins else {o.rstrip("/") for o in allowed_origins}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = None
+            if self.hosts is not None:
+                host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+                if host not in self.hosts:
+                    error = APIError(400, f"Host {host!r} is not one this server answers to (allowed: "
+                                          f"{', '.join(sorted(self.hosts))}; kvpaging serve --allowed-hosts)",
+                                     code="host_not_allowed")
+            path = scope["path"]
+            origin = headers.get(b"origin")
+            if error is None and origin is not None and self.origins is not None and (
+                    path == "/v1" or path.startswith("/v1/")):
+                origin = origin.decode("latin-1").rstrip("/").lower()
+                if origin not in self.origins:
+                    error = APIError(403, f"requests from the web origin {origin!r} are not allowed "
+                                          "(kvpaging serve --allowed-origins)", code="origin_not_allowed")
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port: ``127.0.0.1:8000`` -> ``127.0.0.1``, ``[::1]:80`` -> ``::1``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 # =============================================================================== running it
+def _h11_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than
+    ``header_timeout_s`` to arrive (uvicorn itself only times out idle keep-alive connections)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = None
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            between_requests = cycle is None or cycle.response_complete
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request's headers are all in: the app has it
+                self._disarm()
+            elif between_requests and not self.transport.is_closing():  # a new request has begun
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                logger.warning("closed a connection from %s: its request headers took more than %g s",
+                               "%s:%d" % self.client if self.client else "?", header_timeout_s)
+                self.transport.close()
+
+    return HeaderTimeoutH11Protocol
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown gives requests in flight ``grace_s`` to finish, then ends the rest
+    with a message (an error event and ``[DONE]`` for a stream, 503 otherwise) instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, app, grace_s: float) -> None:
+        super().__init__(config)
+        self._stop_requests = getattr(app.state, "stop_requests", None)
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._stop_requests is not None:
+            asyncio.get_running_loop().call_later(self.grace_s, self._stop_requests)
+        await super().shutdown(sockets)
+
+
+def make_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S, header_timeout_s: float = HEADER_TIMEOUT_S,
+                limit_concurrency: int | None = LIMIT_CONCURRENCY, timeout_keep_alive: int = 5) -> uvicorn.Server:
+    """The uvicorn server ``kvpaging serve`` runs: header timeout, connection cap, a clean shutdown."""
+    for name, value in (("graceful_shutdown_s", graceful_shutdown_s), ("header_timeout_s", header_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if limit_concurrency is not None and limit_concurrency < 1:
+        raise ValueError(f"limit_concurrency must be at least 1, got {limit_concurrency}")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=_h11_protocol(header_timeout_s),
+                            limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
+                            # the ended requests' last words need a moment to be written
+                            timeout_graceful_shutdown=graceful_shutdown_s + 2)
+    return _UvicornServer(config, app, graceful_shutdown_s)
+
+
 class BackgroundServer:
     """Serve an app from a thread of this process, on a free port: for notebooks and tests.
 
@@ -829,15 +1020,15 @@ class BackgroundServer:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 timeout: float = 30.0, graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S) -> None:
+                 timeout: float = 30.0, graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S, **server_options) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.host, self.port = host, sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
-                                                    timeout_graceful_shutdown=graceful_shutdown_s))
+        self.server = make_server(app, log_level=log_level, graceful_shutdown_s=graceful_shutdown_s,
+                                  **server_options)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                         name="kvpaging-server", daemon=True)
         self._thread.start()
@@ -881,6 +1072,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $KVPAGING_API_KEY, else none)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    parser.add_argument("--allowed-hosts", type=_name_list, default=None,
+                        help="Host header names answered, comma-separated or a JSON list; '*' for any (default: "
+                             "the loopback names when bound to loopback, any name otherwise)")
+    parser.add_argument("--allowed-origins", type=_name_list, default=[],
+                        help="web origins that may call /v1 from a browser (CORS), comma-separated or a JSON list; "
+                             "'*' for any (default: none)")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                        help="seconds a request's headers may take to arrive before the connection is closed")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                        help="seconds a request's body may take to arrive before it is refused (408)")
+    parser.add_argument("--limit-concurrency", type=int, default=LIMIT_CONCURRENCY,
+                        help="open connections and requests in progress beyond which new requests get 503 (uvicorn)")
+    parser.add_argument("--timeout-keep-alive", type=int, default=5,
+                        help="seconds an idle keep-alive connection stays open (uvicorn)")
+    parser.add_argument("--timeout-graceful-shutdown", type=float, default=GRACEFUL_SHUTDOWN_S,
+                        help="on SIGTERM or SIGINT, seconds requests in flight get to finish; the rest then end "
+                             "with an error saying the server is shutting down")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     engine = parser.add_argument_group("engine", "the keyword arguments of kvpaging.LLM")
     engine.add_argument("--block-size", type=int, default=16)
@@ -925,6 +1133,31 @@ def load_llm(model: str, **engine_options):
     return LLM(model, **engine_options)
 
 
+def _name_list(text: str) -> list[str]:
+    """``a,b`` or ``["a", "b"]`` (vLLM takes JSON lists for --allowed-origins)."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {error}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text}")
+    else:
+        names = [n for n in text.split(",")]
+    names = [n.strip() for n in names]
+    if not names or not all(names):
+        raise argparse.ArgumentTypeError(f"empty name in {text!r}")
+    return names
+
+
+def default_allowed_hosts(host: str) -> tuple[str, ...] | None:
+    """Bound to loopback, only loopback names are answered; bound elsewhere, any name (its names are not known)."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return LOOPBACK_HOSTS + ((host,) if host not in LOOPBACK_HOSTS else ())
+    return None
+
+
 def resolve_api_key(flag: str | None, environ=os.environ) -> str | None:
     """The key the server requires: ``--api-key``, else ``$KVPAGING_API_KEY``, else none.
 
@@ -953,12 +1186,15 @@ def run(args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, _exit_normally)
     try:
         llm = load_llm(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+        hosts = args.allowed_hosts if args.allowed_hosts is not None else default_allowed_hosts(args.host)
         app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
-                         max_request_body_bytes=args.max_request_body_bytes)
+                         max_request_body_bytes=args.max_request_body_bytes, allowed_hosts=hosts,
+                         allowed_origins=args.allowed_origins, body_timeout_s=args.body_timeout)
         logger.info("serving %s on http://%s:%d/v1%s", args.model, args.host, args.port,
                     " (API key required)" if api_key else "")
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        make_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                    graceful_shutdown_s=args.timeout_graceful_shutdown, header_timeout_s=args.header_timeout,
+                    limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive).run()
     except KeyboardInterrupt:
         pass
     finally:

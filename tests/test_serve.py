@@ -548,8 +548,8 @@ def test_python_m_kvpaging_serve_serves_and_stops_cleanly_on_sigterm():
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVPAGING_API_KEY": "k"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvpaging.serve", "tiny-qwen3", "--port", str(port), "--num-blocks", "32",
-         "--max-model-len", "256", "--log-level", "info"],
+        [sys.executable, "-m", "kvpaging.serve", "tiny-qwen3", "--port", str(port), "--num-blocks", "160",
+         "--max-model-len", "2048", "--log-level", "info", "--timeout-graceful-shutdown", "2"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -566,20 +566,27 @@ def test_python_m_kvpaging_serve_serves_and_stops_cleanly_on_sigterm():
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         assert c.models.list().data[0].id == "tiny-qwen3"
         assert c.completions.create(model="tiny-qwen3", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
-        # a stream in flight when SIGTERM arrives: it is allowed to finish, then the process exits
+        # two streams in flight when SIGTERM arrives: the short one finishes within the grace period; the long
+        # one is ended when it runs out, with an error event and [DONE], not a broken connection
         done = {}
 
-        def stream():
-            chunks = list(c.completions.create(model="tiny-qwen3", prompt=[5, 6], max_tokens=100, stream=True,
-                                               extra_body={"ignore_eos": True}))
-            done["reason"] = chunks[-1].choices[0].finish_reason
+        def stream(name, max_tokens):
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, headers={"authorization": "Bearer k"},
+                              json={"model": "tiny-qwen3", "prompt": [5, 6], "max_tokens": max_tokens,
+                                    "ignore_eos": True, "stream": True}) as response:
+                events.extend(line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+            done[name] = events
 
-        thread = threading.Thread(target=stream)
-        thread.start()
+        threads = [threading.Thread(target=stream, args=("short", 20)), threading.Thread(target=stream,
+                                                                                         args=("long", 2000))]
+        for thread in threads:
+            thread.start()
         time.sleep(0.3)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-        thread.join(10)
+        for thread in threads:
+            thread.join(10)
     finally:
         if process.poll() is None:
             process.kill()
@@ -587,7 +594,10 @@ def test_python_m_kvpaging_serve_serves_and_stops_cleanly_on_sigterm():
     log = process.stdout.read()
     assert "Traceback" not in log, log
     assert "the engine loop stops; 0 request(s) in flight aborted" in log and "kvpaging server stopped" in log, log
-    assert done.get("reason") == "length"
+    short, long = done["short"], done["long"]
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    assert long[-1] == "[DONE]" and json.loads(long[-2])["error"]["code"] == "server_shutting_down", long[-3:]
+    assert log.count("the server is shutting down: aborting") == 1, log  # one line per request ended
 
 
 def test_a_view_attaches_to_the_served_engine_and_sees_its_steps(tiny_server):
@@ -703,11 +713,11 @@ def test_an_engine_failure_answers_503_to_waiting_and_later_requests_and_health_
         assert httpx.get(server.url + "/v1/models").status_code == 200  # the server itself is still up
 
 
-def test_stopping_the_server_mid_stream_aborts_the_stream_and_leaves_no_thread(one_thread):
+def test_stopping_the_server_mid_stream_ends_the_stream_with_a_message_and_leaves_no_thread(one_thread):
     app = create_app(LLM(tiny("qwen3"), num_blocks=64, max_model_len=1024), served_model_name="tiny")
     server = BackgroundServer(app, graceful_shutdown_s=0.5)
     engine = server.llm.engine
-    got = {"chunks": 0}
+    got = {"events": []}
 
     def stream():  # about 1000 steps: far longer than the grace period
         try:
@@ -715,20 +725,24 @@ def test_stopping_the_server_mid_stream_aborts_the_stream_and_leaves_no_thread(o
                     "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True,
                     "stream": True}) as response:
                 for line in response.iter_lines():
-                    got["chunks"] += line.startswith("data: ")
-                    got["last"] = line
+                    if line.startswith("data: "):
+                        got["events"].append(line[len("data: "):])
         except httpx.HTTPError as error:
             got["error"] = error
 
     thread = threading.Thread(target=stream)
     thread.start()
     deadline = time.monotonic() + 30
-    while got["chunks"] < 3 and time.monotonic() < deadline:
+    while len(got["events"]) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     start = time.monotonic()
     server.stop()
     thread.join(10)
     assert time.monotonic() - start < 10 and not thread.is_alive()
     assert not server._thread.is_alive() and not server.llm._thread.is_alive()
-    assert 3 <= got["chunks"] < 500 and got.get("last") != "data: [DONE]"  # cut short, not run to its end
+    events = got["events"]
+    assert "error" not in got, got["error"]  # no cut connection: the stream ends as streams end
+    assert 3 <= len(events) < 500 and events[-1] == "[DONE]"  # cut short, not run to its end, and said so
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutting_down" and "shutting down" in error["message"], error
     assert engine.get_num_unfinished_requests() == 0 and engine.block_manager.stats().num_used_blocks == 0
