@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, output_token_ids: list[int]) -> str | None:
+    def update(self, output_token_ids: list[int], search: bool = True) -> str | None:
         """Take the completion's tokens so far (all of them; only the new ones are decoded).
 
         Returns the stop string found in the text, or None. After a stop string
@@ -71,6 +71,9 @@ class IncrementalDetokenizer:
         self.text += new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(output_token_ids)
         if self.stop:
+            if not search:  # (min_tokens not reached) this text is never searched, as in vLLM
+                self._searched = len(self.text)
+                return None
             return self._find_stop()
         return None
 

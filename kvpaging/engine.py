@@ -36,7 +36,7 @@ from .input_processor import InputProcessor, normalize_batch
 from .model_runner import ModelRunner, check_model_supported
 from .self_check import SelfCheckResult, run_self_check
 from .outputs import RequestOutput, request_output
-from .sampler import Sampler, SamplerOutput, make_generator
+from .sampler import RowHistory, Sampler, SamplerOutput, make_generator
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -318,8 +318,8 @@ class LLMEngine:
             generators = [None if p.seed is None else self._generator(seq.seq_id, seq.seed)
                           for seq, p in zip(samples, params)]
             states = [None if g is None else g.get_state() for g in generators]  # ~2 us each, against a draw's 100s
-        # built only if some row has a penalty (the sampler looks once): each sequence's tokens so far
-        histories = lambda: [(seq.token_ids, seq.request.prompt_len) for seq in samples]  # noqa: E731
+        # built only if some row needs it (penalties, min_tokens, bad words; the sampler looks once)
+        histories = lambda: [_history(seq) for seq in samples]  # noqa: E731
         try:
             return self.sampler(logits, params, generators, self.generator, histories), None
         except Exception as error:  # noqa: BLE001 - find the row(s) at fault, below
@@ -338,7 +338,7 @@ class LLMEngine:
         for i, (seq, p) in enumerate(zip(samples, params)):
             try:
                 one = self.sampler(logits[i:i + 1], [p], None if generators is None else [generators[i]],
-                                   self.generator, [(seq.token_ids, seq.request.prompt_len)])
+                                   self.generator, [_history(seq)])
             except Exception as error:  # noqa: BLE001 - this row's request fails, alone
                 failed[i] = error
                 token_ids.append(0)  # never used: the scheduler drops failed rows before appending tokens
@@ -385,6 +385,12 @@ class LLMEngine:
                 self._streaming.discard(req.request_id)
                 outputs.append(request_output(req))  # with the error; its text as far as it decodes
         return outputs
+
+def _history(seq: Sequence) -> RowHistory:
+    """What the sampler needs to know of a sequence's past: its tokens, what would stop it, its bad words."""
+    request = seq.request
+    return RowHistory(seq.token_ids, request.prompt_len, seq.stop_ids, request.bad_words_token_ids)
+
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()

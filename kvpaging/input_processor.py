@@ -43,11 +43,33 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer to find strings in the text, and this "
                              "engine has none: use stop_token_ids, or give LLM a tokenizer")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words={params.bad_words!r} needs a tokenizer to spell them in tokens, and this "
+                             "engine has none: use logit_bias with -100 on their token ids")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name} has token id {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         return text, token_ids
 
     def make_request(self, request_id: str, text, token_ids, params, arrival_time: float | None) -> Request:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        return Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
+        request = Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
+        if params.bad_words:
+            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        return request
+
+    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's spellings in tokens: as given (its leading spaces dropped) and after a space,
+        the way it reads mid-sentence. Only spellings inside the vocabulary count."""
+        spellings: list[tuple[int, ...]] = []
+        for word in words:
+            word = word.lstrip()
+            for text in (word, " " + word):
+                ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if ids and all(t < self.vocab_size for t in ids) and ids not in spellings:
+                    spellings.append(ids)
+        return tuple(spellings)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

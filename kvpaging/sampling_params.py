@@ -78,6 +78,16 @@ class SamplingParams:
         and transformers' ``repetition_penalty``; > 0, 1 is off). Penalties
         change which token is chosen, greedy included; logprobs stay those of
         the raw model.
+    min_tokens: no stop token (EOS, ``stop_token_ids``) can be chosen, and no stop
+        string ends the text, before this many tokens (vLLM's; at most max_tokens).
+    logit_bias: ``{token_id: bias}`` added to those tokens' logits (OpenAI's, in
+        [-100, 100]: -100 bans a token, 100 all but forces it).
+    allowed_token_ids: only these tokens can be chosen (vLLM's).
+    bad_words: words that are never generated (vLLM's): each is tokenized with and
+        without a leading space, and the last token of either spelling is banned
+        whenever the completion's tokens so far end with the rest of it. Needs a tokenizer.
+    These four change the logits before sampling, in vLLM's order (allowed tokens,
+    bad words, min_tokens, logit_bias, then the penalties); logprobs stay raw.
 
     With temperature 0 the sampler ignores top_p, top_k and min_p; like vLLM we
     reset them to their neutral values so that the stored params say so.
@@ -102,6 +112,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -138,6 +152,26 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        for token, value in bias.items():
+            if not (_is_int(token) and 0 <= token <= INT64_MAX):
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            _check_float(f"logit_bias[{token}]", value)
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed or not all(
+                _is_int(t) and 0 <= t <= INT64_MAX for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
+        bad = self.bad_words
+        if bad is not None and (not isinstance(bad, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in bad)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {bad!r}")
         if not isinstance(self.output_kind, RequestOutputKind) or self.output_kind == RequestOutputKind.DELTA:
             raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
                              " (kvpaging has no DELTA outputs)")
@@ -146,18 +180,36 @@ class SamplingParams:
         normal = {"temperature": float(self.temperature), "top_p": float(self.top_p),
                   "presence_penalty": float(self.presence_penalty), "frequency_penalty": float(self.frequency_penalty),
                   "repetition_penalty": float(self.repetition_penalty),
-                  "min_p": float(self.min_p), "stop_token_ids": list(stop), "stop": list(stop_strings)}
+                  "min_p": float(self.min_p), "stop_token_ids": list(stop), "stop": list(stop_strings),
+                  "logit_bias": {int(t): float(v) for t, v in bias.items()} or None,
+                  "allowed_token_ids": None if allowed is None else list(allowed),
+                  "bad_words": list(bad) if bad else None}
         if self.top_k == -1:
             normal["top_k"] = 0
         if self.temperature < SAMPLING_EPS:
             normal.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
         for name, value in normal.items():
             object.__setattr__(self, name, value)
+        # what the sampler asks of every row at every step, worked out once
+        penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        history = penalties or self.min_tokens > 0 or self.bad_words is not None
+        object.__setattr__(self, "_flags", (penalties, history, history or self.logit_bias is not None
+                                            or self.allowed_token_ids is not None))
 
     @property
     def has_penalties(self) -> bool:
         """True when the sampler must look at the tokens so far (presence, frequency or repetition penalty)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return self._flags[0]
+
+    @property
+    def needs_history(self) -> bool:
+        """True when the sampler must know the row's tokens so far (penalties, min_tokens, bad_words)."""
+        return self._flags[1]
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when the sampler changes this row's logits before choosing (all of the above, and the biases)."""
+        return self._flags[2]
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -171,6 +223,9 @@ class SamplingParams:
         """A copy (with its own stop list), optionally with some fields changed and checked again."""
         changes.setdefault("stop_token_ids", list(self.stop_token_ids))
         changes.setdefault("stop", list(self.stop))
+        for name in ("logit_bias", "allowed_token_ids", "bad_words"):  # their own copies, too
+            value = getattr(self, name)
+            changes.setdefault(name, None if value is None else type(value)(value))
         return dataclasses.replace(self, **changes)
 
 

@@ -403,6 +403,14 @@ class Scheduler:
         (EOS, a stop token, a stop string, then its length), and note it in ``result``."""
         if seq.status.is_finished:  # its request failed earlier in this step (a sibling's stop check raised)
             return
+        min_tokens = seq.request.params.min_tokens
+        if min_tokens and len(seq.token_ids) - seq.prompt_len < min_tokens:
+            # too short to stop (the sampler banned its stop tokens): its text is made but not searched
+            if seq.has_stop_strings:
+                self._advance_text(seq, result, keep_tables)
+            if not seq.status.is_finished and len(seq.token_ids) >= seq.max_len:  # max_model_len
+                self._finish_now(seq, SequenceStatus.FINISHED_LENGTH, result, keep_tables)
+            return
         if token in seq.stop_ids:  # EOS or one of the request's stop tokens
             status = SequenceStatus.FINISHED_STOPPED
             # EOS ends it with no stop_reason (vLLM's meaning), a stop token with that token
@@ -416,19 +424,25 @@ class Scheduler:
             status = SequenceStatus.FINISHED_LENGTH
         else:
             return
+        self._finish_now(seq, status, result, keep_tables)
+
+    def _finish_now(self, seq: Sequence, status: SequenceStatus, result: UpdateResult, keep_tables: bool) -> None:
         if keep_tables:
             result.released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
         self._finish(seq, status, remove=False)
         result.finished.append(seq)
 
-    def _stop_string_found(self, seq: Sequence, result: UpdateResult, keep_tables: bool) -> bool:
+    def _stop_string_found(self, seq: Sequence, result: UpdateResult, keep_tables: bool, search: bool = True) -> bool:
         """Whether the text now holds a stop string; if decoding the text raises, the request fails alone."""
         try:
-            return seq.detokenizer.update(seq.output_token_ids) is not None
+            return seq.detokenizer.update(seq.output_token_ids, search) is not None
         except Exception as error:  # noqa: BLE001 - this request's text, nobody else's
             logger.error("request %s failed: its stop-string check raised %r", seq.request.request_id, error)
             self._fail_request(seq.request, error, result.failed, result.released_tables if keep_tables else None)
             return False
+
+    def _advance_text(self, seq: Sequence, result: UpdateResult, keep_tables: bool) -> None:
+        self._stop_string_found(seq, result, keep_tables, search=False)
 
     def _drop_failed(self, out: SchedulerOutput, failed_rows: dict[int, BaseException], token_ids, logprobs,
                      top_logprobs, result: UpdateResult, keep_tables: bool):

@@ -136,6 +136,7 @@ class Request:
     error: BaseException | None = None
     tokenizer: object | None = None  # turns the completions' tokens into text; None: token ids only
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was first admitted
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (the input processor's)
 
     @property
     def prompt_len(self) -> int:

@@ -123,10 +123,13 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra parameter (transformers' meaning)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
     # vLLM's extra sampling fields (the openai client sends them with extra_body=...)
     top_k: int | None = None
     min_p: float | None = None
+    min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -426,8 +429,21 @@ class _Server:
                                "in the completion). Please reduce the prompt or max_tokens.", "max_tokens")
         if req.n < 1:
             raise _bad_request(f"n must be at least 1, got {req.n}", "n")
+        logit_bias = None
         if req.logit_bias:
-            raise _bad_request("logit_bias is not supported by kvpaging", "logit_bias")
+            if len(req.logit_bias) > self.vocab_size:
+                raise _bad_request(f"logit_bias has {len(req.logit_bias)} entries, more than the vocabulary",
+                                   "logit_bias")
+            logit_bias = {}
+            for key, value in req.logit_bias.items():
+                if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
+                    raise _bad_request(f"logit_bias key {key!r} is not a token id in [0, {self.vocab_size})",
+                                       "logit_bias")
+                logit_bias[int(key)] = value
+        if req.allowed_token_ids is not None and len(req.allowed_token_ids) > self.vocab_size:
+            raise _bad_request("allowed_token_ids is longer than the vocabulary", "allowed_token_ids")
+        if req.bad_words is not None and len(req.bad_words) > MAX_STOP_STRINGS * 4:
+            raise _bad_request(f"at most {MAX_STOP_STRINGS * 4} bad_words, got {len(req.bad_words)}", "bad_words")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         if not all(stop):
             raise _bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
@@ -442,10 +458,11 @@ class _Server:
         values = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
                   "stop": stop, "stop_token_ids": req.stop_token_ids,
                   "include_stop_str_in_output": req.include_stop_str_in_output,
-                  "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
+                  "skip_special_tokens": req.skip_special_tokens, "seed": req.seed, "logit_bias": logit_bias,
+                  "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
                   "output_kind": RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE}
         for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):  # None: SamplingParams' (and OpenAI's) default
+                     "repetition_penalty", "min_tokens"):  # None: SamplingParams' (and OpenAI's) default
             if getattr(req, name) is not None:
                 values[name] = getattr(req, name)
         try:

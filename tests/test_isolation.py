@@ -174,10 +174,10 @@ def test_a_stop_string_search_that_raises_fails_its_request_alone(smollm2, monke
     marker = "\u2603never"  # the hostile request's stop string: its detokenizer raises from its 3rd token on
     real_update = IncrementalDetokenizer.update
 
-    def update(self, output_token_ids):
+    def update(self, output_token_ids, search=True):
         if marker in self.stop and len(output_token_ids) >= 3:
             raise Injected("the tokenizer cannot decode this token")
-        return real_update(self, output_token_ids)
+        return real_update(self, output_token_ids, search)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", update)
     hostile_ids = chats(smollm2)["greedy"][0]
