@@ -8,7 +8,8 @@
     client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
 
 The pieces, each standard: FastAPI routes speak the OpenAI API (``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``; also ``/health`` and ``/version``); uvicorn serves
+``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{id}``; also vLLM's ``/tokenize`` and
+``/detokenize``, ``/health`` and ``/version``); uvicorn serves
 them; ``AsyncLLM`` (kvpaging/async_llm.py) runs the engine in a thread of its own and streams
 each request's outputs back; ``prometheus_client`` exposes the engine's figures on
 ``/metrics`` under vLLM's metric names, with a ``kvpaging:`` prefix.
@@ -170,6 +171,22 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or chat messages (through the model's chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt (a chat template adds its own)
+    add_generation_prompt: bool = True  # for messages
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def _parse(model: type[BaseModel], body: bytes):
@@ -402,7 +419,7 @@ class _Server:
             raise _bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         return None, list(prompt)
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         tokenizer = self.tokenizer
         if not messages:
             raise _bad_request("messages is empty", "messages")
@@ -412,7 +429,7 @@ class _Server:
         for m in messages:
             content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
             conversation.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def sampling_params(self, req: _SamplingRequest, prompt_len: int, max_tokens: int | None,
@@ -759,6 +776,42 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                                             "owned_by": "kvpaging", "root": served_model_name,
                                             "max_model_len": server.max_model_len}]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return (await models())["data"][0]
+
+    # -- vLLM's /tokenize and /detokenize -------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = _parse(TokenizeRequest, await server.read_body(request))
+        if req.model is not None:
+            server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise _bad_request("give prompt or messages, one of them", "prompt")
+        if server.tokenizer is None:
+            raise _bad_request("this model has no tokenizer", "prompt")
+        if req.messages is not None:
+            _, ids = server.chat_prompt(req.messages, req.add_generation_prompt)
+        else:
+            ids = server.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = server.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = _parse(DetokenizeRequest, await server.read_body(request))
+        if req.model is not None:
+            server.check_model(req.model)
+        if server.tokenizer is None:
+            raise _bad_request("this model has no tokenizer", "tokens")
+        bad = [t for t in req.tokens if not 0 <= t < server.vocab_size]
+        if bad:
+            raise _bad_request(f"token id {bad[0]} is outside the vocabulary [0, {server.vocab_size})", "tokens")
+        return {"prompt": server.tokenizer.decode(req.tokens)}
+
     # -- /v1/completions ----------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -873,7 +926,8 @@ def _new_text(text: str, sent: str) -> str:
 
 
 class APIKeyMiddleware:
-    """Every ``/v1`` request needs ``Authorization: Bearer <api key>``, else 401 (as ``vllm serve --api-key``).
+    """Every ``/v1`` request (and ``/tokenize``, ``/detokenize``) needs ``Authorization: Bearer <api key>``,
+    else 401 (as ``vllm serve --api-key``).
 
     A plain ASGI middleware: it answers before the body is read, and it does not wrap the
     response stream (so streaming and disconnects pass through untouched). The key is compared
@@ -886,8 +940,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
-            if path == "/v1" or path.startswith("/v1/"):
+            if _guarded(scope["path"]):
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
                     response = APIError(401, "Unauthorized: this server needs an API key "
@@ -932,8 +985,7 @@ class HostAndOriginMiddleware:
                                      code="host_not_allowed")
             path = scope["path"]
             origin = headers.get(b"origin")
-            if error is None and origin is not None and self.origins is not None and (
-                    path == "/v1" or path.startswith("/v1/")):
+            if error is None and origin is not None and self.origins is not None and _guarded(path):
                 origin = origin.decode("latin-1").rstrip("/").lower()
                 if origin not in self.origins:
                     error = APIError(403, f"requests from the web origin {origin!r} are not allowed "
@@ -942,6 +994,11 @@ class HostAndOriginMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _guarded(path: str) -> bool:
+    """The routes that need the API key and a web origin's consent: the API (``/v1``) and the tokenizer's."""
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 def _host_name(host: str) -> str:

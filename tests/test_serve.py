@@ -366,7 +366,8 @@ def test_an_api_key_guards_every_v1_route(one_thread):
     with BackgroundServer(app) as server:
         for key in (None, "wrong", "s3cret-ke", "s3cret-key2"):
             headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing")):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing"),
+                                 ("GET", "/v1/models/tiny"), ("POST", "/tokenize"), ("POST", "/detokenize")):
                 response = httpx.request(method, server.url + path, headers=headers, json={})
                 assert response.status_code == 401, (key, path)
                 assert response.json()["error"]["code"] == "invalid_api_key"
@@ -377,6 +378,37 @@ def test_an_api_key_guards_every_v1_route(one_thread):
         assert good.completions.create(model="tiny", prompt=[5, 6], max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(server.url + "/health").status_code == 200  # outside /v1: open, as in vLLM
         assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_one_model_by_its_id_as_openai_gives_it(tiny_server):
+    assert client(tiny_server).models.retrieve("tiny").id == "tiny"
+    response = httpx.get(tiny_server.url + "/v1/models/other")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize_as_vllm_has_them(trained_server):
+    tokenizer = trained_server.llm.tokenizer
+    url = trained_server.url
+    text = "Paged attention, explained: blocks of 16 tokens."
+    plain = httpx.post(url + "/tokenize", json={"model": "smollm2", "prompt": text}).json()
+    assert plain["tokens"] == tokenizer(text)["input_ids"] and plain["count"] == len(plain["tokens"])
+    assert plain["max_model_len"] == 512
+    strs = httpx.post(url + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(plain["tokens"])
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == tokenizer(templated, add_special_tokens=False)["input_ids"]
+    no_prompt = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert len(no_prompt["tokens"]) < len(chat)
+    back = httpx.post(url + "/detokenize", json={"model": "smollm2", "tokens": plain["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(plain["tokens"])} and back["prompt"] == text
+    for path, body, status in (("/tokenize", {"prompt": "x", "model": "other"}, 404),
+                               ("/tokenize", {}, 400), ("/tokenize", {"prompt": "x", "messages": messages}, 400),
+                               ("/detokenize", {"tokens": [10**9]}, 400), ("/detokenize", {"tokens": ["a"]}, 400)):
+        response = httpx.post(url + path, json=body)
+        assert response.status_code == status, (path, body, response.text)
+        assert "error" in response.json()
 
 
 def test_models_and_health(tiny_server):
