@@ -267,6 +267,10 @@ class LLMEngine:
             return []
         try:
             logits = self.runner.execute(out)  # one row per sequence whose chunk reached its end
+            if out.prompt_logprob_chunks:  # then one row per token of those chunks
+                num_rows = len(out.samples) - len(out.children)
+                self._record_prompt_logprobs(out.prompt_logprob_chunks, logits[num_rows:])
+                logits = logits[:num_rows]
             sampled, failed_rows = self._sample(out, logits)
         except BaseException as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
             # The scheduler has already given this step's sequences their slots, and nothing
@@ -298,6 +302,35 @@ class LLMEngine:
             self.observers.emit(out, start, sched, self.block_manager, finished, result.sampled,
                                 result.released_tables)
         return self._outputs(result.sampled, finished)
+
+    @staticmethod
+    def _record_prompt_logprobs(chunks, logits: torch.Tensor) -> None:
+        """Each prompt position's log-probabilities, from the logits of the position before it (raw: a
+        log-softmax of the model's logits): its own token's, and the k most likely there."""
+        offset = 0
+        for chunk in chunks:
+            request = chunk.seq.request
+            rows = logits[offset:offset + chunk.num_new_tokens]
+            offset += chunk.num_new_tokens
+            have = request.prompt_logprobs
+            # row j holds the distribution of the token at position start + j + 1; the prompt's tokens only, and
+            # only those not yet scored (a recomputed chunk after a preemption scores nothing twice)
+            first = len(have) - 1 - chunk.start
+            last = min(chunk.num_new_tokens, request.prompt_len - 1 - chunk.start)
+            if last <= first:
+                continue
+            lp = rows[first:last].log_softmax(dim=-1)
+            targets = torch.tensor(request.prompt_token_ids[chunk.start + first + 1:chunk.start + last + 1],
+                                   device=lp.device)
+            own = lp.gather(-1, targets[:, None]).squeeze(-1).tolist()
+            k = min(request.params.prompt_logprobs, lp.shape[-1])
+            tops = lp.topk(k, dim=-1) if k else None
+            top_ids = tops.indices.tolist() if k else None
+            top_values = tops.values.tolist() if k else None
+            for j, (token, value) in enumerate(zip(targets.tolist(), own)):
+                entry = dict(zip(top_ids[j], top_values[j])) if k else {}
+                entry[token] = value
+                have.append(entry)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[SamplerOutput, dict | None]:
         """One token per sampling sequence, and the rows that could not get one (row -> error), if any.

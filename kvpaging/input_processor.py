@@ -40,6 +40,9 @@ class InputProcessor:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs} (an LLM setting)")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={cfg.max_logprobs} "
+                             "(an LLM setting)")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer to find strings in the text, and this "
                              "engine has none: use stop_token_ids, or give LLM a tokenizer")
@@ -57,6 +60,8 @@ class InputProcessor:
         request = Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
         if params.bad_words:
             request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token: nothing before it predicts it
         return request
 
     def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:

@@ -278,7 +278,7 @@ class StepInputs:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with 0; one-token sequences first
     seq_lens: torch.Tensor  # int32 [num_seqs]
     prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1]: query starts, counted from the first prefill token
-    logits_indices: torch.Tensor  # int64 [num_sampling_seqs], in scheduled order
+    logits_indices: torch.Tensor  # int64 [num_sampling_seqs (+ tokens of prompt-logprob chunks)], in scheduled order
     num_decodes: int  # the first num_decodes tokens (and sequences) bring one token each
 
 
@@ -345,6 +345,12 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     width = int(positions.max() >> shift) + 1  # the longest table: a sequence's last position is in its last block
     ends = starts + lengths  # each chunk's context length
     positions.shape = (1, len(positions))
+    logits_indices = np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[np.array(sampling)]])
+    if out.prompt_logprob_chunks:  # every token of these chunks, after the sampling rows
+        wanted = {id(c) for c in out.prompt_logprob_chunks}
+        firsts = num_decodes + ends_in_step - lengths
+        logits_indices = np.concatenate([logits_indices] + [firsts[k] + np.arange(lengths[k])
+                                                            for k, c in enumerate(out.chunks) if id(c) in wanted])
     return StepInputs(
         input_ids=tensor(np.fromiter(input_ids, np.int64, len(input_ids)).reshape(1, -1)),
         positions=tensor(positions),
@@ -353,7 +359,7 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
         block_tables=tensor(table_array[np.concatenate([rows, chunk_rows]), :width]),
         seq_lens=tensor(np.concatenate([pos + 1, ends]).astype(np.int32)),
         prefill_cu_seqlens_q=tensor(np.concatenate([[0], ends_in_step]).astype(np.int32)),
-        logits_indices=tensor(np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[np.array(sampling)]])),
+        logits_indices=tensor(logits_indices),
         num_decodes=num_decodes,
     )
 

@@ -61,6 +61,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     error: BaseException | None = None  # set when the request failed inside the model's forward
+    # with SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (its own and the k most likely
+    # there), None for the first (vLLM's shape, with plain floats)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def _text_or_empty(seq) -> str:
@@ -94,4 +97,5 @@ def request_output(req) -> RequestOutput:
                              list(req.token_times))
     return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                          outputs=completions, finished=req.is_finished, metrics=metrics,
-                         num_cached_tokens=req.num_cached_tokens, error=req.error)
+                         num_cached_tokens=req.num_cached_tokens, error=req.error,
+                         prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))

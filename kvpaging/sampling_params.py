@@ -69,6 +69,10 @@ class SamplingParams:
     ignore_eos: keep going after the end-of-sequence token (for benchmarks).
     logprobs: None for none; k >= 0 to get the chosen token's log-probability
         plus those of the k most likely tokens.
+    prompt_logprobs: None for none; k >= 0 to get, for every prompt token after the
+        first, its log-probability given the tokens before it, plus the k most likely
+        tokens there (vLLM's; raw, like ``logprobs``). Such a request computes its whole
+        prompt: the prefix cache is not used for it, as in vLLM.
     presence_penalty: subtracted from the logit of every token the completion
         has already generated (OpenAI's and vLLM's, in [-2, 2]; 0 is off).
     frequency_penalty: subtracted once per earlier occurrence of the token in
@@ -113,6 +117,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -152,6 +157,8 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .block_manager import BlockManager
+from .block_manager import NO_HIT, BlockManager
 from .config import SCHEDULING, check_choice
 from .errors import InvariantError
 from .sequence import Request, Sequence, SequenceStatus
@@ -89,6 +89,9 @@ class SchedulerOutput:
     # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
     # end, decodes first); None when that is simply row k for sample k, i.e. when no request forked this step
     sample_rows: list[int] | None = None
+    # chunks of requests that want their prompt's log-probabilities: the runner returns one more logits row per
+    # token of each, after the sampling rows, in this order
+    prompt_logprob_chunks: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
@@ -150,6 +153,7 @@ class Scheduler:
         self.num_preemptions = 0
         # seats held beyond one by running n > 1 requests that have not forked yet
         self._unforked_extra_seats = 0
+        self._prompt_logprob_requests = 0  # unfinished requests asking for prompt logprobs (0: no chunk is looked at)
 
     # -- queue changes from the engine ---------------------------------------------------
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -162,12 +166,16 @@ class Scheduler:
         return seq
 
     def add_request(self, request: Request) -> None:
+        if request.prompt_logprobs is not None:
+            self._prompt_logprob_requests += 1
         seq = self.new_sequence(request, 0, list(request.prompt_token_ids))
         self.requests[request.request_id] = request
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> Request:
         request = self.requests.pop(request_id)
+        if request.prompt_logprobs is not None:
+            self._prompt_logprob_requests -= 1
         for seq in request.seqs:
             self._finish(seq, SequenceStatus.FINISHED_ABORTED, remove=True)
         return request
@@ -229,7 +237,8 @@ class Scheduler:
                 need = _seats(seq)
                 if seats + need > self.max_num_seqs:
                     break
-                hit = bm.lookup_prefix(seq.token_ids)
+                # a request that wants its prompt's log-probabilities computes its whole prompt (vLLM's rule)
+                hit = NO_HIT if seq.request.needs_prompt_logprobs else bm.lookup_prefix(seq.token_ids)
                 start = len(hit.blocks) * bm.block_size
                 n = min(len(seq.token_ids) - start, budget)
                 if not bm.allocate_sequence(seq.seq_id, n, hit):
@@ -263,6 +272,8 @@ class Scheduler:
             table_array=bm.table_array,
             block_size=bm.block_size,
         )
+        if chunks and self._prompt_logprob_requests:
+            out.prompt_logprob_chunks = [c for c in chunks if c.seq.request.needs_prompt_logprobs]
         self._plan_samples(out)
         return out
 
@@ -500,8 +511,9 @@ class Scheduler:
                 self.running.remove(seq)
             elif was is SequenceStatus.WAITING and seq in self.waiting:
                 self.waiting.remove(seq)
-        if seq.request.is_finished:
-            self.requests.pop(seq.request.request_id, None)
+        if seq.request.is_finished and self.requests.pop(seq.request.request_id, None) is not None:
+            if seq.request.prompt_logprobs is not None:
+                self._prompt_logprob_requests -= 1
 
     # -- checking (tests) -------------------------------------------------------------------
     def check_invariants(self) -> None:

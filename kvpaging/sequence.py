@@ -137,6 +137,14 @@ class Request:
     tokenizer: object | None = None  # turns the completions' tokens into text; None: token ids only
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was first admitted
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (the input processor's)
+    # with params.prompt_logprobs: per prompt position, {token id: logprob} of its own token and the k most likely
+    # there (None for the first, which nothing predicts); filled as the prompt's chunks are computed
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while some prompt position still lacks its log-probabilities (then no prefix-cache hit)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def prompt_len(self) -> int:

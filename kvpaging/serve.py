@@ -27,8 +27,9 @@ Nothing a client sends names a model, a file or code to load: the served model
 is fixed at start, and the chat template is the model's own (a client's Jinja
 template would be code run on the server).
 
-Where kvpaging differs from vLLM: ``echo`` with ``logprobs`` is refused (the prompt's log-probabilities
-are not computed).
+``echo`` with ``logprobs`` gives the prompt's tokens their log-probabilities too (``SamplingParams.
+prompt_logprobs``; the first token's is null, as in OpenAI's API and vLLM), which is what
+evaluation harnesses use to score a text's log-likelihood.
 """
 
 from __future__ import annotations
@@ -433,7 +434,7 @@ class _Server:
         return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def sampling_params(self, req: _SamplingRequest, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, final_only: bool) -> SamplingParams:
+                        logprobs: int | None, final_only: bool, prompt_logprobs: int | None = None) -> SamplingParams:
         if prompt_len >= self.max_model_len:
             raise _bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
                                f"has {prompt_len}: it leaves no room to generate.", "prompt")
@@ -473,6 +474,7 @@ class _Server:
         if stop and self.tokenizer is None:
             raise _bad_request("stop strings need a tokenizer, and this model has none: use stop_token_ids", "stop")
         values = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+                  "prompt_logprobs": prompt_logprobs,
                   "stop": stop, "stop_token_ids": req.stop_token_ids,
                   "include_stop_str_in_output": req.include_stop_str_in_output,
                   "skip_special_tokens": req.skip_special_tokens, "seed": req.seed, "logit_bias": logit_bias,
@@ -531,6 +533,21 @@ class _Server:
         alternatives = None if top is None else [{self.token_text(t): lp for t, lp in d.items()} for d in top]
         return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives,
                 "text_offset": offsets}
+
+    def prompt_logprobs(self, prompt_token_ids, prompt_logprobs, k: int) -> dict:
+        """The prompt's part of an echoed choice's ``logprobs``: null for its first token (nothing predicts it),
+        then each token's log-probability and, with k > 0, the k most likely tokens at its position."""
+        tokens = [self.token_text(t) for t in prompt_token_ids]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        own, top = [None], [None]
+        for token, entry in zip(prompt_token_ids[1:], prompt_logprobs[1:]):
+            own.append(entry[token])
+            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]  # its own token may be extra
+            top.append({self.token_text(t): lp for t, lp in best})
+        return {"tokens": tokens, "token_logprobs": own, "top_logprobs": top if k else None, "text_offset": offsets}
 
     def chat_logprobs(self, token_ids, logprobs, top=None) -> dict:
         """OpenAI's chat ``logprobs``: per token its text, log-probability and bytes, and its ``top_logprobs``
@@ -607,6 +624,13 @@ async def _final_outputs(streams: list[RequestStream], request: Request,
     return finals
 
 
+def _joined(prompt: dict, completion: dict) -> dict:
+    """An echoed choice's logprobs: the prompt's, then the completion's (offsets already count the prompt)."""
+    out = {key: prompt[key] + completion[key] for key in ("tokens", "token_logprobs", "text_offset")}
+    out["top_logprobs"] = None if completion["top_logprobs"] is None else prompt["top_logprobs"] + completion["top_logprobs"]
+    return out
+
+
 def _token_id_fields(wanted: bool, token_ids, prompt_token_ids) -> dict:
     """vLLM's ``return_token_ids``: a choice's token ids, and its prompt's with the choice's first piece."""
     if not wanted:
@@ -629,6 +653,7 @@ class _Piece:
     top_logprobs: list[dict[int, float]] | None  # the k most likely tokens at each new position, when asked
     text_offset: int  # where ``text`` starts in the choice's whole text
     prompt_token_ids: list[int] | None  # its prompt's tokens, with the choice's first piece only
+    prompt_logprobs: list | None = None  # and their log-probabilities, when asked (echo + logprobs)
 
 
 async def _sse_events(head: dict, streams: list[RequestStream], request: Request, stopping: asyncio.Event, n: int,
@@ -673,8 +698,9 @@ async def _pieces(streams: list[RequestStream], request: Request, stopping: asyn
             if not text and not finished and not (new_ids and every_token):
                 continue
             top = c.top_logprobs[s.num_tokens:] if c.top_logprobs is not None else None
+            first = s.num_tokens == 0 and not s.text
             yield _Piece(index, c, text, new_ids, (c.logprobs or [])[s.num_tokens:], top, len(s.text),
-                         output.prompt_token_ids if s.num_tokens == 0 and not s.text else None)
+                         output.prompt_token_ids if first else None, output.prompt_logprobs if first else None)
             s.text, s.num_tokens, s.done = c.text, len(c.token_ids), finished
 
 
@@ -817,9 +843,6 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
     async def completions(request: Request):
         req = _parse(CompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise _bad_request("echo with logprobs would need the prompt's log-probabilities, which kvpaging does "
-                               "not compute: use echo without logprobs", "echo")
         if req.suffix:
             raise _bad_request("suffix is not supported by kvpaging", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -827,8 +850,9 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
         if req.logprobs is not None and not 0 <= req.logprobs <= server.max_logprobs:
             raise _bad_request(f"logprobs must be from 0 to {server.max_logprobs}, got {req.logprobs}", "logprobs")
         prompts = server.completion_prompts(req.prompt)
-        params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream)
-                  for _, ids in prompts]
+        prompt_logprobs = req.logprobs if req.echo else None  # echo + logprobs: the prompt's too
+        params = [server.sampling_params(req, len(ids), req.max_tokens, req.logprobs, final_only=not req.stream,
+                                         prompt_logprobs=prompt_logprobs) for _, ids in prompts]
         # echo: each choice's text starts with its prompt (as text; a token-id prompt decoded, with a tokenizer)
         echoed = [(text if text is not None else server.detokenize(ids)) if req.echo else "" for text, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -837,11 +861,15 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                 "model": served_model_name}
         with_logprobs = req.logprobs is not None
 
-        def choice(index, c, text, token_ids, logprobs, top, offset, prompt_token_ids) -> dict:
-            if req.echo and prompt_token_ids is not None:  # the choice's first piece (or its whole text)
-                text = echoed[index // req.n] + text
-            return {"index": index, "text": text,
-                    "logprobs": server.completion_logprobs(token_ids, logprobs, offset, top) if with_logprobs else None,
+        def choice(index, c, text, token_ids, logprobs, top, offset, prompt_token_ids, prompt_lps) -> dict:
+            echo = echoed[index // req.n]  # "" without echo
+            first = req.echo and prompt_token_ids is not None  # the choice's first piece (or its whole text)
+            lp = None
+            if with_logprobs:  # offsets count from the start of the choice's text, echoed prompt included
+                lp = server.completion_logprobs(token_ids, logprobs, offset + len(echo), top)
+                if first:
+                    lp = _joined(server.prompt_logprobs(prompt_token_ids, prompt_lps, req.logprobs), lp)
+            return {"index": index, "text": echo + text if first else text, "logprobs": lp,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     **_token_id_fields(req.return_token_ids, token_ids, prompt_token_ids)}
 
@@ -850,7 +878,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
             if finals is None:
                 return Response(status_code=499)  # the client has gone: nobody reads this
             choices = [choice(i * req.n + c.index, c, c.text, c.token_ids, c.logprobs or [], c.top_logprobs, 0,
-                              o.prompt_token_ids) for i, o in enumerate(finals) for c in o.outputs]
+                              o.prompt_token_ids, o.prompt_logprobs) for i, o in enumerate(finals) for c in o.outputs]
             return {**head, "choices": choices, "usage": server.usage(finals), "system_fingerprint": None}
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -859,7 +887,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
 
         def chunk(p) -> dict:
             return choice(p.index, p.completion, p.text, p.token_ids, p.logprobs, p.top_logprobs, p.text_offset,
-                          p.prompt_token_ids)
+                          p.prompt_token_ids, p.prompt_logprobs)
 
         events = _sse_events(head, streams, request, server.stopping, req.n, every_token, chunk, include_usage,
                              server.usage)

@@ -240,7 +240,6 @@ BAD_REQUESTS = [
     ({"logprobs": -1}, 400, "logprobs must be from 0 to 20"),
     ({"presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
-    ({"echo": True, "logprobs": 0}, 400, "echo with logprobs"),
     ({"model": "gpt-4"}, 404, "does not exist"),
 ]
 
