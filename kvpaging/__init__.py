@@ -26,6 +26,7 @@ from .llm import LLM
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sampling_params import RequestOutputKind, SamplingParams
+from .structured_outputs import StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
 from .config import EngineConfig
 from .errors import (DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError,
@@ -52,6 +53,7 @@ __all__ = [
     "TensorParallelError",
     "UnsupportedModelError",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -272,6 +272,8 @@ class LLMEngine:
                 self._record_prompt_logprobs(out.prompt_logprob_chunks, logits[num_rows:])
                 logits = logits[:num_rows]
             sampled, failed_rows = self._sample(out, logits)
+            if sched.num_structured:
+                failed_rows = self._advance_grammars(out.samples, sampled.token_ids, failed_rows)
         except BaseException as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
             # The scheduler has already given this step's sequences their slots, and nothing
             # can take them back half way: fail the step's requests so that the books balance,
@@ -352,7 +354,7 @@ class LLMEngine:
                           for seq, p in zip(samples, params)]
             states = [None if g is None else g.get_state() for g in generators]  # ~2 us each, against a draw's 100s
         # built only if some row needs it (penalties, min_tokens, bad words; the sampler looks once)
-        histories = lambda: [_history(seq) for seq in samples]  # noqa: E731
+        histories = lambda: [self._history(seq) for seq in samples]  # noqa: E731
         try:
             return self.sampler(logits, params, generators, self.generator, histories), None
         except Exception as error:  # noqa: BLE001 - find the row(s) at fault, below
@@ -371,7 +373,7 @@ class LLMEngine:
         for i, (seq, p) in enumerate(zip(samples, params)):
             try:
                 one = self.sampler(logits[i:i + 1], [p], None if generators is None else [generators[i]],
-                                   self.generator, [_history(seq)])
+                                   self.generator, [self._history(seq)])
             except Exception as error:  # noqa: BLE001 - this row's request fails, alone
                 failed[i] = error
                 token_ids.append(0)  # never used: the scheduler drops failed rows before appending tokens
@@ -385,6 +387,26 @@ class LLMEngine:
         wants_logprobs = any(p.logprobs is not None for p in params)
         return SamplerOutput(token_ids, logprobs if wants_logprobs else None,
                              top_logprobs if any(p.logprobs for p in params) else None), failed
+
+    def _history(self, seq: Sequence) -> RowHistory:
+        """What the sampler needs to know of a sequence's past: its tokens, what would stop it, its bad words,
+        its grammar matcher (made at its first sample: a fork starts where its parent did, before any token)."""
+        request = seq.request
+        if request.grammar is not None and seq.matcher is None:
+            seq.matcher = self.inputs.grammars.matcher(request.grammar)
+        return RowHistory(seq.token_ids, request.prompt_len, seq.stop_ids, request.bad_words_token_ids, seq.matcher)
+
+    def _advance_grammars(self, samples: list[Sequence], token_ids: list[int], failed: dict | None) -> dict | None:
+        """Feed each structured completion's new token to its matcher; a token it refuses fails that request."""
+        for k, seq in enumerate(samples):
+            matcher = seq.matcher
+            if matcher is None or (failed and k in failed) or matcher.is_stopped():
+                continue  # (a finished grammar allows only EOS, which needs no feeding)
+            if not matcher.consume_token(token_ids[k]):
+                failed = dict(failed or {})
+                failed[k] = ValueError(f"structured_outputs: token {token_ids[k]} breaks the grammar: "
+                                       f"{matcher.get_error()}")
+        return failed
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         """A seeded completion's own generator, made from its seed the first time it samples."""
@@ -418,12 +440,6 @@ class LLMEngine:
                 self._streaming.discard(req.request_id)
                 outputs.append(request_output(req))  # with the error; its text as far as it decodes
         return outputs
-
-def _history(seq: Sequence) -> RowHistory:
-    """What the sampler needs to know of a sequence's past: its tokens, what would stop it, its bad words."""
-    request = seq.request
-    return RowHistory(seq.token_ids, request.prompt_len, seq.stop_ids, request.bad_words_token_ids)
-
 
 def _eos_token_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()

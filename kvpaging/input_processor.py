@@ -16,6 +16,7 @@ import torch
 from .config import EngineConfig
 from .sampling_params import SamplingParams
 from .sequence import Request
+from .structured_outputs import GrammarCompiler
 
 __all__ = ["InputProcessor", "normalize_batch"]
 
@@ -25,6 +26,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)  # structured outputs; its tokenizer view is lazy
 
     def check(self, prompt, params) -> tuple[str | None, list[int]]:
         """Validate one request without changing anything; returns its text and token ids."""
@@ -49,6 +51,11 @@ class InputProcessor:
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words={params.bad_words!r} needs a tokenizer to spell them in tokens, and this "
                              "engine has none: use logit_bias with -100 on their token ids")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer (the grammar is over text), and this engine "
+                                 "has none")
+            self.grammars.compile(params.structured_outputs)  # refuses a bad grammar before anything is queued
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
@@ -60,6 +67,8 @@ class InputProcessor:
         request = Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
         if params.bad_words:
             request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.compile(params.structured_outputs)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token: nothing before it predicts it
         return request

@@ -5,7 +5,7 @@ per running sequence, and every sequence may have its own ``SamplingParams``.
 The sampler turns that into one token id per row:
 
 0. Rows whose params change the logits get them changed, in vLLM's order:
-   only the allowed tokens kept, bad words banned, stop tokens banned while
+   the grammar's mask (structured outputs), only the allowed tokens kept, bad words banned, stop tokens banned while
    the completion is shorter than ``min_tokens``, ``logit_bias`` added, then
    the penalties (repetition, then frequency and presence), from the tokens so far.
 1. Greedy rows (temperature 0) take the argmax. A batch that is all greedy
@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kvpaging.sampling_params import SamplingParams, SamplingType
+from kvpaging.structured_outputs import allowed_tokens
 
 
 @dataclass
@@ -58,6 +59,7 @@ class RowHistory(NamedTuple):
     prompt_len: int
     stop_ids: frozenset[int] = frozenset()  # what would end it: banned while shorter than min_tokens
     bad_words: tuple[tuple[int, ...], ...] = ()  # token-id spellings of its bad words
+    matcher: object | None = None  # with structured outputs: the completion's grammar matcher, where it is now
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -132,6 +134,9 @@ def _processed(logits: torch.Tensor, params: list[SamplingParams], histories) ->
             continue
         x = out[row]
         h = RowHistory(*histories[row]) if p.needs_history else None
+        if h is not None and h.matcher is not None:  # the grammar first: only tokens that keep the text valid
+            allowed = torch.from_numpy(allowed_tokens(h.matcher, x.shape[-1])).to(x.device)
+            x.masked_fill_(~allowed, neg_inf)
         if p.allowed_token_ids is not None:
             keep = torch.zeros_like(x, dtype=torch.bool)
             keep[torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=x.device)] = True
@@ -148,7 +153,8 @@ def _processed(logits: torch.Tensor, params: list[SamplingParams], histories) ->
         if p.has_penalties:
             _penalize(x, p, h)
         if not bool(torch.isfinite(x).any()):  # what softmax and argmax would turn into nonsense
-            raise ValueError(f"row {row}: allowed_token_ids, bad_words and min_tokens leave no token to choose")
+            raise ValueError(f"row {row}: structured_outputs, allowed_token_ids, bad_words and min_tokens leave no "
+                             "token to choose")
     return out
 
 

@@ -90,8 +90,12 @@ class SamplingParams:
     bad_words: words that are never generated (vLLM's): each is tokenized with and
         without a leading space, and the last token of either spelling is banned
         whenever the completion's tokens so far end with the rest of it. Needs a tokenizer.
-    These four change the logits before sampling, in vLLM's order (allowed tokens,
-    bad words, min_tokens, logit_bias, then the penalties); logprobs stay raw.
+    structured_outputs: a ``StructuredOutputsParams`` (a JSON schema, a regex, a
+        grammar or choices) the text must follow; tokens that would break it are
+        never chosen (kvpaging/structured_outputs.py). Needs a tokenizer.
+    These change the logits before sampling, in vLLM's order (the grammar's mask,
+    allowed tokens, bad words, min_tokens, logit_bias, then the penalties);
+    logprobs stay raw.
 
     With temperature 0 the sampler ignores top_p, top_k and min_p; like vLLM we
     reset them to their neutral values so that the stored params say so.
@@ -121,6 +125,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: object | None = None  # a StructuredOutputsParams
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -179,6 +184,12 @@ class SamplingParams:
         if bad is not None and (not isinstance(bad, (list, tuple)) or not all(
                 isinstance(w, str) and w.strip() for w in bad)):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {bad!r}")
+        if self.structured_outputs is not None:
+            from .structured_outputs import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind) or self.output_kind == RequestOutputKind.DELTA:
             raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
                              " (kvpaging has no DELTA outputs)")
@@ -199,7 +210,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         # what the sampler asks of every row at every step, worked out once
         penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-        history = penalties or self.min_tokens > 0 or self.bad_words is not None
+        history = (penalties or self.min_tokens > 0 or self.bad_words is not None
+                   or self.structured_outputs is not None)
         object.__setattr__(self, "_flags", (penalties, history, history or self.logit_bias is not None
                                             or self.allowed_token_ids is not None))
 

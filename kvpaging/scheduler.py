@@ -154,6 +154,7 @@ class Scheduler:
         # seats held beyond one by running n > 1 requests that have not forked yet
         self._unforked_extra_seats = 0
         self._prompt_logprob_requests = 0  # unfinished requests asking for prompt logprobs (0: no chunk is looked at)
+        self.num_structured = 0  # unfinished requests with structured outputs (0: no grammar is advanced)
 
     # -- queue changes from the engine ---------------------------------------------------
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -166,19 +167,24 @@ class Scheduler:
         return seq
 
     def add_request(self, request: Request) -> None:
-        if request.prompt_logprobs is not None:
-            self._prompt_logprob_requests += 1
+        self._count_extras(request, 1)
         seq = self.new_sequence(request, 0, list(request.prompt_token_ids))
         self.requests[request.request_id] = request
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> Request:
         request = self.requests.pop(request_id)
-        if request.prompt_logprobs is not None:
-            self._prompt_logprob_requests -= 1
+        self._count_extras(request, -1)
         for seq in request.seqs:
             self._finish(seq, SequenceStatus.FINISHED_ABORTED, remove=True)
         return request
+
+    def _count_extras(self, request: Request, delta: int) -> None:
+        """Count the unfinished requests that need more than plain sampling, so a step without any looks at none."""
+        if request.prompt_logprobs is not None:
+            self._prompt_logprob_requests += delta
+        if request.grammar is not None:
+            self.num_structured += delta
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -512,8 +518,7 @@ class Scheduler:
             elif was is SequenceStatus.WAITING and seq in self.waiting:
                 self.waiting.remove(seq)
         if seq.request.is_finished and self.requests.pop(seq.request.request_id, None) is not None:
-            if seq.request.prompt_logprobs is not None:
-                self._prompt_logprob_requests -= 1
+            self._count_extras(seq.request, -1)
 
     # -- checking (tests) -------------------------------------------------------------------
     def check_invariants(self) -> None:

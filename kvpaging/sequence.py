@@ -70,6 +70,7 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     _detokenizer: IncrementalDetokenizer | None = None
+    matcher: object | None = None  # with structured outputs: this completion's grammar matcher (the engine's)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)
@@ -140,6 +141,7 @@ class Request:
     # with params.prompt_logprobs: per prompt position, {token id: logprob} of its own token and the k most likely
     # there (None for the first, which nothing predicts); filled as the prompt's chunks are computed
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    grammar: str | None = None  # with structured outputs: llguidance's grammar, checked at intake
 
     @property
     def needs_prompt_logprobs(self) -> bool:

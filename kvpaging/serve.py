@@ -53,13 +53,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
+from .structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("kvpaging.serve")
 
@@ -102,11 +103,35 @@ def _bad_request(message: str, param: str | None = None) -> APIError:
 # =============================================================================== request bodies
 class _Strict(BaseModel):
     # strict: "5" is not an int and true is not a number; forbid: a misspelt field is an error, not ignored
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` extra field: exactly one of these."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -137,6 +162,8 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM: each choice also carries its token ids (and the response the prompt's)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("n", "stream", "echo", "logprobs", "ignore_eos", "include_stop_str_in_output",
                      "skip_special_tokens", "return_token_ids", mode="before", check_fields=False)
@@ -484,10 +511,31 @@ class _Server:
                      "repetition_penalty", "min_tokens"):  # None: SamplingParams' (and OpenAI's) default
             if getattr(req, name) is not None:
                 values[name] = getattr(req, name)
+        values["structured_outputs"] = self.structured_outputs(req)
         try:
             return SamplingParams(**values)
         except ValueError as error:
             raise _bad_request(str(error)) from None
+
+    @staticmethod
+    def structured_outputs(req: _SamplingRequest):
+        """``response_format`` (OpenAI's) or ``structured_outputs`` (vLLM's) as StructuredOutputsParams."""
+        fmt, so = req.response_format, req.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise _bad_request("give response_format or structured_outputs, not both", "response_format")
+        try:
+            if so is not None:
+                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                               json_object=bool(so.json_object))
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise _bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as error:
+            raise _bad_request(str(error), "structured_outputs" if so is not None else "response_format") from None
 
     async def start(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                     params: list[SamplingParams]) -> list[RequestStream]:
