@@ -44,13 +44,14 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=lessons
 
 # The suite in two halves, side by side: the tests (pytest), and the lessons executed by nbval
-# followed by the AsyncLLM tests and the architecture matrix (LATE_TESTS), so that the two halves take
+# followed by the AsyncLLM tests, the architecture matrix, the sampling controls and prompt logprobs
+# (LATE_TESTS), so that the two halves take
 # about as long (on the 2-core VM of 2026-12-03, from a clean clone: tests 13:28, lessons 12:17 + 0:09;
 # 15:17 in all with the install).
 # Each runs on one CPU thread (OMP_NUM_THREADS=1): on a 2-core machine two processes that each
 # spin two OpenMP threads wait on each other and slow down many times over. The trained model's
 # cache is built first, once, so the two halves never build it at the same time.
-LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py
+LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py tests/test_sampling_controls.py tests/test_prompt_logprobs.py
 test: $(STAMP) browser-deps
 	$(BIN)/python -c "from kvpaging.trained import trained_path; print('trained model cache:', trained_path())"
 	@export OMP_NUM_THREADS=1; \
