@@ -9,8 +9,7 @@ end-of-sequence token is allowed, so the completion ends there.
 
 The matching is done by llguidance (``pip install llguidance``; a Rust library, no other
 dependencies, a CPU wheel for every platform): it works the mask out lazily from the grammar
-and the tokenizer's byte strings, so a new JSON schema costs no compile step (about a
-millisecond), and a mask about 0.1-0.2 ms on a 49k-token vocabulary. xgrammar (vLLM's default)
+and the tokenizer's byte strings, so a new JSON schema needs no compile step. xgrammar (vLLM's default)
 needs the grammar compiled per schema and pulls in torch-version-sensitive extensions;
 outlines-core builds a full index per regex up front. vLLM supports llguidance as its
 ``guidance`` backend, so the grammars mean the same there.
