@@ -269,7 +269,7 @@ class LLMEngine:
             logits = self.runner.execute(out)  # one row per sequence whose chunk reached its end
             if out.prompt_logprob_chunks:  # then one row per token of those chunks
                 num_rows = len(out.samples) - len(out.children)
-                self._record_prompt_logprobs(out.prompt_logprob_chunks, logits[num_rows:])
+                self._record_prompt_logprobs([out.chunks[k] for k in out.prompt_logprob_chunks], logits[num_rows:])
                 logits = logits[:num_rows]
             sampled, failed_rows = self._sample(out, logits)
             if sched.num_structured:
@@ -325,12 +325,9 @@ class LLMEngine:
             targets = torch.tensor(request.prompt_token_ids[chunk.start + first + 1:chunk.start + last + 1],
                                    device=lp.device)
             own = lp.gather(-1, targets[:, None]).squeeze(-1).tolist()
-            k = min(request.params.prompt_logprobs, lp.shape[-1])
-            tops = lp.topk(k, dim=-1) if k else None
-            top_ids = tops.indices.tolist() if k else None
-            top_values = tops.values.tolist() if k else None
-            for j, (token, value) in enumerate(zip(targets.tolist(), own)):
-                entry = dict(zip(top_ids[j], top_values[j])) if k else {}
+            top = lp.topk(min(request.params.prompt_logprobs, lp.shape[-1]), dim=-1)  # k = 0: empty rows
+            for token, value, ids, values in zip(targets.tolist(), own, top.indices.tolist(), top.values.tolist()):
+                entry = dict(zip(ids, values))
                 entry[token] = value
                 have.append(entry)
 

@@ -347,10 +347,9 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     positions.shape = (1, len(positions))
     logits_indices = np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[np.array(sampling)]])
     if out.prompt_logprob_chunks:  # every token of these chunks, after the sampling rows
-        wanted = {id(c) for c in out.prompt_logprob_chunks}
         firsts = num_decodes + ends_in_step - lengths
         logits_indices = np.concatenate([logits_indices] + [firsts[k] + np.arange(lengths[k])
-                                                            for k, c in enumerate(out.chunks) if id(c) in wanted])
+                                                            for k in out.prompt_logprob_chunks])
     return StepInputs(
         input_ids=tensor(np.fromiter(input_ids, np.int64, len(input_ids)).reshape(1, -1)),
         positions=tensor(positions),

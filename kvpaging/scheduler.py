@@ -89,9 +89,9 @@ class SchedulerOutput:
     # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
     # end, decodes first); None when that is simply row k for sample k, i.e. when no request forked this step
     sample_rows: list[int] | None = None
-    # chunks of requests that want their prompt's log-probabilities: the runner returns one more logits row per
-    # token of each, after the sampling rows, in this order
-    prompt_logprob_chunks: list[ScheduledSeq] = field(default_factory=list)
+    # which of ``chunks`` (indices) belong to requests that want their prompt's log-probabilities: the runner
+    # returns one more logits row per token of each, after the sampling rows, in this order
+    prompt_logprob_chunks: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
@@ -279,7 +279,7 @@ class Scheduler:
             block_size=bm.block_size,
         )
         if chunks and self._prompt_logprob_requests:
-            out.prompt_logprob_chunks = [c for c in chunks if c.seq.request.needs_prompt_logprobs]
+            out.prompt_logprob_chunks = [k for k, c in enumerate(chunks) if c.seq.request.needs_prompt_logprobs]
         self._plan_samples(out)
         return out
 

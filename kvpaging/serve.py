@@ -578,24 +578,19 @@ class _Server:
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        alternatives = None if top is None else [{self.token_text(t): lp for t, lp in d.items()} for d in top]
+        alternatives = None if top is None else [
+            None if d is None else {self.token_text(t): lp for t, lp in d.items()} for d in top]
         return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives,
                 "text_offset": offsets}
 
     def prompt_logprobs(self, prompt_token_ids, prompt_logprobs, k: int) -> dict:
         """The prompt's part of an echoed choice's ``logprobs``: null for its first token (nothing predicts it),
         then each token's log-probability and, with k > 0, the k most likely tokens at its position."""
-        tokens = [self.token_text(t) for t in prompt_token_ids]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
         own, top = [None], [None]
         for token, entry in zip(prompt_token_ids[1:], prompt_logprobs[1:]):
             own.append(entry[token])
-            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]  # its own token may be extra
-            top.append({self.token_text(t): lp for t, lp in best})
-        return {"tokens": tokens, "token_logprobs": own, "top_logprobs": top if k else None, "text_offset": offsets}
+            top.append(dict(sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]))  # its own may be extra
+        return self.completion_logprobs(prompt_token_ids, own, 0, top if k else None)
 
     def chat_logprobs(self, token_ids, logprobs, top=None) -> dict:
         """OpenAI's chat ``logprobs``: per token its text, log-probability and bytes, and its ``top_logprobs``

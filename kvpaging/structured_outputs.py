@@ -21,6 +21,7 @@ applies its grammar bitmask before the sampler; logprobs stay the raw model's.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 __all__ = ["StructuredOutputsParams", "GrammarCompiler"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: the compiler remembers each one's grammar
 class StructuredOutputsParams:
     """What a request's text must follow (vLLM's ``StructuredOutputsParams``): exactly one of
 
@@ -96,6 +97,8 @@ class GrammarCompiler:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._tokenizer = None
+        # each params' checked grammar: intake checks every request of a batch, then queues them
+        self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def tokenizer(self):
@@ -114,10 +117,13 @@ class GrammarCompiler:
         """The request's grammar, checked against this tokenizer: a ValueError names what is wrong."""
         from llguidance import LLMatcher
 
-        grammar = params.to_grammar()
-        problem = LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if problem:
-            raise ValueError(f"structured_outputs: {problem}")
+        grammar = self._compiled.get(params)
+        if grammar is None:
+            grammar = params.to_grammar()
+            problem = LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if problem:
+                raise ValueError(f"structured_outputs: {problem}")
+            self._compiled[params] = grammar
         return grammar
 
     def matcher(self, grammar: str):
