@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_layout import MEASURING, record_call
+
 ATTN_NAME = "kvpaging"
 CALIBRATION_KWARG = "kvpaging_calibration"  # a dict layer -> (k amax, v amax) per KV head, filled in place
 
@@ -62,6 +64,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     meta: AttentionMetadata | None = kwargs.get(ATTN_NAME) or CURRENT_STEP.get()
     if meta is None:
         amax = kwargs.pop(CALIBRATION_KWARG, None)
+        found = MEASURING.get()
+        if found is not None:  # the engine reads each layer's key/value shapes before sizing the cache
+            record_call(found, module, key, value)
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
         if amax is None:
             from .self_check import no_metadata_error
 
@@ -87,6 +96,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         scaling = q.shape[-1] ** -0.5
     layer = module.layer_idx
     k_cache, v_cache = meta.kv_caches[layer]
+    width, value_width = k_cache.shape[-1], v.shape[-1]
+    if k.shape[-1] != width or value_width != width:  # keys and values of two widths (kvpaging/kv_layout.py)
+        if k.shape[-1] > width or value_width > width:
+            from .errors import UnsupportedModelError
+
+            raise UnsupportedModelError(
+                f"layer {layer} gives keys {k.shape[-1]} and values {value_width} wide, but its cache rows hold "
+                f"{width}: the cache was sized for other shapes", "kv_shape")
+        q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     k_scale, v_scale = meta.kv_scales[layer]
     ops = meta.backend
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
@@ -94,17 +112,19 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if nd == q.shape[0]:
         out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale,
                                          window=window, softcap=softcap, sinks=sinks)
-        return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
-    out = torch.empty_like(q)
-    if nd:
-        out[:nd] = ops.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale,
-            window=window, softcap=softcap, sinks=sinks,
+    else:
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = ops.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale,
+                window=window, softcap=softcap, sinks=sinks,
+            )
+        out[nd:] = ops.paged_prefill_attention(
+            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q, meta.seq_lens[nd:],
+            scaling, k_scale, v_scale, window=window, softcap=softcap, sinks=sinks,
         )
-    out[nd:] = ops.paged_prefill_attention(
-        q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q, meta.seq_lens[nd:],
-        scaling, k_scale, v_scale, window=window, softcap=softcap, sinks=sinks,
-    )
+    if value_width != width:
+        out = out[..., :value_width]
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_math import paged_kv_bytes_per_token
+from .errors import UnsupportedModelError
+from .kv_layout import config_layout, layout_bytes_per_token
 
 logger = logging.getLogger("kvpaging")
 
@@ -155,9 +156,12 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype is still 'auto': resolve the config against its model first")
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
-    def resolve(self, model) -> EngineConfig:
+    def resolve(self, model, kv_layout: list | None = None) -> EngineConfig:
         """This config with every "auto" replaced by what runs for ``model``, and every setting that
-        depends on the model checked. Raises ValueError, naming the value, for what cannot run."""
+        depends on the model checked. Raises ValueError, naming the value, for what cannot run.
+
+        ``kv_layout``: each layer's keys and values as ``kvpaging.kv_layout.measure_kv_layout`` read them off
+        the model, which the pool is sized by; None: as the config describes them."""
         param = next(model.parameters())
         dev, model_dtype = param.device, param.dtype
         config = model.config
@@ -194,14 +198,26 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
 
         tp = self.tensor_parallel_size
+        layout = kv_layout or config_layout(config, config.num_hidden_layers)
+        if layout is None:
+            raise UnsupportedModelError(f"{type(model).__name__}'s config declares its key/value shapes per layer: "
+                                        "pass the layout a forward pass reads (kvpaging.kv_layout)", "kv_shape")
+        described = layout == config_layout(config, len(layout))
         if tp > 1:
             from .tensor_parallel import check_tensor_parallel
 
+            if not described:
+                raise UnsupportedModelError(
+                    f"tensor_parallel_size={tp}: {type(model).__name__}'s keys and values are not the "
+                    "num_key_value_heads x head_dim its config describes (kvpaging/kv_layout.py), and the "
+                    "tensor-parallel plan shards the heads the config names; serve it with tensor_parallel_size=1",
+                    "kv_shape")
             check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
         num_blocks = self.num_blocks
         if num_blocks is None:
+            dtype = KV_CACHE_DTYPES[kv_dtype]
             # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
-            bytes_per_block = paged_kv_bytes_per_token(config, KV_CACHE_DTYPES[kv_dtype]) * self.block_size // tp
+            bytes_per_block = layout_bytes_per_token(layout, dtype) * self.block_size // tp
             # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
             shard_bytes = 0
             if tp > 1 and dev.type == "cuda":

@@ -33,6 +33,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import DuplicateSequenceError, RequestFailedError
 from .input_processor import InputProcessor, normalize_batch
+from .kv_layout import measure_kv_layout
 from .model_runner import ModelRunner, check_model_supported
 from .self_check import SelfCheckResult, run_self_check
 from .outputs import RequestOutput, request_output
@@ -55,7 +56,9 @@ class LLMEngine:
         ("auto" backend, KV dtype, pool size and max_model_len become concrete).
         """
         check_model_supported(model)  # what the config says kvpaging cannot serve, before sizing anything for it
-        config = (config if config is not None else EngineConfig()).resolve(model)
+        # each layer's keys and values as the model gives them to attention, which the pool is sized by
+        layout = measure_kv_layout(model, model.config.num_hidden_layers)
+        config = (config if config is not None else EngineConfig()).resolve(model, layout)
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         if config.tensor_parallel_size > 1:  # worker processes hold the other ranks' shards
@@ -63,7 +66,7 @@ class LLMEngine:
 
             self.runner = TensorParallelRunner(model, config)
         else:  # CUDA graphs are captured after the self-check, which then replays them
-            self.runner = ModelRunner(model, config, capture_graphs=not config.self_check)
+            self.runner = ModelRunner(model, config, capture_graphs=not config.self_check, kv_layout=layout)
         self.model = self.runner.model  # the private copy the engine runs (with tensor parallelism: rank 0's shard)
         self.device = self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]

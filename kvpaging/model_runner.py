@@ -30,6 +30,7 @@ from .config import EngineConfig
 from .errors import UnsupportedModelError
 from .kernels.backends import get_backend
 from .kernels.cpu.layers import FastLayers
+from .kv_layout import LayerKV, config_layout
 from .models import private_copy
 from .scheduler import SchedulerOutput
 
@@ -74,12 +75,6 @@ def check_model_supported(model) -> None:
         raise refuse(f"is a composite model ({type(config).__name__}, its language model's settings in a sub-config "
                      f"{type(text).__name__}); kvpaging serves text-only causal LMs: load the language model "
                      "alone (AutoModelForCausalLM.from_config(config.get_text_config()) and its weights)")
-    for field in ("head_dim", "num_key_value_heads"):
-        try:
-            getattr(config, field, None)
-        except Exception as error:  # noqa: BLE001 - e.g. Gemma 4's per-layer configs refuse a global head_dim
-            raise refuse(f"declares its {field} per layer ({type(error).__name__}: {str(error)[:120]}); kvpaging's "
-                         "paged cache has one key/value shape for every layer") from error
     for field in ("num_hidden_layers", "num_attention_heads"):
         value = getattr(config, field, None)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,7 +97,9 @@ class ModelRunner:
     """Runs the engine's private copy of the model, one packed forward pass per step, over the paged KV cache."""
 
     def __init__(self, model, config: EngineConfig, calibration_tokens: list[list[int]] | None = None,
-                 capture_graphs: bool = True) -> None:
+                 capture_graphs: bool = True, kv_layout: list[LayerKV] | None = None) -> None:
+        """``kv_layout``: each layer's key/value heads and widths as ``measure_kv_layout`` read them off the
+        model (the engine passes what it sized the pool by); None: as the config describes them."""
         if not config.is_resolved:
             raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
         # (LLMEngine has run check_model_supported on the model before sizing the pool for it)
@@ -114,18 +111,21 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.num_layers = config_hf.num_hidden_layers
         # this rank's KV heads: all of them, or 1/tensor_parallel_size of them (kvpaging/tensor_parallel.py)
-        kv_heads = getattr(config_hf, "num_key_value_heads", None) or config_hf.num_attention_heads
-        self.num_kv_heads = kv_heads // config.tensor_parallel_size
-        self.head_dim = getattr(config_hf, "head_dim", None) or config_hf.hidden_size // config_hf.num_attention_heads
+        # each layer's KV heads (this rank's share of them with tensor parallelism) and widths (kvpaging/kv_layout.py)
+        self.kv_layout = kv_layout or config_layout(config_hf, self.num_layers, config.tensor_parallel_size)
+        if self.kv_layout is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s config declares its key/value shapes per layer and a first forward pass "
+                "could not read them off its attention calls, so kvpaging cannot size its cache", "kv_shape")
         self.kv_cache_dtype = config.kv_torch_dtype
         self.backend_name = config.attention_backend
         self.backend = get_backend(config.attention_backend)  # an AttentionBackend (kernels/backends.py)
-        shape = (config.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: masked-out positions are multiplied by a probability of 0, and 0 * NaN is NaN
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(self.num_layers)
+            for shape in ((config.num_blocks, self.block_size, layer.num_kv_heads, layer.width)
+                          for layer in self.kv_layout)
         ]
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
         register_attention()

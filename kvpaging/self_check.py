@@ -122,12 +122,11 @@ class AttentionProbe:
     wrong; ``finish_step`` then checks that every layer called exactly once.
     """
 
-    def __init__(self, model_name: str, num_layers: int, num_kv_heads: int, head_dim: int,
-                 windows: list | None = None) -> None:
+    def __init__(self, model_name: str, kv_layout: list, windows: list | None = None) -> None:
         self.model_name = model_name
-        self.num_layers = num_layers
+        self.num_layers = num_layers = len(kv_layout)
         self.windows = list(windows) if windows is not None else [0] * num_layers  # the config's, per layer
-        self.kv_shape = (num_kv_heads, head_dim)
+        self.kv_layout = kv_layout  # each layer's LayerKV: what its cache was sized for (kvpaging/kv_layout.py)
         self.calls = [0] * num_layers
         self.num_tokens = 0
 
@@ -148,7 +147,7 @@ class AttentionProbe:
                 "cache holds one key and one value per layer and token, so the second call's keys and values "
                 "would overwrite the first's (two attention maps in one layer, as in differential attention)",
                 "double_call")
-        self._check_shapes(module, query, key, value)
+        self._check_shapes(module, self.kv_layout[layer], query, key, value)
         self._check_window(module, layer, kwargs.get("sliding_window"))
         if dropout:
             raise UnsupportedModelError(
@@ -182,20 +181,21 @@ class AttentionProbe:
                 "kernels window a layer by that argument and the model's own masks by the config, so they would "
                 "attend to different keys", "attention_arguments")
 
-    def _check_shapes(self, module, query, key, value) -> None:
-        heads, width = self.kv_shape
+    def _check_shapes(self, module, layer, query, key, value) -> None:
+        heads = layer.num_kv_heads
         n = self.num_tokens
         bad = None
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             bad = "query, key and value must be [batch, heads, tokens, head_dim]"
         elif query.shape[0] != 1 or key.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n:
             bad = f"the engine packs a step's {n} tokens as one batch row"
-        elif tuple(key.shape[1::2]) != (heads, width) or tuple(value.shape[1::2]) != (heads, width):
-            bad = (f"the cache, sized from the config, holds {heads} KV heads x {width} per token "
-                   "(num_key_value_heads, head_dim), as in multi-head latent attention or heads the config "
-                   "does not describe")
-        elif query.shape[3] != width or query.shape[1] % heads:
-            bad = f"the query heads must be a multiple of the {heads} KV heads, with the keys' width {width}"
+        elif (key.shape[1], key.shape[3], value.shape[1], value.shape[3]) != (
+                heads, layer.key_width, heads, layer.value_width):
+            bad = (f"the cache was sized for {heads} KV heads with keys {layer.key_width} and values "
+                   f"{layer.value_width} wide in this layer (as a first forward pass gave them, or the config "
+                   "describes them): the layer's shapes change from call to call")
+        elif query.shape[3] != layer.key_width or query.shape[1] % heads:
+            bad = f"the query heads must be a multiple of the {heads} KV heads, with the keys' width {layer.key_width}"
         if bad is not None:
             raise UnsupportedModelError(
                 f"{_layer_name(module)} gives attention query {tuple(query.shape)}, key {tuple(key.shape)} and "
@@ -294,8 +294,7 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
         table[row, : len(ids)] = ids
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
-    probe = AttentionProbe(name, runner.num_layers, runner.num_kv_heads, runner.head_dim,
-                           layer_windows(runner.model.config))
+    probe = AttentionProbe(name, runner.kv_layout, layer_windows(runner.model.config))
     graphs = capture_graphs and runner.uses_graphs
     steps = _plan(tuple(lengths), decode_step=graphs)
     errors: list[tuple[float, int, int, int, str]] = []  # (mean squared error, step, sequence, position, kind)

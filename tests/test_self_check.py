@@ -15,6 +15,7 @@ from engine_helpers import assert_pool_clean, build_llm, greedy_params, make_mod
 from kvpaging import LLM, UnsupportedModelError
 from kvpaging.architectures import tiny_model
 from kvpaging.self_check import TOLERANCES, AttentionProbe, _plan
+from kvpaging.kv_layout import LayerKV
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +83,6 @@ def refusal(model, **settings) -> UnsupportedModelError:
 @pytest.mark.parametrize("model_type, cause, words", [
     ("falcon", "attention_interface", "does not go through transformers' AttentionInterface"),
     ("diffllama", "double_call", "called attention 2 times in one forward pass"),
-    ("deepseek_v2", "kv_shape", "do not fit the paged cache"),
 ])
 def test_real_architectures_are_refused_for_their_cause(model_type, cause, words):
     model = tiny_model(model_type)
@@ -134,7 +134,7 @@ def test_the_opt_out_serves_without_checking():
 
 
 def test_the_probe_names_arguments_the_kernels_ignore():
-    probe = AttentionProbe("M", num_layers=1, num_kv_heads=2, head_dim=8)
+    probe = AttentionProbe("M", [LayerKV(num_kv_heads=2, key_width=8, value_width=8)])
     probe.start_step(3)
     module = torch.nn.Module()
     module.layer_idx = 0

@@ -1,0 +1,102 @@
+"""What the paged cache holds per layer: read off the model's own attention calls, not its config.
+
+A config's ``num_key_value_heads`` and ``head_dim`` describe most models' keys and values, but
+not all of them:
+
+* multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite) expands a compressed
+  latent into per-head keys of ``qk_nope_head_dim + qk_rope_head_dim`` numbers and values of
+  ``v_head_dim``: two widths, neither of them ``head_dim``;
+* some models have more key/value heads than the config names (JetMoE), or a different
+  number in some layers (MiMo-V2-Flash).
+
+So before the cache is sized, the engine runs its private copy of the model once over a few
+tokens, unpaged, and records the keys' and values' shapes that reach the attention function in
+every layer (``measure_kv_layout``). Each layer's cache is then ``[num_blocks, block_size,
+num_kv_heads, width]`` with that layer's heads, where ``width`` is the wider of the two: the
+narrower of keys and values is stored with zeros after it (a zero in a key adds nothing to a
+dot product, a zero in a value gives a zero output column, which is cut off), so every kernel
+runs unchanged. That costs memory where the widths differ (DeepSeek-V2's values are 128 wide
+beside keys of 192: a sixth of its cache is zeros); vLLM instead caches MLA's latent, which is
+smaller still, with kernels written for it. kvpaging caches what transformers' attention
+receives, so its tokens are the model's own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+from .kv_math import dtype_nbytes
+
+__all__ = ["LayerKV", "config_layout", "measure_kv_layout", "layout_bytes_per_token", "MEASURING"]
+
+# during measure_kv_layout's forward pass: a dict layer -> LayerKV, filled by the attention function
+MEASURING: contextvars.ContextVar = contextvars.ContextVar("kvpaging_measuring", default=None)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's keys and values per token: heads, and each head's key and value widths."""
+
+    num_kv_heads: int
+    key_width: int
+    value_width: int
+
+    @property
+    def width(self) -> int:
+        """The cache's row per head: keys and values share one width, the narrower padded with zeros."""
+        return max(self.key_width, self.value_width)
+
+
+def config_layout(config, num_layers: int, tensor_parallel_size: int = 1) -> list[LayerKV] | None:
+    """Every layer as the config describes it (``num_key_value_heads`` x ``head_dim``; a tensor-parallel
+    rank holds ``1/tensor_parallel_size`` of the heads). None for a config that declares them per layer
+    (Gemma 4 refuses a global ``head_dim``)."""
+    try:
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+    return [LayerKV(heads // tensor_parallel_size, width, width)] * num_layers
+
+
+def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
+    """Each layer's keys and values as the model gives them to attention, from one unpaged forward pass of a
+    private copy over 4 tokens (the user's model is not touched). None when the pass fails or a layer never
+    calls kvpaging's attention: the load-time self-check then names the cause."""
+    from .attention import ATTN_NAME, register_attention
+    from .models import private_copy
+
+    register_attention()
+    copy = private_copy(model).eval()
+    copy.set_attn_implementation(ATTN_NAME)
+    vocab = copy.get_output_embeddings().weight.shape[0]
+    device = next(copy.parameters()).device
+    ids = (torch.arange(4, device=device) % vocab).unsqueeze(0)
+    found: dict[int, LayerKV] = {}
+    token = MEASURING.set(found)
+    try:
+        with torch.inference_mode():
+            copy(input_ids=ids, use_cache=False, logits_to_keep=1)
+    except Exception:  # noqa: BLE001 - the self-check runs the model again and says what went wrong
+        return None
+    finally:
+        MEASURING.reset(token)
+    if sorted(found) != list(range(num_layers)):
+        return None
+    return [found[i] for i in range(num_layers)]
+
+
+def record_call(found: dict, module, key: torch.Tensor, value: torch.Tensor) -> None:
+    """The measuring pass's attention call: keep this layer's shapes (the first call's, if it makes several)."""
+    layer = getattr(module, "layer_idx", None)
+    if (isinstance(layer, int) and not isinstance(layer, bool) and layer not in found and key.dim() == 4
+            and value.dim() == 4 and key.shape[1] == value.shape[1]):
+        found[layer] = LayerKV(int(key.shape[1]), int(key.shape[3]), int(value.shape[3]))
+
+
+def layout_bytes_per_token(layout: list[LayerKV], dtype: torch.dtype | str) -> int:
+    """Bytes of the paged cache per token over all layers: a key and a value row of each layer's width per head."""
+    return sum(2 * layer.num_kv_heads * layer.width for layer in layout) * dtype_nbytes(dtype)
