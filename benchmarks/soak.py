@@ -262,7 +262,7 @@ def run_soak(config: SoakConfig, model=None, progress: bool = False) -> SoakResu
             live.add(spec.request_id)
         if live and rng.random() < config.abort_rate:
             # a third of the aborts hit a request in the middle of its (chunked or recomputed) prefill, if any
-            prefilling = sorted({s.request.request_id for s in engine.scheduler.running if s.is_prefill})
+            prefilling = sorted({s.request.request_id for s in engine.scheduler.running if _in_prefill(s)})
             rid = rng.choice(prefilling if prefilling and rng.random() < 1 / 3 else sorted(live))
             result.aborted_while[_doing(engine.scheduler.requests[rid])] += 1
             engine.abort_request(rid)
@@ -340,7 +340,12 @@ def _doing(request) -> str:
     seq = request.seqs[0]
     if seq.status.value == "waiting":
         return "preempted" if seq.num_preemptions else "waiting"
-    return "prefill" if seq.is_prefill else "decode"
+    return "prefill" if _in_prefill(seq) else "decode"
+
+
+def _in_prefill(seq) -> bool:
+    """Tokens other than the newest one still wait for their KV (a prompt chunk, or recomputation)."""
+    return seq.num_computed_tokens < len(seq.token_ids) - 1
 
 
 def check_output(spec: Spec, out, max_model_len: int, eos_token_ids) -> list[str]:

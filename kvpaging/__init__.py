@@ -10,7 +10,7 @@
 """
 
 from .block_manager import BlockManager, KVCacheStats, PrefixHit, default_block_hash
-from .block_pool import BlockPool, FreeBlockQueue, KVBlock, validate_block_size
+from .block_pool import BlockPool, FreeBlockQueue, KVBlock
 from .contiguous import (
     ContiguousAllocator,
     ContiguousSnapshot,
@@ -87,5 +87,4 @@ __all__ = [
     "kv_cache_bytes",
     "num_kv_cache_layers",
     "simulate_contiguous",
-    "validate_block_size",
 ]

@@ -32,7 +32,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .block_pool import BlockPool, KVBlock
-from .config import check_bool, check_int
+from .checks import check_bool, check_int
 from .errors import DuplicateSequenceError, InvariantError, SequenceNotFoundError, SequenceTooLongError
 
 __all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "SequenceBlocks", "default_block_hash"]
@@ -214,9 +214,6 @@ class BlockManager:
     def get_num_tokens(self, seq_id: Hashable) -> int:
         """How many token slots the sequence has been given."""
         return self._state(seq_id).num_tokens
-
-    def get_blocks(self, seq_id: Hashable) -> list[KVBlock]:
-        return self._state(seq_id).blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -29,11 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .config import check_block_size as validate_block_size
-from .config import check_int
+from .checks import check_block_size, check_int
 from .errors import InvariantError
 
-__all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "validate_block_size"]
+__all__ = ["KVBlock", "FreeBlockQueue", "BlockPool"]
 
 
 @dataclass(eq=False, slots=True)
@@ -52,10 +51,6 @@ class KVBlock:
     # Links of the free queue (None when the block is not in it).
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
-
-    @property
-    def is_cached(self) -> bool:
-        return self.block_hash is not None
 
 
 class FreeBlockQueue:
@@ -148,7 +143,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         check_int("num_blocks", num_blocks, 1)
-        self.block_size = validate_block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)

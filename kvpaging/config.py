@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_block_size, check_bool, check_choice, check_int
 from .errors import UnsupportedModelError
 from .kv_layout import config_layout, layout_bytes_per_token
 
@@ -36,34 +37,6 @@ SCHEDULING = ("continuous", "static")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: the CPU has no "free device memory" to size from
-
-
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``, else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-def check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def check_block_size(block_size) -> int:
-    """``block_size`` if it is a power of two from 1 to 256, else a ValueError."""
-    check_int("block_size", block_size)
-    if not (1 <= block_size <= 256) or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
-    return block_size
-
-
-def check_choice(name: str, value, choices) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)

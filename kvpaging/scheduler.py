@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .block_manager import NO_HIT, BlockManager
-from .config import SCHEDULING, check_choice
+from .checks import check_choice
+from .config import SCHEDULING
 from .errors import InvariantError
 from .sequence import Request, Sequence, SequenceStatus
 

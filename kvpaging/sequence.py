@@ -113,11 +113,6 @@ class Sequence:
         detok.update(self.output_token_ids)
         return detok.visible_text()
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while tokens other than the newest one still wait for their KV (prefill or recompute)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1
-
 
 @dataclass(eq=False)
 class Request:

@@ -96,7 +96,7 @@ def test_blocks_are_allocated_only_as_tokens_arrive():
     bm = BlockManager(num_blocks=8, block_size=4)
     assert bm.allocate_sequence("a", 5)  # 5 tokens -> 2 blocks, 3 slots of the 2nd empty
     assert bm.get_block_table("a") == [0, 1]
-    assert [b.num_filled for b in bm.get_blocks("a")] == [4, 1]
+    assert [b.num_filled for b in bm.get_sequence_blocks("a").blocks] == [4, 1]
     for _ in range(3):
         assert bm.append_slots("a", 1)
     assert bm.get_block_table("a") == [0, 1]  # the last block filled up, no new block
@@ -105,7 +105,7 @@ def test_blocks_are_allocated_only_as_tokens_arrive():
     assert bm.get_num_tokens("a") == 9
     assert bm.append_slots("a", 6)  # a prefill chunk: fills block 2, then block 3 partly
     assert bm.get_block_table("a") == [0, 1, 2, 3]
-    assert [b.num_filled for b in bm.get_blocks("a")] == [4, 4, 4, 3]
+    assert [b.num_filled for b in bm.get_sequence_blocks("a").blocks] == [4, 4, 4, 3]
     bm.check_invariants()
 
 
