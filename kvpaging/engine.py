@@ -35,7 +35,7 @@ from .errors import DuplicateSequenceError, RequestFailedError
 from .input_processor import InputProcessor, normalize_batch
 from .kv_layout import measure_kv_layout
 from .model_runner import ModelRunner, check_model_supported
-from .self_check import SelfCheckResult, run_self_check
+from .self_check import CHECKED, SelfCheckResult, model_fingerprint, run_self_check
 from .outputs import RequestOutput, request_output
 from .sampler import RowHistory, Sampler, SamplerOutput, make_generator
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -57,7 +57,9 @@ class LLMEngine:
         """
         check_model_supported(model)  # what the config says kvpaging cannot serve, before sizing anything for it
         # each layer's keys and values as the model gives them to attention, which the pool is sized by
-        layout = measure_kv_layout(model, model.config.num_hidden_layers)
+        # (both found once per model: an unchanged model served again with the same settings is not checked again)
+        fingerprint = model_fingerprint(model)
+        layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers)
         config = (config if config is not None else EngineConfig()).resolve(model, layout)
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -71,14 +73,19 @@ class LLMEngine:
         self.device = self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # exact or refused: the paged path against the model's own forward pass, before any request
-        self.self_check: SelfCheckResult | None = None
-        if config.self_check:
+        self.self_check: SelfCheckResult | None = CHECKED.result(model, fingerprint, config) if config.self_check else None
+        if self.self_check is not None:  # checked before, and nothing it depends on has changed since
+            if config.tensor_parallel_size == 1 and self.runner.uses_graphs:
+                self.runner.capture_graphs()
+        elif config.self_check:
             try:
                 self.self_check = run_self_check(self.runner, model, config, self.vocab_size,
                                                  capture_graphs=config.tensor_parallel_size == 1)
             except BaseException:
                 self.runner.shutdown()  # a tensor-parallel runner's workers go too
                 raise
+        if layout is not None:
+            CHECKED.remember(model, fingerprint, layout, config, self.self_check)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
         self.scheduler = Scheduler(

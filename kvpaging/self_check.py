@@ -30,12 +30,20 @@ manager, whose books it leaves untouched) and zeroes them afterwards. It costs
 three forward passes over 34 tokens (0.4 s for the trained model on a 2-core CPU:
 ``benchmarks/self_check.py``); ``LLMEngine.self_check`` records what it found and its seconds.
 ``self_check=False`` skips it, for people who have checked their model already.
+
+A model checked once is not checked again while nothing the check depends on
+has changed (``CheckedModels``): the same model object, with the same config,
+the same weight tensors not written in place since, the same module classes and
+forward functions, under the same engine settings. A notebook that builds a new
+``LLM`` on one model in every cell pays for one check, not one per cell.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, fields, replace
+from itertools import chain
 from types import SimpleNamespace
 
 import numpy as np
@@ -47,7 +55,7 @@ from .model_runner import layer_windows
 from .models import private_copy
 from .scheduler import ScheduledSeq, SchedulerOutput
 
-__all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES"]
+__all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
 
 # Arguments transformers passes to attention that change nothing the kernels compute, whatever their value:
 # positions and cache flags (the metadata says where every token goes), our own metadata.
@@ -76,6 +84,7 @@ class SelfCheckResult:
     steps: int  # engine steps run (the CUDA-graph replay included)
     cuda_graphs: bool  # whether the decode step was also replayed through the captured graphs
     seconds: float  # wall time of the whole check, reference forward passes included
+    reused: bool = False  # this engine took the result of an earlier check of the same model and settings
 
 
 # --------------------------------------------------------------------------- refusals with their causes
@@ -407,3 +416,67 @@ def _logits_error(name, error, errors, tol, dtype, scale) -> UnsupportedModelErr
         f"tolerance {tol} for {dtype} (the first chunk {by_kind['first chunk']:.3g}, the packed steps over the "
         f"cache {by_kind['packed or over the cache']:.3g}; worst at sequence {k} position {p}, {kind} in step {step_no}: "
         f"{worst ** 0.5:.3g}). Likely cause: {cause}.", "logits")
+
+
+# --------------------------------------------------------------------------- checked once, not at every LLM()
+
+# Engine settings the check's outcome does not depend on: it runs the model runner directly, with its own plan.
+_SCHEDULING_ONLY = frozenset({"max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling",
+                              "seed", "max_logprobs"})
+
+
+def model_fingerprint(model) -> tuple | None:
+    """What the check's outcome (and the key/value layout) depends on in ``model``: its config, the identity
+    and in-place write count (``Tensor._version``) of every weight and buffer, and the class and forward
+    function and hooks of every module. None when the config cannot be written out (then nothing is remembered)."""
+    try:
+        config = model.config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - an unusual config: check every time
+        return None
+    weights = tuple((id(t), t._version) for t in chain(model.parameters(), model.buffers()))
+    modules = tuple((id(m), id(type(m).forward), id(m.__dict__.get("forward")), tuple(m._forward_hooks),
+                     tuple(m._forward_pre_hooks)) for m in model.modules())
+    return config, weights, modules
+
+
+class CheckedModels:
+    """The models this process has checked, with their key/value layout and each setting's result.
+
+    Held weakly: a model the user drops is forgotten with it. A fingerprint that changed (a weight written in
+    place, a config edited, a module swapped) forgets everything remembered about that model.
+    """
+
+    def __init__(self) -> None:
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [fingerprint, layout, results]
+
+    def _entry(self, model, fingerprint):
+        entry = self._models.get(model) if fingerprint is not None else None
+        return entry if entry is not None and entry[0] == fingerprint else None
+
+    def layout(self, model, fingerprint):
+        entry = self._entry(model, fingerprint)
+        return None if entry is None else entry[1]
+
+    def result(self, model, fingerprint, config) -> SelfCheckResult | None:
+        entry = self._entry(model, fingerprint)
+        found = None if entry is None else entry[2].get(_settings_key(config))
+        return None if found is None else replace(found, reused=True)
+
+    def remember(self, model, fingerprint, layout, config=None, result: SelfCheckResult | None = None) -> None:
+        if fingerprint is None:
+            return
+        entry = self._entry(model, fingerprint)
+        if entry is None:
+            entry = self._models[model] = [fingerprint, layout, {}]
+        if result is not None:
+            entry[2][_settings_key(config)] = result
+
+    def clear(self) -> None:
+        self._models.clear()
+
+
+def _settings_key(config) -> tuple:
+    return tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name not in _SCHEDULING_ONLY)
+
+
+CHECKED = CheckedModels()

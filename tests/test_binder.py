@@ -11,10 +11,13 @@ pin that conflicts with the package fails here, as test_a_conflicting_pin_fails 
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,24 +59,43 @@ def _start_dry_run(requirement_lines: list[str], tmp_path: Path, extras: str = "
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 
 
-@pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory):
+def _start_both() -> dict:
     """Both resolutions, started together: each spends its minute or two waiting on the package index,
     so running them side by side costs the time of the slower one."""
-    binder_dir, conflict_dir = tmp_path_factory.mktemp("binder"), tmp_path_factory.mktemp("conflict")
+    base = Path(tempfile.mkdtemp(prefix="kvpaging-binder-"))
+    binder_dir, conflict_dir = base / "binder", base / "conflict"
+    binder_dir.mkdir(), conflict_dir.mkdir()
     started = {
         "binder": (_start_dry_run(_requirement_lines(BINDER / "requirements.txt"), binder_dir), binder_dir),
         # a transformers below pyproject's floor, without extras: the conflict shows sooner (a torch below the
         # floor would do too, but pip first fetches its gigabytes of CUDA wheels from PyPI to read their metadata)
         "conflict": (_start_dry_run(["transformers==5.0.0"], conflict_dir, extras=""), conflict_dir),
     }
+
+    def stop():
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+    atexit.register(stop)
+    return started
+
+
+# Started when pytest collects this module, so that their minute of waiting on the index passes while the
+# tests before this module run (make test must stay under 20 minutes), not while nothing else does.
+_STARTED = _start_both()
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
     results = {}
     try:
-        for name, (proc, where) in started.items():
+        for name, (proc, where) in _STARTED.items():
             out, err = proc.communicate(timeout=TIMEOUT)
             results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), where)
     finally:
-        for proc, _ in started.values():
+        for proc, _ in _STARTED.values():
             if proc.poll() is None:
                 proc.kill()
     return results

@@ -161,5 +161,5 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(
-    max_examples=300, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=180, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -108,6 +108,35 @@ def test_a_model_that_mixes_tokens_outside_attention_is_refused_by_its_logits():
     assert "tolerance 0.001 for torch.float32" in str(error)
 
 
+def test_a_model_is_checked_again_only_when_something_the_check_depends_on_changed():
+    """A second LLM on the same model and settings takes the first check's result; any change the outcome
+    could depend on (a weight written in place, a config edited, a hook added, other engine settings) checks
+    again, and a change that breaks the model is refused, however often it passed before."""
+    model = make_model("llama")
+    first = build_llm(model).engine.self_check
+    assert not first.reused
+    again = build_llm(model, max_num_seqs=3, scheduling="static", enable_prefix_caching=False).engine.self_check
+    assert again.reused and again.error == first.error  # scheduling settings do not change what is checked
+    assert not build_llm(model, block_size=8).engine.self_check.reused
+    assert not build_llm(make_model("llama")).engine.self_check.reused  # an equal model is another object
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    assert not build_llm(model).engine.self_check.reused
+    model.config.rms_norm_eps = 1e-5
+    assert not build_llm(model).engine.self_check.reused
+    assert build_llm(model).engine.self_check.reused
+
+    def running_mean(module, args, output):  # as in the test above: state outside the KV cache
+        hidden = output[0] if isinstance(output, tuple) else output
+        mixed = hidden + hidden.cumsum(1) / torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[:, None]
+        return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+
+    model.model.layers[0].register_forward_hook(running_mean)
+    with pytest.raises(UnsupportedModelError) as info:
+        build_llm(model)  # the settings that passed just before
+    assert info.value.cause == "logits"
+
+
 def test_layers_that_do_not_pass_keyword_arguments_on_are_served():
     """StableLM's and Nemotron's decoder layers drop the attention keyword arguments; the step's metadata
     reaches their attention through the runner's context variable, and their tokens are generate()'s."""

@@ -39,7 +39,7 @@ def _load_soak():
 soak = _load_soak()
 
 RUNS = {
-    "preempting-pool": soak.SoakConfig(requests=12000, seed=0, solo_checks=40),
+    "preempting-pool": soak.SoakConfig(requests=6000, seed=0, solo_checks=25),
     "seq-cap": soak.SoakConfig(requests=3000, seed=1, block_size=8, num_blocks=70, max_num_seqs=32,
                                max_num_batched_tokens=256, enable_prefix_caching=False),
     "static": soak.SoakConfig(requests=1000, seed=2, scheduling="static", solo_checks=20),
