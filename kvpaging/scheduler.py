@@ -128,6 +128,34 @@ class UpdateResult:
     failed: list[Sequence] = field(default_factory=list)
 
 
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """The step being built: its token budget left, its decodes (as the parallel lists SchedulerOutput keeps)
+    and chunks, and the sequences preempted to make room."""
+
+    budget: int
+    decodes: list[Sequence] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # each decode's table_array row, position and token id
+    positions: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    chunks: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, start: int, n: int) -> None:
+        """File a scheduled sequence under decodes (one token, its last) or chunks (anything else)."""
+        self.budget -= n
+        end = start + n
+        num_tokens = len(seq.token_ids)
+        table = seq.blocks
+        if n == 1 and end == num_tokens:
+            self.decodes.append(seq)
+            self.rows.append(table.row)
+            self.positions.append(start)
+            self.token_ids.append(seq.token_ids[start])
+        else:  # a prompt or recompute chunk: several tokens, no token yet, or the last prompt token (still prefill)
+            self.chunks.append(ScheduledSeq(seq, start, n, end == num_tokens, True, table.block_ids, table.row))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -194,112 +222,102 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Decide this step's batch. ``now`` (the engine's step start) becomes the
         ``first_scheduled_time`` of each request admitted for the first time."""
-        budget = self.max_num_batched_tokens
-        decodes: list[Sequence] = []
-        decode_rows: list[int] = []  # each decode's table row and position, filled in by the block manager
-        decode_positions: list[int] = []
-        decode_ids: list[int] = []  # the token each decode computes (its last)
-        chunks: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        batch = _Batch(self.max_num_batched_tokens)
+        self._schedule_running(batch)
+        if not batch.preempted and self._admitting():  # no newcomers in a step that had to preempt
+            self._schedule_waiting(batch, now)
+        if not (batch.decodes or batch.chunks):
+            return SchedulerOutput(step=self.num_steps, preempted=batch.preempted)
+        self.num_steps += 1
         bm = self.bm
-        running = self.running
+        out = SchedulerOutput(
+            step=self.num_steps,
+            decodes=batch.decodes,
+            decode_rows=np.fromiter(batch.rows, np.int64, len(batch.rows)),
+            decode_positions=np.fromiter(batch.positions, np.int64, len(batch.positions)),
+            decode_token_ids=batch.token_ids,
+            chunks=batch.chunks,
+            blocks_to_copy=bm.blocks_to_copy(),
+            preempted=batch.preempted,
+            num_batched_tokens=self.max_num_batched_tokens - batch.budget,
+            table_array=bm.table_array,
+            block_size=bm.block_size,
+        )
+        if batch.chunks and self._prompt_logprob_requests:
+            out.prompt_logprob_chunks = [k for k, c in enumerate(batch.chunks) if c.seq.request.needs_prompt_logprobs]
+        self._plan_samples(out)
+        return out
 
-        # 1. running sequences, oldest first; victims are taken from the newest end
+    def _schedule_running(self, batch: _Batch) -> None:
+        """1. Running sequences, oldest first, each with its decode token or next prompt chunk; when the pool
+        has no block for one, the newest running sequence is preempted (possibly that one itself)."""
+        bm, running = self.bm, self.running
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and batch.budget > 0:
             seq = running[i]
             start = seq.num_computed_tokens
             n = len(seq.token_ids) - start
             if n == 1:
-                # A run of decoding sequences (most of a busy step): their slots in one call, which stops
-                # at the first sequence that is not decoding or that the pool has no block for.
-                done = bm.append_decode_slots(running, i, min(len(running), i + budget), decode_rows,
-                                              decode_positions, decode_ids)
-                decodes += running[i : i + done]
-                budget -= done
+                # A run of decoding sequences (most of a busy step) gets its slots in one call, which stops at
+                # the first sequence that is not decoding or that the pool has no block for.
+                done = bm.append_decode_slots(running, i, min(len(running), i + batch.budget), batch.rows,
+                                              batch.positions, batch.token_ids)
+                batch.decodes += running[i : i + done]
+                batch.budget -= done
                 i += done
                 if done:
                     continue
                 # the pool had no block for it: preempt as for any other sequence
-            else:
-                n = min(n, budget)
+            n = min(n, batch.budget)
             while not bm.append_slots(seq.seq_id, n):
                 victim = running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._add(seq, start, n, decodes, decode_rows, decode_positions, decode_ids, chunks)
-                budget -= n
+                batch.add(seq, start, n)
                 i += 1
 
-        # 2. waiting sequences, in arrival order (none when this step had to preempt)
-        if not preempted and (self.scheduling == "continuous" or self._static_admitting or not running):
-            if not running:
-                self._static_admitting = True
-            seats = len(running) + self._unforked_extra_seats
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
-                need = _seats(seq)
-                if seats + need > self.max_num_seqs:
-                    break
-                # a request that wants its prompt's log-probabilities computes its whole prompt (vLLM's rule)
-                hit = NO_HIT if seq.request.needs_prompt_logprobs else bm.lookup_prefix(seq.token_ids)
-                start = len(hit.blocks) * bm.block_size
-                n = min(len(seq.token_ids) - start, budget)
-                if not bm.allocate_sequence(seq.seq_id, n, hit):
-                    break
-                seq.blocks = bm.get_sequence_blocks(seq.seq_id)
-                self.waiting.popleft()
-                seq.num_computed_tokens = start
-                if seq.index == 0 and seq.num_preemptions == 0:  # the request's first admission
-                    seq.request.num_cached_tokens = start  # prompt tokens served by the prefix cache (vLLM's name)
-                    seq.request.first_scheduled_time = now
-                seq.status = SequenceStatus.RUNNING
-                running.append(seq)
-                seats += need
-                self._unforked_extra_seats += need - 1
-                self._add(seq, start, n, decodes, decode_rows, decode_positions, decode_ids, chunks)
-                budget -= n
+    def _admitting(self) -> bool:
+        """Whether waiting sequences may join: always when continuous; when static, only while the batch is open."""
+        if self.scheduling == "continuous":
+            return True
+        if not self.running:  # static: the last batch is done, a new one opens
+            self._static_admitting = True
+        return self._static_admitting
 
-        if not (decodes or chunks):
-            return SchedulerOutput(step=self.num_steps, preempted=preempted)
-        self.num_steps += 1
-        out = SchedulerOutput(
-            step=self.num_steps,
-            decodes=decodes,
-            decode_rows=np.fromiter(decode_rows, np.int64, len(decode_rows)),
-            decode_positions=np.fromiter(decode_positions, np.int64, len(decode_positions)),
-            decode_token_ids=decode_ids,
-            chunks=chunks,
-            blocks_to_copy=bm.blocks_to_copy(),
-            preempted=preempted,
-            num_batched_tokens=self.max_num_batched_tokens - budget,
-            table_array=bm.table_array,
-            block_size=bm.block_size,
-        )
-        if chunks and self._prompt_logprob_requests:
-            out.prompt_logprob_chunks = [k for k, c in enumerate(chunks) if c.seq.request.needs_prompt_logprobs]
-        self._plan_samples(out)
-        return out
+    def _schedule_waiting(self, batch: _Batch, now: float | None) -> None:
+        """2. Waiting sequences, in arrival order, while seats, budget and blocks allow; a prompt longer than
+        what is left of the budget gets a first chunk (chunked prefill)."""
+        bm = self.bm
+        seats = len(self.running) + self._unforked_extra_seats
+        while self.waiting and batch.budget > 0:
+            seq = self.waiting[0]
+            need = _seats(seq)
+            if seats + need > self.max_num_seqs:
+                return
+            # a request that wants its prompt's log-probabilities computes its whole prompt (vLLM's rule)
+            hit = NO_HIT if seq.request.needs_prompt_logprobs else bm.lookup_prefix(seq.token_ids)
+            start = len(hit.blocks) * bm.block_size
+            n = min(len(seq.token_ids) - start, batch.budget)
+            if not bm.allocate_sequence(seq.seq_id, n, hit):
+                return
+            self.waiting.popleft()
+            self._admit(seq, start, now)
+            seats += need
+            self._unforked_extra_seats += need - 1
+            batch.add(seq, start, n)
 
-    @staticmethod
-    def _add(seq: Sequence, start: int, n: int, decodes: list[Sequence], decode_rows: list[int],
-             decode_positions: list[int], decode_ids: list[int], chunks: list[ScheduledSeq]) -> None:
-        """File a scheduled sequence under decodes (one token, its last) or chunks (anything else)."""
-        end = start + n
-        num_tokens = len(seq.token_ids)
-        if n == 1 and end == num_tokens:
-            decodes.append(seq)
-            decode_rows.append(seq.blocks.row)
-            decode_positions.append(start)
-            decode_ids.append(seq.token_ids[start])
-            return
-        # A prompt or recompute chunk: it brings several tokens, yields no token, or still holds prompt
-        # tokens (the last chunk of a prompt may be a single token; that is still prefill, not a decode).
-        table = seq.blocks
-        chunks.append(ScheduledSeq(seq, start, n, end == num_tokens, True, table.block_ids, table.row))
+    def _admit(self, seq: Sequence, start: int, now: float | None) -> None:
+        """A waiting sequence that got its blocks starts running, its first ``start`` tokens served by the cache."""
+        seq.blocks = self.bm.get_sequence_blocks(seq.seq_id)
+        seq.num_computed_tokens = start
+        if seq.index == 0 and seq.num_preemptions == 0:  # the request's first admission
+            seq.request.num_cached_tokens = start  # prompt tokens served by the prefix cache (vLLM's name)
+            seq.request.first_scheduled_time = now
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _plan_samples(self, out: SchedulerOutput) -> None:
         """Which sequences sample a token, forking n > 1 requests whose prompt completes now.
@@ -361,25 +379,9 @@ class Scheduler:
         token: its request fails alone (every completion of it, blocks freed), and the
         step goes on for everyone else. A stop check that raises fails its request the same way.
         """
-        bm = self.bm
-        bs = bm.block_size
-        decodes = out.decodes
-        if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
-            full = np.flatnonzero(out.decode_positions % bs == bs - 1).tolist()
-            if full:
-                bm.cache_decode_blocks([decodes[k] for k in full])
-        for s in out.chunks:
-            seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        for child in out.children:
-            # A child took its parent's table before the forward; when the parent just switched a full block
-            # for an identical cached one (two requests computed one prefix at once), the child follows.
-            bm.cache_full_blocks(child.seq_id, child.token_ids, child.num_computed_tokens)
-        bm.copies_made()
-
+        self._cache_computed_blocks(out)
         result = UpdateResult(out.samples, [])
-        samples = out.samples
+        samples, decodes = out.samples, out.decodes
         if failed_rows:
             num_decodes, token_ids, logprobs, top_logprobs = self._drop_failed(
                 out, failed_rows, token_ids, logprobs, top_logprobs, result, keep_tables)
@@ -390,31 +392,39 @@ class Scheduler:
             if top_logprobs is not None:
                 for seq, top in zip(samples, top_logprobs):
                     seq.output_top_logprobs.append(top)
-        # The decodes are the first samples: each has computed one more token. Every sampler then gets its
-        # token; one whose token may end it (a stop token, stop strings to look for, its last allowed length)
-        # is looked at closely.
-        num_decodes = len(decodes)
-        for seq, token in zip(decodes, token_ids):
+        for seq in decodes:  # each decode has computed its last token (a chunk's count was set above)
             seq.num_computed_tokens += 1
+        # Every sampled sequence gets its token; one whose token may end it (a stop token, stop strings to look
+        # for, its last allowed length) is looked at closely.
+        for seq, token in zip(samples, token_ids):
             tokens = seq.token_ids
             tokens.append(token)
             if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
                 self._check_stop(seq, token, result, keep_tables)
-        for k in range(num_decodes, len(samples)):
-            seq, token = samples[k], token_ids[k]
-            tokens = seq.token_ids
-            tokens.append(token)
-            if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
-                self._check_stop(seq, token, result, keep_tables)
-        finished = result.finished
-        if len(finished) > 4:
+        if result.finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        else:  # a few: take them out one by one (a scan by identity, touching no other sequence)
-            for seq in finished:
-                self.running.remove(seq)
         if out.samples and self.scheduling == "static":
             self._static_admitting = False
         return result
+
+    def _cache_computed_blocks(self, out: SchedulerOutput) -> None:
+        """Record each chunk's computed tokens, offer the blocks this step filled to the prefix cache, and let
+        go of the step's copy-on-write sources."""
+        bm = self.bm
+        if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
+            bs = bm.block_size
+            full = np.flatnonzero(out.decode_positions % bs == bs - 1).tolist()
+            if full:
+                bm.cache_decode_blocks([out.decodes[k] for k in full])
+        for s in out.chunks:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for child in out.children:
+            # A child took its parent's table before the forward; when the parent just switched a full block
+            # for an identical cached one (two requests computed one prefix at once), the child follows.
+            bm.cache_full_blocks(child.seq_id, child.token_ids, child.num_computed_tokens)
+        bm.copies_made()
 
     def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:
         """After ``token`` was appended: finish ``seq`` if it is done, in vLLM's order of reasons
