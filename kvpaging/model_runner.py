@@ -292,70 +292,69 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     were given); their slots, context lengths and block tables are computed for all
     of them at once with numpy, from the rows of the block manager's table array. A
     step of decodes only takes the shortest path (no packing). The chunks add a
-    fixed number of numpy operations, however many there are (their tokens are
-    copied once, as Python ints into one array). ``benchmarks/host_overhead.py``
+    few numpy operations each (their tokens are copied once, as Python ints into
+    one array); slots are ``block * block_size + offset``, as the cache lays them
+    out. ``benchmarks/host_overhead.py``
     measures it: under 0.2 us per sequence-step on the 2-core VM of
     ``benchmarks/RESULTS.md``, most of it a dozen numpy and torch calls per step.
     """
-    bs = out.block_size
-    shift = bs.bit_length() - 1  # block sizes are powers of two
-    table_array = out.table_array
-    num_decodes = len(out.decodes)
-    pos = out.decode_positions
-    rows = out.decode_rows
     if getattr(device, "type", device) == "cpu":
         tensor = torch.from_numpy  # the array's memory, shared: no copy
     else:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
     if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
-        # a decode's position lies in the last block of its table, so its table is pos // bs + 1 long
-        width = (int(pos.max()) >> shift) + 1 if num_decodes else 0
-        input_ids = np.fromiter(out.decode_token_ids, np.int64, num_decodes)
-        input_ids.shape = (1, num_decodes)
-        seq_lens = pos.astype(np.int32)
-        seq_lens += 1
-        return StepInputs(
-            input_ids=tensor(input_ids),
-            positions=tensor(pos.reshape(1, -1)),
-            slot_mapping=tensor(_slots(table_array, rows, pos, shift)),
-            block_tables=tensor(table_array[rows, :width]),
-            seq_lens=tensor(seq_lens),
-            prefill_cu_seqlens_q=tensor(np.zeros(1, dtype=np.int32)),  # no prefill
-            logits_indices=tensor(np.arange(num_decodes)),  # a decode's logits row is its own
-            num_decodes=num_decodes,
-        )
-    # With chunks: their tokens are copied once; everything else is a fixed number of numpy operations over
-    # all the step's tokens, however many chunks there are (a burst of admissions brings dozens).
+        return _decode_inputs(out, tensor)
+    return _mixed_inputs(out, tensor)
+
+
+def _decode_inputs(out: SchedulerOutput, tensor) -> StepInputs:
+    """A step of decodes: one token each, at its sequence's last position."""
+    pos, rows = out.decode_positions, out.decode_rows
+    num_decodes = len(out.decodes)
+    # a decode's position lies in the last block of its table, so its table is pos // block_size + 1 long
+    width = int(pos.max()) // out.block_size + 1 if num_decodes else 0
+    input_ids = np.array(out.decode_token_ids, dtype=np.int64).reshape(1, num_decodes)
+    return StepInputs(
+        input_ids=tensor(input_ids),
+        positions=tensor(pos.reshape(1, -1)),
+        slot_mapping=tensor(_slots(out.table_array, rows, pos, out.block_size)),
+        block_tables=tensor(out.table_array[rows, :width]),
+        seq_lens=tensor((pos + 1).astype(np.int32)),  # a decode sees every token up to its own
+        prefill_cu_seqlens_q=tensor(np.zeros(1, dtype=np.int32)),  # no prefill
+        logits_indices=tensor(np.arange(num_decodes)),  # a decode's logits row is its own
+        num_decodes=num_decodes,
+    )
+
+
+def _mixed_inputs(out: SchedulerOutput, tensor) -> StepInputs:
+    """A step with chunks: the decodes' tokens first, then each chunk's tokens ``[start, start + n)``."""
+    pos, rows = out.decode_positions, out.decode_rows
+    num_decodes = len(out.decodes)
     input_ids = list(out.decode_token_ids)
-    chunk_rows, starts, lengths, sampling = [], [], [], []
+    chunk_positions = []
     for s in out.chunks:
-        start, n = s.start, s.num_new_tokens
-        input_ids += s.seq.token_ids[start : start + n]
-        chunk_rows.append(s.table_row)
-        starts.append(start)
-        lengths.append(n)
-        sampling.append(s.sample)
-    chunk_rows, starts, lengths = np.array(chunk_rows), np.array(starts), np.array(lengths)
+        input_ids += s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+        chunk_positions.append(np.arange(s.start, s.start + s.num_new_tokens))
+    chunk_rows = np.array([s.table_row for s in out.chunks])
+    lengths = np.array([s.num_new_tokens for s in out.chunks])
+    ends = np.array([s.start + s.num_new_tokens for s in out.chunks])  # each chunk's context length
     ends_in_step = np.cumsum(lengths)  # where each chunk's tokens end, counted from the first chunk token
-    # every token's position (a chunk token's: its chunk's start plus its index in the chunk) and table row
-    positions = np.concatenate([pos, np.arange(int(ends_in_step[-1])) + np.repeat(starts - (ends_in_step - lengths),
-                                                                                   lengths)])
-    slots = _slots(table_array, np.concatenate([rows, np.repeat(chunk_rows, lengths)]), positions, shift)
-    width = int(positions.max() >> shift) + 1  # the longest table: a sequence's last position is in its last block
-    ends = starts + lengths  # each chunk's context length
-    positions.shape = (1, len(positions))
-    logits_indices = np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[np.array(sampling)]])
+    positions = np.concatenate([pos, *chunk_positions])
+    token_rows = np.concatenate([rows, np.repeat(chunk_rows, lengths)])  # each token's table row
+    width = int(positions.max()) // out.block_size + 1  # the longest table: a last position is in a last block
+    sampling = np.array([s.sample for s in out.chunks])
+    logits_indices = np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[sampling]])
     if out.prompt_logprob_chunks:  # every token of these chunks, after the sampling rows
         firsts = num_decodes + ends_in_step - lengths
         logits_indices = np.concatenate([logits_indices] + [firsts[k] + np.arange(lengths[k])
                                                             for k in out.prompt_logprob_chunks])
     return StepInputs(
-        input_ids=tensor(np.fromiter(input_ids, np.int64, len(input_ids)).reshape(1, -1)),
-        positions=tensor(positions),
-        slot_mapping=tensor(slots),
+        input_ids=tensor(np.array(input_ids, dtype=np.int64).reshape(1, -1)),
+        positions=tensor(positions.reshape(1, -1)),
+        slot_mapping=tensor(_slots(out.table_array, token_rows, positions, out.block_size)),
         # the block manager keeps every table as a row of one array: the step takes its rows in one call
-        block_tables=tensor(table_array[np.concatenate([rows, chunk_rows]), :width]),
+        block_tables=tensor(out.table_array[np.concatenate([rows, chunk_rows]), :width]),
         seq_lens=tensor(np.concatenate([pos + 1, ends]).astype(np.int32)),
         prefill_cu_seqlens_q=tensor(np.concatenate([[0], ends_in_step]).astype(np.int32)),
         logits_indices=tensor(logits_indices),
@@ -363,8 +362,7 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
     )
 
 
-def _slots(table_array: np.ndarray, rows: np.ndarray, positions: np.ndarray, shift: int) -> np.ndarray:
-    """The cache slot of each token: block ``table[row][pos // bs]``, offset ``pos % bs`` (bs = 2 ** shift)."""
-    slots = np.left_shift(table_array[rows, positions >> shift], shift, dtype=np.int64)
-    slots |= positions & ((1 << shift) - 1)
-    return slots
+def _slots(table_array: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token: block ``table[row][pos // block_size]``, offset ``pos % block_size``."""
+    blocks = table_array[rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
