@@ -33,8 +33,8 @@ three forward passes over 34 tokens (0.4 s for the trained model on a 2-core CPU
 
 A model checked once is not checked again while nothing the check depends on
 has changed (``CheckedModels``): the same model object, with the same config,
-the same weight tensors not written in place since, the same module classes and
-forward functions, under the same engine settings. A notebook that builds a new
+the same weight tensors not written in place since, the same module classes,
+forward functions and hooks, under the same engine settings (scheduling aside). A notebook that builds a new
 ``LLM`` on one model in every cell pays for one check, not one per cell.
 """
 
@@ -468,11 +468,8 @@ class CheckedModels:
         entry = self._entry(model, fingerprint)
         if entry is None:
             entry = self._models[model] = [fingerprint, layout, {}]
-        if result is not None:
+        if result is not None and not result.reused:
             entry[2][_settings_key(config)] = result
-
-    def clear(self) -> None:
-        self._models.clear()
 
 
 def _settings_key(config) -> tuple:
