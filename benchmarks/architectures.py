@@ -2,7 +2,7 @@
 
 For each model type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny
 random-weight model is built offline and served by kvpaging in two modes
-(``kvpaging.architectures.check_architecture``): "default" (the engine's defaults,
+(``kvpaging.models.architectures.check_architecture``): "default" (the engine's defaults,
 blocks of 16) and "chunked_prefix" (blocks of 4, the prompt prefilled 5 tokens a
 step, then served again from the prefix cache). Each mode's verdict is EXACT (the
 tokens of transformers' greedy ``generate()``), REFUSED (``LLM(model)`` raised an
@@ -62,7 +62,7 @@ def _worker(conn, memory_limit_gb: float) -> None:
     transformers.logging.set_verbosity_error()
     logging.getLogger("kvpaging").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # the workers share the cores; the models are far too small for threads
-    from kvpaging.architectures import check_architecture
+    from kvpaging.models.architectures import check_architecture
 
     while True:
         model_type = conn.recv()
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                         help="address-space limit of each worker (0: none)")
     args = parser.parse_args(argv)
 
-    from kvpaging.architectures import causal_lm_types
+    from kvpaging.models.architectures import causal_lm_types
 
     known = causal_lm_types()
     types = known if not args.types else [t.strip() for t in args.types.split(",") if t.strip()]

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvpaging.kv_accuracy import compare_kv_cache_dtypes
+from kvpaging.worker.kv_accuracy import compare_kv_cache_dtypes
 from kvpaging.models import real_shaped, tiny
 
 TRAINED = ("smollm2",)
@@ -44,7 +44,7 @@ def main() -> None:
     length = args.length or (1024 if trained else 256)
     if trained:
         from kvpaging.teach.text import real_text
-        from kvpaging.trained import trained as load_with_tokenizer
+        from kvpaging.models.trained_model import trained as load_with_tokenizer
 
         if args.layers is not None:
             ap.error("--layers is for random-weight models; the trained model keeps all its layers")

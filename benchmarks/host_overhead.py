@@ -40,11 +40,11 @@ import random
 import statistics
 import time
 
-from kvpaging.block_manager import BlockManager
-from kvpaging.model_runner import prepare_step_inputs
+from kvpaging.core.block_manager import BlockManager
+from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
-from kvpaging.scheduler import Scheduler
-from kvpaging.sequence import Request
+from kvpaging.core.scheduler import Scheduler
+from kvpaging.core.sequence import Request
 
 
 def run(args) -> dict:
@@ -88,10 +88,10 @@ def run_trained(args) -> dict:
     module docstring): the engine's schedule + update, and its input preparation, per sequence-step."""
     from transformers import AutoTokenizer
 
-    import kvpaging.model_runner as model_runner
+    import kvpaging.worker.model_runner as model_runner
     from kvpaging.models import load_trained_model
     from kvpaging.teach import serving
-    from kvpaging.trained import trained_path
+    from kvpaging.models.trained_model import trained_path
 
     tokenizer = AutoTokenizer.from_pretrained(trained_path("smollm2"))
     work = serving.make_chat_workload(tokenizer, args.trained, max_tokens=args.trained_max_tokens)

@@ -1,6 +1,6 @@
 """Attack a real ``kvpaging serve`` the way hostile clients would, and measure how it holds up.
 
-The script starts ``python -m kvpaging.serve tiny-qwen3`` as a subprocess on a free port of
+The script starts ``python -m kvpaging.entrypoints.serve tiny-qwen3`` as a subprocess on a free port of
 127.0.0.1 (``OMP_NUM_THREADS=1``, the server's default timeouts: headers 10 s, body 30 s,
 graceful shutdown 5 s, 512 connections), then runs four parts against it, one after another:
 
@@ -119,7 +119,7 @@ def free_port() -> int:
 
 
 def server_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "kvpaging.serve", MODEL, "--port", str(port), *SERVER_ARGS]
+    return [sys.executable, "-m", "kvpaging.entrypoints.serve", MODEL, "--port", str(port), *SERVER_ARGS]
 
 
 def start_server(port: int, log) -> subprocess.Popen:

@@ -252,10 +252,10 @@ def wait_until_up(process: subprocess.Popen, url: str, name: str, api_key: str |
 
 
 def launch(serve_args: str, api_key: str | None) -> tuple[subprocess.Popen, str, str]:
-    """Start ``python -m kvpaging.serve SERVE_ARGS`` on a free port; wait until /health answers."""
+    """Start ``python -m kvpaging.entrypoints.serve SERVE_ARGS`` on a free port; wait until /health answers."""
     port = free_port()
     env = {**os.environ, **({"KVPAGING_API_KEY": api_key} if api_key else {})}
-    process = subprocess.Popen([sys.executable, "-m", "kvpaging.serve", *shlex.split(serve_args),
+    process = subprocess.Popen([sys.executable, "-m", "kvpaging.entrypoints.serve", *shlex.split(serve_args),
                                 "--port", str(port), "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"
     return process, url, wait_until_up(process, url, "kvpaging serve", api_key)
@@ -269,7 +269,7 @@ def transformers_model_folder(model: str, folder: str) -> str:
     files and its own copy of ``config.json`` with ``"architectures": ["LlamaForCausalLM"]``;
     the cache itself is left as it is. Any other model is passed through unchanged.
     """
-    from kvpaging.trained import resolve_trained_name, trained_path
+    from kvpaging.models.trained_model import resolve_trained_name, trained_path
 
     if resolve_trained_name(model) is None:
         return model

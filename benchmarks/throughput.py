@@ -43,7 +43,7 @@ import kvpaging
 from kvpaging.kernels.cpu.layers import onednn_usable
 from kvpaging.kernels import cpu_backend
 from kvpaging.models import load_trained_model, real_shaped, tiny
-from kvpaging.trained import trained_path
+from kvpaging.models.trained_model import trained_path
 from kvpaging.teach import serving
 from kvpaging.teach.serving import Workload
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 def measure(rank: int, ranks: int, port: int, device: str, hidden: int, tokens: list[int], iters: int,
             dtype: str) -> list[tuple[int, float, float]]:
-    from kvpaging.tensor_parallel import _make_groups
+    from kvpaging.distributed.tensor_parallel import _make_groups
 
     torch.set_num_threads(1)
     dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
 
-    from kvpaging.tensor_parallel import _worker_context
+    from kvpaging.distributed.tensor_parallel import _worker_context
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))

@@ -15,7 +15,7 @@ Four operations, each in two versions with the same signature:
   ``cpu_backend`` is the "cpu" backend (the default on a CPU with a C compiler): the torch
   backend with decode attention done by a C kernel, ``cpu_decode_attention.c``, that reads
   the blocks in place (compiled on first use). The same library holds the one-pass RMSNorm
-  (``cpu_rms_norm.c``) that ``kvpaging.cpu_layers`` gives the model's norm layers.
+  (``cpu_rms_norm.c``) that ``kvpaging.kernels.cpu.layers`` gives the model's norm layers.
 * ``kvpaging.kernels.store_kv`` etc. (this package's top level): the Triton
   kernels, in ``triton_*.py``. They run on a CUDA GPU, or on the CPU when
   ``TRITON_INTERPRET=1`` is set (slowly: meant for tests and for reading).
@@ -41,9 +41,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from . import fp8, reference
-from .fp8 import compute_kv_scales, dequantize_fp8, dequantize_kv_cache, quantize_fp8, quantize_kv_cache
-from .validation import interpreter_enabled
+from kvpaging.kernels import fp8, reference
+from kvpaging.kernels.fp8 import compute_kv_scales, dequantize_fp8, dequantize_kv_cache, quantize_fp8, quantize_kv_cache
+from kvpaging.kernels.validation import interpreter_enabled
 
 # public name -> module that defines it
 _TRITON_ENTRY_POINTS = {

@@ -66,8 +66,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import validation
-from .validation import CompileOnlyTarget
+from kvpaging.kernels import validation
+from kvpaging.kernels.validation import CompileOnlyTarget
 
 HOPPER = CompileOnlyTarget(name="H100/H200 (sm_90)", arch=90, num_sms=132, max_shared_bytes=232448)
 REGISTERS_PER_SM = 65536
@@ -389,7 +389,7 @@ def compile_only(target: CompileOnlyTarget = HOPPER) -> Iterator[StandInDriver]:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from . import triton_decode_attention
+    from kvpaging.kernels import triton_decode_attention
 
     if not isinstance(triton_decode_attention._decode_split_kernel, JITFunction):
         raise RuntimeError("the Triton kernels were defined under TRITON_INTERPRET=1 and cannot be compiled; "
@@ -411,7 +411,7 @@ def compile_only(target: CompileOnlyTarget = HOPPER) -> Iterator[StandInDriver]:
 
 def call_wrapper(config: Config) -> None:
     """Call the wrapper ``config.op`` with tensors of the engine's layout (contents never read)."""
-    from . import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv
+    from kvpaging.kernels import copy_blocks, paged_decode_attention, paged_prefill_attention, store_kv
 
     num_heads, num_kv_heads, head_dim = SHAPES[config.shape]
     cache_shape = (4, config.block_size, num_kv_heads, head_dim)  # few blocks: the strides do not depend on them

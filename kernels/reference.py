@@ -39,8 +39,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .fp8 import dequantize_kv_cache, is_fp8, quantize_fp8
-from .validation import (
+from kvpaging.kernels.fp8 import dequantize_kv_cache, is_fp8, quantize_fp8
+from kvpaging.kernels.validation import (
     check_copy_blocks_args,
     check_decode_args,
     check_prefill_args,

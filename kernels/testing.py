@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import compute_kv_scales, is_fp8, quantize_kv_cache
+from kvpaging.kernels.fp8 import compute_kv_scales, is_fp8, quantize_kv_cache
 
 
 @dataclass

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8 import dequantize_kv_cache, is_fp8
-from .reference import copy_blocks, tables_in_range
-from .reference import store_kv as reference_store_kv
-from .validation import check_prefill_args, check_sinks, check_softcap, check_window
+from kvpaging.kernels.fp8 import dequantize_kv_cache, is_fp8
+from kvpaging.kernels.reference import copy_blocks, tables_in_range
+from kvpaging.kernels.reference import store_kv as reference_store_kv
+from kvpaging.kernels.validation import check_prefill_args, check_sinks, check_softcap, check_window
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks"]
 

@@ -7,10 +7,10 @@ Importing it imports Triton (``kvpaging.kernels`` itself does not, see its docst
 
 from __future__ import annotations
 
-from .triton_copy_blocks import copy_blocks
-from .triton_decode_attention import paged_decode_attention
-from .triton_prefill_attention import paged_prefill_attention
-from .triton_store_kv import store_kv
+from kvpaging.kernels.triton_copy_blocks import copy_blocks
+from kvpaging.kernels.triton_decode_attention import paged_decode_attention
+from kvpaging.kernels.triton_prefill_attention import paged_prefill_attention
+from kvpaging.kernels.triton_store_kv import store_kv
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "NAME"]
 NAME = "triton"

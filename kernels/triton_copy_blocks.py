@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import bit_copy_dtype
-from .validation import check_copy_blocks_args, check_triton_device
+from kvpaging.kernels.triton_utils import bit_copy_dtype
+from kvpaging.kernels.validation import check_copy_blocks_args, check_triton_device
 
 CHUNK = 1024  # elements per load/store
 

@@ -61,8 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import is_fp8
-from .triton_utils import (
+from kvpaging.kernels.fp8 import is_fp8
+from kvpaging.kernels.triton_utils import (
     NO_WINDOW,
     soft_cap,
     dot_dtype,
@@ -72,7 +72,7 @@ from .triton_utils import (
     scale_pointer_and_stride,
     unit_stride,
 )
-from .validation import (check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device,
+from kvpaging.kernels.validation import (check_decode_args, check_head_dim, check_last_dim_contiguous, check_triton_device,
                          check_sinks, check_softcap, check_window)
 
 LOG2_E = math.log2(math.e)

@@ -42,10 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import is_fp8
-from .triton_utils import (NO_WINDOW, dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, soft_cap,
+from kvpaging.kernels.fp8 import is_fp8
+from kvpaging.kernels.triton_utils import (NO_WINDOW, dot_dtype, matmul, padded_head_dim, scale_pointer_and_stride, soft_cap,
                            unit_stride)
-from .validation import (check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device,
+from kvpaging.kernels.validation import (check_head_dim, check_last_dim_contiguous, check_prefill_args, check_triton_device,
                          check_sinks, check_softcap, check_window)
 
 LOG2_E = math.log2(math.e)

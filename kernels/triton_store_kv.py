@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP8_MAX, is_fp8
-from .triton_utils import scale_pointer_and_stride, unit_stride
-from .validation import (
+from kvpaging.kernels.fp8 import FP8_MAX, is_fp8
+from kvpaging.kernels.triton_utils import scale_pointer_and_stride, unit_stride
+from kvpaging.kernels.validation import (
     check_head_dim,
     check_last_dim_contiguous,
     check_store_kv_args,

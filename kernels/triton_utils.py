@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import validation
-from .validation import interpreter_enabled
+from kvpaging.kernels import validation
+from kvpaging.kernels.validation import interpreter_enabled
 
 # the window the kernels take for "no sliding window": longer than any context (a plain int, so one compiled kernel
 # serves full and sliding layers alike)

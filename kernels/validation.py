@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import is_fp8
+from kvpaging.kernels.fp8 import is_fp8
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

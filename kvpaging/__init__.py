@@ -1,7 +1,7 @@
 """kvpaging: learn how LLM serving engines work by running a real one.
 
     LLM, SamplingParams         the vLLM-style front door (LLM.generate, llm.engine.step)
-    AsyncLLM                    the engine in a thread of its own, for asyncio callers (kvpaging.serve)
+    AsyncLLM                    the engine in a thread of its own, for asyncio callers (kvpaging.entrypoints.serve)
     BlockPool, BlockManager     physical blocks, block tables, copy-on-write, prefix cache
     Scheduler                   continuous batching, chunked prefill, preemption
     kv_cache_bytes, ...         how many bytes a model's KV cache takes
@@ -9,9 +9,9 @@
     kvpaging.models             tiny random-weight models and real-shaped configs, offline
 """
 
-from .block_manager import BlockManager, KVCacheStats, PrefixHit, default_block_hash
-from .block_pool import BlockPool, FreeBlockQueue, KVBlock
-from .contiguous import (
+from kvpaging.core.block_manager import BlockManager, KVCacheStats, PrefixHit, default_block_hash
+from kvpaging.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvpaging.core.contiguous import (
     ContiguousAllocator,
     ContiguousSnapshot,
     ContiguousStep,
@@ -20,18 +20,18 @@ from .contiguous import (
     first_refusal,
     simulate_contiguous,
 )
-from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError
-from .engine import LLMEngine, StepRecord
-from .llm import LLM
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampler import Sampler, SamplerOutput, make_generator
-from .sampling_params import RequestOutputKind, SamplingParams
-from .structured_outputs import StructuredOutputsParams
-from .scheduler import Scheduler, SchedulerOutput
-from .config import EngineConfig
-from .errors import (DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError,
+from kvpaging.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError
+from kvpaging.engine.llm_engine import LLMEngine, StepRecord
+from kvpaging.entrypoints.llm import LLM
+from kvpaging.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpaging.worker.sampler import Sampler, SamplerOutput, make_generator
+from kvpaging.sampling_params import RequestOutputKind, SamplingParams
+from kvpaging.engine.structured_outputs import StructuredOutputsParams
+from kvpaging.core.scheduler import Scheduler, SchedulerOutput
+from kvpaging.config import EngineConfig
+from kvpaging.errors import (DuplicateSequenceError, RequestFailedError, SequenceNotFoundError, SequenceTooLongError,
                      TensorParallelError, UnsupportedModelError)
-from .kv_math import (
+from kvpaging.core.kv_math import (
     KV_CACHE_DTYPES,
     dtype_nbytes,
     format_bytes,

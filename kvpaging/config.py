@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_block_size, check_bool, check_choice, check_int
-from .errors import UnsupportedModelError
-from .kv_layout import config_layout, layout_bytes_per_token
+from kvpaging.checks import check_block_size, check_bool, check_choice, check_int
+from kvpaging.errors import UnsupportedModelError
+from kvpaging.worker.kv_layout import config_layout, layout_bytes_per_token
 
 logger = logging.getLogger("kvpaging")
 
@@ -61,7 +61,7 @@ class EngineConfig:
         in one C pass (``kvpaging.kernels.cpu.layers``). Off by default: the engine then runs
         the model's own layers, exactly what ``generate()`` runs.
     tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
-        one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/tensor_parallel.py``).
+        one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/distributed/tensor_parallel.py``).
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
         per rank, as in vLLM, and ``num_blocks`` counts blocks of every rank's share of the heads.
         On a CPU every rank runs the caller's torch thread count: set it to cores // N first.
@@ -70,7 +70,7 @@ class EngineConfig:
         whole vocabulary would cost every request of its step.
     self_check: before serving, run a short prompt through the paged path and through the model's
         own forward pass, and refuse the model (``UnsupportedModelError``, naming the cause) if their
-        logits differ (``kvpaging/self_check.py``). On by default; turn it off only for a model
+        logits differ (``kvpaging/worker/self_check.py``). On by default; turn it off only for a model
         you have checked already, since a model the engine gets wrong would then give wrong tokens.
     """
 
@@ -133,70 +133,17 @@ class EngineConfig:
         """This config with every "auto" replaced by what runs for ``model``, and every setting that
         depends on the model checked. Raises ValueError, naming the value, for what cannot run.
 
-        ``kv_layout``: each layer's keys and values as ``kvpaging.kv_layout.measure_kv_layout`` read them off
-        the model, which the pool is sized by; None: as the config describes them."""
+        ``kv_layout``: each layer's keys and values as ``kvpaging.worker.self_check.measure_kv_layout`` read them
+        off the model, which the pool is sized by; None: as the config describes them."""
         param = next(model.parameters())
-        dev, model_dtype = param.device, param.dtype
-        config = model.config
-
-        backend = self.attention_backend
-        if backend == "auto":
-            backend = auto_attention_backend(dev)
-        elif backend == "cpu":
-            if dev.type != "cpu":
-                raise ValueError(f"attention_backend='cpu' runs on the CPU, but device={str(dev)!r}")
-            from .kernels import cpu_backend
-
-            if not cpu_backend.available():
-                raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_backend.unavailable_reason()}")
-        elif backend == "triton" and not _has_triton():
-            raise ValueError("attention_backend='triton' needs the triton package, which is not installed")
-
-        kv_dtype = self.kv_cache_dtype
-        if kv_dtype == "auto":
-            kv_dtype = _dtype_name(model_dtype)
-        elif KV_CACHE_DTYPES[kv_dtype] not in (model_dtype, torch.float8_e4m3fn):
-            raise ValueError(f"kv_cache_dtype={kv_dtype!r} differs from the model's dtype {model_dtype}: "
-                             "use 'auto' (the model's dtype) or 'fp8'")
-        if kv_dtype == "fp8":
-            kv_dtype = "fp8_e4m3"
-
-        limit = getattr(config, "max_position_embeddings", None)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            limit = None  # not a length: XLNet's -1 means "no limit"
-        max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = limit or 4096
-        elif limit is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
-
-        tp = self.tensor_parallel_size
-        layout = kv_layout or config_layout(config, config.num_hidden_layers)
-        if layout is None:
-            raise UnsupportedModelError(f"{type(model).__name__}'s config declares its key/value shapes per layer: "
-                                        "pass the layout a forward pass reads (kvpaging.kv_layout)", "kv_shape")
-        described = layout == config_layout(config, len(layout))
-        if tp > 1:
-            from .tensor_parallel import check_tensor_parallel
-
-            if not described:
-                raise UnsupportedModelError(
-                    f"tensor_parallel_size={tp}: {type(model).__name__}'s keys and values are not the "
-                    "num_key_value_heads x head_dim its config describes (kvpaging/kv_layout.py), and the "
-                    "tensor-parallel plan shards the heads the config names; serve it with tensor_parallel_size=1",
-                    "kv_shape")
-            check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
+        dev = param.device
+        backend = self._attention_backend(dev)
+        kv_dtype = self._kv_dtype(param.dtype)
+        max_model_len = self._max_model_len(model.config)
+        layout = self._layout(model, kv_layout)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            dtype = KV_CACHE_DTYPES[kv_dtype]
-            # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
-            bytes_per_block = layout_bytes_per_token(layout, dtype) * self.block_size // tp
-            # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
-            shard_bytes = 0
-            if tp > 1 and dev.type == "cuda":
-                shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) // tp
-            num_blocks = _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes,
-                                    shard_bytes)
+            num_blocks = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype])
         if num_blocks * self.block_size < max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
@@ -209,6 +156,71 @@ class EngineConfig:
             logger.debug("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
         return dataclasses.replace(self, attention_backend=backend, kv_cache_dtype=kv_dtype,
                                    max_model_len=max_model_len, num_blocks=num_blocks)
+
+    def _attention_backend(self, dev: torch.device) -> str:
+        backend = self.attention_backend
+        if backend == "auto":
+            return auto_attention_backend(dev)
+        if backend == "cpu":
+            if dev.type != "cpu":
+                raise ValueError(f"attention_backend='cpu' runs on the CPU, but device={str(dev)!r}")
+            from kvpaging.kernels import cpu_backend
+
+            if not cpu_backend.available():
+                raise ValueError(f"attention_backend='cpu' is unavailable here: {cpu_backend.unavailable_reason()}")
+        elif backend == "triton" and not _has_triton():
+            raise ValueError("attention_backend='triton' needs the triton package, which is not installed")
+        return backend
+
+    def _kv_dtype(self, model_dtype: torch.dtype) -> str:
+        kv_dtype = self.kv_cache_dtype
+        if kv_dtype == "auto":
+            return _dtype_name(model_dtype)
+        if KV_CACHE_DTYPES[kv_dtype] not in (model_dtype, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype={kv_dtype!r} differs from the model's dtype {model_dtype}: "
+                             "use 'auto' (the model's dtype) or 'fp8'")
+        return "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
+
+    def _max_model_len(self, config) -> int:
+        limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            limit = None  # not a length: XLNet's -1 means "no limit"
+        if self.max_model_len is None:
+            return limit or 4096
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        return self.max_model_len
+
+    def _layout(self, model, kv_layout: list | None) -> list:
+        """The key/value layout the pool is sized by; with tensor parallelism, the plan checked against it."""
+        config, tp = model.config, self.tensor_parallel_size
+        layout = kv_layout or config_layout(config, config.num_hidden_layers)
+        if layout is None:
+            raise UnsupportedModelError(f"{type(model).__name__}'s config declares its key/value shapes per layer: "
+                                        "pass the layout a forward pass reads (kvpaging.worker.kv_layout)", "kv_shape")
+        if tp > 1:
+            from kvpaging.distributed.plan import check_tensor_parallel
+
+            if layout != config_layout(config, len(layout)):
+                raise UnsupportedModelError(
+                    f"tensor_parallel_size={tp}: {type(model).__name__}'s keys and values are not the "
+                    "num_key_value_heads x head_dim its config describes (kvpaging/worker/kv_layout.py), and the "
+                    "tensor-parallel plan shards the heads the config names; serve it with tensor_parallel_size=1",
+                    "kv_shape")
+            check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
+        return layout
+
+    def _num_blocks(self, model, dev: torch.device, layout: list, dtype: torch.dtype) -> int:
+        """As many blocks as the memory budget holds (``kv_cache_memory_bytes``; else ``gpu_memory_utilization``
+        of the GPU, or ``DEFAULT_CPU_KV_CACHE_BYTES`` on the CPU)."""
+        tp = self.tensor_parallel_size
+        # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
+        bytes_per_block = layout_bytes_per_token(layout, dtype) * self.block_size // tp
+        # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
+        shard_bytes = 0
+        if tp > 1 and dev.type == "cuda":
+            shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) // tp
+        return _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes, shard_bytes)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -238,7 +250,7 @@ def auto_attention_backend(dev: torch.device) -> str:
     if dev.type == "cuda" and _has_triton():
         return "triton"
     if dev.type == "cpu":
-        from .kernels import cpu_backend
+        from kvpaging.kernels import cpu_backend
 
         if cpu_backend.available():
             return "cpu"

@@ -53,7 +53,7 @@ class UnsupportedModelError(ValueError):
 
     Raised while the engine is built (``LLM(model)``, ``LLMEngine(model)``): by the up-front
     checks of the model's config, or by the load-time self-check that runs a short prompt
-    through the paged path and through the model's own forward pass (``kvpaging/self_check.py``).
+    through the paged path and through the model's own forward pass (``kvpaging/worker/self_check.py``).
     ``cause`` names the reason in one word, for programs: ``"architecture"`` (a feature the
     config declares: encoder-decoder, hybrid layers, no attention heads, no LM head),
     ``"attention_interface"`` (the model's attention does not go through transformers'

@@ -92,7 +92,7 @@ class SamplingParams:
         whenever the completion's tokens so far end with the rest of it. Needs a tokenizer.
     structured_outputs: a ``StructuredOutputsParams`` (a JSON schema, a regex, a
         grammar or choices) the text must follow; tokens that would break it are
-        never chosen (kvpaging/structured_outputs.py). Needs a tokenizer.
+        never chosen (kvpaging/engine/structured_outputs.py). Needs a tokenizer.
     These change the logits before sampling, in vLLM's order (the grammar's mask,
     allowed tokens, bad words, min_tokens, logit_bias, then the penalties);
     logprobs stay raw.
@@ -128,6 +128,12 @@ class SamplingParams:
     structured_outputs: object | None = None  # a StructuredOutputsParams
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_token_lists()
+        self._check_kinds()
+        self._normalise()
+
+    def _check_numbers(self) -> None:
         _check_int("n", self.n, minimum=1)
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
@@ -144,15 +150,6 @@ class SamplingParams:
             if self.seed >= 2**64:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         _check_int("max_tokens", self.max_tokens, minimum=1)
-        stop = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in stop):
-            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stop!r}")
-        stop_strings = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
-        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(t, str) and t for t in stop_strings):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         for name in ("presence_penalty", "frequency_penalty"):
@@ -167,6 +164,14 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+
+    def _check_token_lists(self) -> None:
+        stop = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in stop):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stop!r}")
+        stop_strings = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
+        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(t, str) and t for t in stop_strings):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         bias = {} if self.logit_bias is None else self.logit_bias
         if not isinstance(bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
@@ -184,8 +189,13 @@ class SamplingParams:
         if bad is not None and (not isinstance(bad, (list, tuple)) or not all(
                 isinstance(w, str) and w.strip() for w in bad)):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {bad!r}")
+
+    def _check_kinds(self) -> None:
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
-            from .structured_outputs import StructuredOutputsParams
+            from kvpaging.engine.structured_outputs import StructuredOutputsParams
 
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
@@ -194,7 +204,12 @@ class SamplingParams:
             raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
                              " (kvpaging has no DELTA outputs)")
 
-        # Normalise. The dataclass is frozen, so assignments go through object.__setattr__.
+    def _normalise(self) -> None:
+        stop = [] if self.stop_token_ids is None else self.stop_token_ids
+        stop_strings = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
+        bias = {} if self.logit_bias is None else self.logit_bias
+        allowed, bad = self.allowed_token_ids, self.bad_words
+        # The dataclass is frozen, so assignments go through object.__setattr__.
         normal = {"temperature": float(self.temperature), "top_p": float(self.top_p),
                   "presence_penalty": float(self.presence_penalty), "frequency_penalty": float(self.frequency_penalty),
                   "repetition_penalty": float(self.repetition_penalty),

@@ -3,7 +3,7 @@
 A representative subset of the architecture matrix (``benchmarks/architectures.py``
 sweeps every causal-LM type of the installed transformers). For each type, a tiny
 random-weight model is served in two modes, the engine's defaults and chunked
-prefill with the prefix cache (``kvpaging.architectures.check_architecture``), and
+prefill with the prefix cache (``kvpaging.models.architectures.check_architecture``), and
 each mode's verdict must be EXACT (transformers' own greedy tokens) or REFUSED
 (``LLM(model)`` raised an error naming the cause). Which of the two a type gets is
 not the point, and is not asserted: a model served exactly today may be refused
@@ -19,7 +19,7 @@ import functools
 
 import pytest
 
-from kvpaging.architectures import (
+from kvpaging.models.architectures import (
     CRASH,
     MODES,
     SKIP,

@@ -1,4 +1,4 @@
-"""AsyncLLM: the engine thread, streams of outputs, aborts, failures and shutdown (kvpaging/async_llm.py)."""
+"""AsyncLLM: the engine thread, streams of outputs, aborts, failures and shutdown (kvpaging/engine/async_llm.py)."""
 
 import asyncio
 import threading

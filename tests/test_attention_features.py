@@ -18,7 +18,7 @@ import torch
 from engine_helpers import TIE_TOLERANCE, assert_pool_clean, greedy_params
 
 from kvpaging import LLM
-from kvpaging.architectures import tiny_model
+from kvpaging.models.architectures import tiny_model
 from kvpaging.teach.setup_check import greedy_agreement
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -150,7 +150,7 @@ def test_a_conflicting_pin_fails(dry_runs):
 
 def test_binder_and_make_install_the_same_trained_model_package():
     """The lessons' trained model comes from one pinned wheel; Binder and `make` must agree on the pin
-    (the cache of the dequantized model is keyed by the GGUF file's hash, kvpaging/trained.py)."""
+    (the cache of the dequantized model is keyed by the GGUF file's hash, kvpaging/models/trained_model.py)."""
     make = re.search(r"^SMOLLM2 := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
     assert make, "the Makefile pins the trained model's package in SMOLLM2"
     assert f'--no-deps "{make.group(1)}"' in (BINDER / "postBuild").read_text()

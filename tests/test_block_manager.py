@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvpaging.block_manager import BlockManager, default_block_hash
-from kvpaging.block_pool import BlockPool
+from kvpaging.core.block_manager import BlockManager, default_block_hash
+from kvpaging.core.block_pool import BlockPool
 from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
 
 
@@ -395,9 +395,9 @@ def test_invariant_checks_still_check_under_python_O():
     import textwrap
 
     code = textwrap.dedent("""
-        from kvpaging.block_manager import BlockManager
+        from kvpaging.core.block_manager import BlockManager
         from kvpaging.errors import InvariantError
-        from kvpaging.scheduler import Scheduler
+        from kvpaging.core.scheduler import Scheduler
         assert False, "this assert is stripped under -O"
         bm = BlockManager(8, 4)
         if not bm.allocate_sequence("a", 6):
@@ -549,7 +549,7 @@ def test_free_queue_against_a_plain_list():
     the middle and whole-table extends: same order at every step, and every link has its reverse."""
     import random
 
-    from kvpaging.block_pool import FreeBlockQueue, KVBlock
+    from kvpaging.core.block_pool import FreeBlockQueue, KVBlock
     from kvpaging.errors import InvariantError
 
     rng = random.Random(7)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpaging.block_manager import BlockManager
+from kvpaging.core.block_manager import BlockManager
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary, so prefixes repeat and the cache gets hits
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpaging.contiguous import (
+from kvpaging.core.contiguous import (
     ContiguousAllocator,
     ContiguousSnapshot,
     OutOfMemory,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpaging import LLM, SamplingParams
-from kvpaging.cuda_graphs import batch_size_ladder
+from kvpaging.worker.cuda_graphs import batch_size_ladder
 from kvpaging.models import tiny
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpaging import LLM, SamplingParams, kv_bytes_per_token
-from kvpaging.kv_accuracy import compare_kv_cache_dtypes, teacher_forced_logits
+from kvpaging.worker.kv_accuracy import compare_kv_cache_dtypes, teacher_forced_logits
 from kvpaging.models import tiny
 
 

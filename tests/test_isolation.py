@@ -26,8 +26,8 @@ import pytest
 from engine_helpers import FIRST_ORDINARY_TOKEN, assert_consistent, assert_pool_clean, build_llm, make_model
 
 from kvpaging import LLM, SamplingParams
-from kvpaging.detokenizer import IncrementalDetokenizer
-from kvpaging.sequence import Sequence
+from kvpaging.engine.detokenizer import IncrementalDetokenizer
+from kvpaging.core.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -219,7 +219,7 @@ def test_an_output_that_cannot_be_made_fails_its_request_alone(smollm2, monkeypa
 def test_through_the_server_the_failing_request_is_answered_with_an_error_and_its_neighbours_finish():
     import httpx
 
-    from kvpaging.serve import BackgroundServer, create_app
+    from kvpaging.entrypoints.serve import BackgroundServer, create_app
 
     llm = build_llm(make_model("qwen3"), num_blocks=96, max_num_batched_tokens=64)
     body = {"model": "tiny", "max_tokens": 40, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}

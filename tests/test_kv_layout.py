@@ -1,4 +1,4 @@
-"""Keys and values of the shapes the model gives them, not the ones its config names (kvpaging/kv_layout.py).
+"""Keys and values of the shapes the model gives them, not the ones its config names (kvpaging/worker/kv_layout.py).
 
 Multi-head latent attention (DeepSeek-V2, GLM-4-MoE-Lite) gives every head keys of
 ``qk_nope_head_dim + qk_rope_head_dim`` numbers and values of ``v_head_dim``;
@@ -16,8 +16,9 @@ import torch
 from engine_helpers import TIE_TOLERANCE, assert_pool_clean, greedy_params
 
 from kvpaging import LLM, EngineConfig, UnsupportedModelError
-from kvpaging.architectures import tiny_model
-from kvpaging.kv_layout import LayerKV, config_layout, layout_bytes_per_token, measure_kv_layout
+from kvpaging.models.architectures import tiny_model
+from kvpaging.worker.kv_layout import LayerKV, config_layout, layout_bytes_per_token
+from kvpaging.worker.self_check import measure_kv_layout
 from kvpaging.teach.setup_check import greedy_agreement
 
 pytestmark = pytest.mark.usefixtures("one_thread")

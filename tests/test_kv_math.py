@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from kvpaging.kv_math import (
+from kvpaging.core.kv_math import (
     dtype_nbytes,
     format_bytes,
     kv_bytes_per_token,
@@ -265,7 +265,7 @@ def test_layer_types_length_must_match_num_hidden_layers():
 def test_the_paged_cache_counts_sliding_layers_as_full_ones():
     """The engine keeps a sliding-window layer's blocks for the whole sequence (one block table for every
     layer), so its pool is sized per token with every layer: 2 (K and V) x 4 layers x 2 heads x 32 x 2 bytes."""
-    from kvpaging.kv_math import kv_bytes_per_token, paged_kv_bytes_per_token
+    from kvpaging.core.kv_math import kv_bytes_per_token, paged_kv_bytes_per_token
 
     config = SimpleNamespace(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                              hidden_size=256, sliding_window=6,

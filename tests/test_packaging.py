@@ -4,6 +4,7 @@ The folders kernels/ and visualizers/ must never be installed as top-level
 modules (a PyPI package named `kernels` exists and would be shadowed).
 """
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -43,8 +44,11 @@ def test_built_wheel_imports_all_three(tmp_path):
     assert "kernels" not in tops and "visualizers" not in tops, tops
     assert "kvpaging/kernels/__init__.py" in names
     assert "kvpaging/visualizers/__init__.py" in names
-    assert any(n.startswith("kvpaging/model_configs/") and n.endswith(".json") for n in names)
+    assert any(n.startswith("kvpaging/models/model_configs/") and n.endswith(".json") for n in names)
     assert {"kvpaging/kernels/cpu/decode_attention.c", "kvpaging/kernels/cpu/rms_norm.c"} <= set(names)  # compiled on first use
+    # every module of the source tree is in the wheel (a subpackage missing from pyproject's list would not be)
+    sources = {f"kvpaging/{p.relative_to(REPO / 'kvpaging').as_posix()}" for p in (REPO / "kvpaging").rglob("*.py")}
+    assert sources <= set(names), sorted(sources - set(names))
     code = (
         "import kvpaging, kvpaging.kernels, kvpaging.visualizers, sys;"
         "print(kvpaging.__file__); print(kvpaging.kernels.__file__); print(kvpaging.visualizers.__file__)"
@@ -57,3 +61,63 @@ def test_built_wheel_imports_all_three(tmp_path):
     assert [Path(p).resolve().parent.relative_to(site).as_posix() for p in out] == [
         "kvpaging", "kvpaging/kernels", "kvpaging/visualizers",
     ]
+
+
+def _module_names() -> dict[str, Path]:
+    modules = {}
+    for package, folder in SUBPACKAGES.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = [package, *path.relative_to(REPO / folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """Every package module a file imports, at its top or inside a function (``if TYPE_CHECKING:`` aside)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            found.update(n for n in names if n in modules)
+            module = node.module
+            while module and module not in modules:
+                module = module.rpartition(".")[0]
+            if module:
+                found.add(module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+    return found
+
+
+def test_no_import_circle():
+    """The stages import one way: no module reaches itself again through its imports, lazy ones included (a
+    lazy import that closes a circle is one a maintainer cannot move to the top). A module's own parent
+    packages do not count: importing ``kvpaging.core.scheduler`` runs ``kvpaging/__init__.py`` first either way."""
+    modules = _module_names()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # drop `if TYPE_CHECKING:` blocks
+            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+                node.body = []
+        graph[name] = {m for m in _imports(tree, modules) if m != name and not name.startswith(m + ".")}
+    # depth-first search for a back edge, reporting the circle it closes
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circle = path[path.index(nxt):] + [nxt]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert len(graph) > 60  # the walk saw the whole package

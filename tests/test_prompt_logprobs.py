@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpaging import LLM, SamplingParams
-from kvpaging.trained import trained
+from kvpaging.models.trained_model import trained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 2e-4  # float32 paged attention against transformers' own, over a 135M-parameter model
@@ -112,7 +112,7 @@ def test_prompt_logprobs_are_refused_above_max_logprobs():
 
 
 def test_echo_with_logprobs_scores_a_continuation_as_evaluation_harnesses_ask(model):
-    from kvpaging.serve import BackgroundServer, create_app
+    from kvpaging.entrypoints.serve import BackgroundServer, create_app
 
     hf, tok = model
     context, continuation = "Question: What is the capital of France?\nAnswer:", " Paris"

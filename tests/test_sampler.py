@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvpaging.sampler import Sampler, SamplerOutput, make_generator
+from kvpaging.worker.sampler import Sampler, SamplerOutput, make_generator
 from kvpaging.sampling_params import SamplingParams
 
 sampler = Sampler()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpaging import LLM, SamplingParams
-from kvpaging.trained import trained
+from kvpaging.models.trained_model import trained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_TOKENS = 24
@@ -168,7 +168,7 @@ def test_ids_outside_the_vocabulary_are_refused_before_anything_is_queued(smollm
 
 
 def test_the_server_takes_the_controls_as_vllm_does(smollm2):
-    from kvpaging.serve import BackgroundServer, create_app
+    from kvpaging.entrypoints.serve import BackgroundServer, create_app
 
     prompt = chat(smollm2, LONG)
     plain = ours(smollm2, prompt)

@@ -35,11 +35,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import torch
 
-from kvpaging.block_manager import BlockManager
-from kvpaging.model_runner import prepare_step_inputs
+from kvpaging.core.block_manager import BlockManager
+from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
-from kvpaging.scheduler import Scheduler
-from kvpaging.sequence import Request, SequenceStatus
+from kvpaging.core.scheduler import Scheduler
+from kvpaging.core.sequence import Request, SequenceStatus
 
 EOS = 2
 PROMPT_TOKENS = (3, 4, 5)  # a tiny vocabulary, so prefixes repeat and the cache gets hits

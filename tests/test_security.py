@@ -35,7 +35,7 @@ from engine_helpers import (
     random_prompt,
 )
 
-import kvpaging.llm
+import kvpaging.entrypoints.llm
 import kvpaging.models
 from kvpaging import LLM
 from kvpaging.models import load_model, tiny
@@ -147,7 +147,7 @@ def test_trust_remote_code_is_passed_through_as_given(tmp_path, monkeypatch, giv
         source = str(tmp_path)
     else:
         source = "some-org/some-model"  # never fetched: from_pretrained is the fake above
-    monkeypatch.setattr(kvpaging.llm, "load_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr(kvpaging.entrypoints.llm, "load_tokenizer", lambda *a, **k: None)
     LLM(source, num_blocks=64, block_size=4, max_model_len=64, **given)
     load_model(source, **given)
     assert len(seen) == 2
@@ -369,7 +369,7 @@ def test_a_hub_id_is_the_one_thing_that_goes_online(no_network, monkeypatch):
 
 def test_an_empty_api_key_flag_never_switches_the_key_off():
     """`--api-key "$UNSET"` gives an empty flag: the environment's key stays, and with none it is an error."""
-    from kvpaging.serve import create_app, resolve_api_key
+    from kvpaging.entrypoints.serve import create_app, resolve_api_key
 
     assert resolve_api_key(None, {"KVPAGING_API_KEY": "env-key"}) == "env-key"
     assert resolve_api_key("", {"KVPAGING_API_KEY": "env-key"}) == "env-key"

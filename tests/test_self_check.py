@@ -1,4 +1,4 @@
-"""The load-time self-check (kvpaging/self_check.py): served exactly, or refused before the first request.
+"""The load-time self-check (kvpaging/worker/self_check.py): served exactly, or refused before the first request.
 
 The refusals are checked on real transformers architectures whose attention the
 engine cannot serve, each for the cause its own modeling code shows (read in
@@ -13,9 +13,9 @@ import torch
 from engine_helpers import assert_pool_clean, build_llm, greedy_params, make_model, random_prompt
 
 from kvpaging import LLM, UnsupportedModelError
-from kvpaging.architectures import tiny_model
-from kvpaging.self_check import TOLERANCES, AttentionProbe, _plan
-from kvpaging.kv_layout import LayerKV
+from kvpaging.models.architectures import tiny_model
+from kvpaging.worker.self_check import TOLERANCES, AttentionProbe, _plan
+from kvpaging.worker.kv_layout import LayerKV
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,7 +140,7 @@ def test_a_model_is_checked_again_only_when_something_the_check_depends_on_chang
 def test_layers_that_do_not_pass_keyword_arguments_on_are_served():
     """StableLM's and Nemotron's decoder layers drop the attention keyword arguments; the step's metadata
     reaches their attention through the runner's context variable, and their tokens are generate()'s."""
-    from kvpaging.architectures import EXACT, check_architecture
+    from kvpaging.models.architectures import EXACT, check_architecture
 
     for model_type in ("stablelm", "nemotron"):
         verdicts = check_architecture(model_type)

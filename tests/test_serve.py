@@ -1,8 +1,8 @@
-"""The OpenAI-compatible server (kvpaging/serve.py), driven over HTTP on 127.0.0.1 with the official client.
+"""The OpenAI-compatible server (kvpaging/entrypoints/serve.py), driven over HTTP on 127.0.0.1 with the official client.
 
 Servers run in this process (``BackgroundServer``: uvicorn in a thread, on a free port), so a test
 can read the engine's books on its own thread (``server.llm.call``); one test starts
-``python -m kvpaging.serve`` as a subprocess to check the command line and a clean SIGTERM.
+``python -m kvpaging.entrypoints.serve`` as a subprocess to check the command line and a clean SIGTERM.
 Token-level checks use a tiny random model (its prompts are token ids; ``return_token_ids``
 brings the tokens back); text checks use the shipped trained model.
 """
@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
-from kvpaging.serve import ENGINE_OPTIONS, BackgroundServer, create_app, make_parser
+from kvpaging.entrypoints.serve import ENGINE_OPTIONS, BackgroundServer, create_app, make_parser
 
 TINY = dict(num_blocks=256, max_model_len=256)
 BODY_LIMIT = 64 * 1024
@@ -563,10 +563,10 @@ def test_every_llm_keyword_is_a_serve_flag_with_the_same_default():
 def test_the_kvpaging_console_script_has_a_serve_command(capsys):
     from importlib.metadata import entry_points
 
-    from kvpaging.cli import main
+    from kvpaging.entrypoints.cli import main
 
     scripts = entry_points(group="console_scripts", name="kvpaging")
-    assert [e.value for e in scripts] == ["kvpaging.cli:main"], "reinstall: pip install -e ."
+    assert [e.value for e in scripts] == ["kvpaging.entrypoints.cli:main"], "reinstall: pip install -e ."
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
     out = capsys.readouterr().out
@@ -579,7 +579,7 @@ def test_python_m_kvpaging_serve_serves_and_stops_cleanly_on_sigterm():
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVPAGING_API_KEY": "k"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvpaging.serve", "tiny-qwen3", "--port", str(port), "--num-blocks", "160",
+        [sys.executable, "-m", "kvpaging.entrypoints.serve", "tiny-qwen3", "--port", str(port), "--num-blocks", "160",
          "--max-model-len", "2048", "--log-level", "info", "--timeout-graceful-shutdown", "2"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -713,7 +713,7 @@ def test_the_serving_benchmark_counts_a_completion_that_comes_in_one_chunk():
 def test_the_serving_benchmark_gives_transformers_serve_a_copy_of_the_trained_model(tmp_path):
     from pathlib import Path
 
-    from kvpaging.trained import trained_path
+    from kvpaging.models.trained_model import trained_path
 
     bench = _serving_benchmark()
     cache = trained_path("smollm2")

@@ -9,7 +9,7 @@
   drips its body gets 408 after the body timeout; past the concurrency limit new requests get 503,
   and once the slow connections are closed the server answers again.
 
-Shutdown with streams in flight is in ``test_serve.py`` (in-process and ``python -m kvpaging.serve``).
+Shutdown with streams in flight is in ``test_serve.py`` (in-process and ``python -m kvpaging.entrypoints.serve``).
 Everything here is on 127.0.0.1 and bounded in time.
 """
 
@@ -23,7 +23,7 @@ import pytest
 
 from kvpaging import LLM
 from kvpaging.models import tiny
-from kvpaging.serve import BackgroundServer, _name_list, create_app, default_allowed_hosts
+from kvpaging.entrypoints.serve import BackgroundServer, _name_list, create_app, default_allowed_hosts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

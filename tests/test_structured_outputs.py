@@ -102,7 +102,7 @@ def test_structured_outputs_params_need_exactly_one_valid_kind(spec):
 
 
 def test_the_server_takes_openai_response_format_and_vllm_structured_outputs(llm):
-    from kvpaging.serve import BackgroundServer, create_app
+    from kvpaging.entrypoints.serve import BackgroundServer, create_app
 
     with BackgroundServer(create_app(llm, served_model_name="smollm2")) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)

@@ -11,7 +11,7 @@ import pytest
 
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
-from kvpaging.step_record import ScheduledEntry, StepRecord
+from kvpaging.engine.step_record import ScheduledEntry, StepRecord
 from kvpaging.teach import load
 
 ROOT = Path(__file__).resolve().parents[1]

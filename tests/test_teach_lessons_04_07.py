@@ -266,7 +266,7 @@ def test_cpu_threads_sets_and_restores():
 
 def test_document_chat_cuts_the_document_at_exact_tokens():
     from transformers import AutoTokenizer
-    from kvpaging.trained import trained_path
+    from kvpaging.models.trained_model import trained_path
 
     tok = AutoTokenizer.from_pretrained(trained_path())
     short, long = document_chat(tok, 50), document_chat(tok, 120)

@@ -168,7 +168,7 @@ def test_attention_entropy_uniform_peaked_and_model_untouched():
 
 
 def test_compare_engines_keeps_per_position_figures():
-    from kvpaging.kv_accuracy import compare_engines
+    from kvpaging.worker.kv_accuracy import compare_engines
 
     model = tiny("qwen3", **SMALL)
     seqs = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(3)).tolist()
@@ -270,7 +270,7 @@ def test_vllm_names_point_at_real_code():
         obj = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
-        if where == "kvpaging.llm:LLM.__init__":
+        if where == "kvpaging.entrypoints.llm:LLM.__init__":
             import inspect
 
             params = inspect.signature(obj).parameters

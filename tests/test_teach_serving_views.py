@@ -10,7 +10,7 @@ import pytest
 
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
-from kvpaging.step_record import ScheduledEntry, StepRecord
+from kvpaging.engine.step_record import ScheduledEntry, StepRecord
 from kvpaging.teach import load, serving
 
 SMALL = dict(num_hidden_layers=1, vocab_size=512)

@@ -182,7 +182,7 @@ def test_teacher_forced_logits_equal_the_models_own_forward(arch):
     """Every position's logits over the whole vocabulary, through the paged path in chunks (the
     LM head's gather, ``all_positions``), against one plain forward pass of transformers. Llama with
     biases on every projection: column-parallel biases are split, row-parallel ones added once."""
-    from kvpaging.kv_accuracy import teacher_forced_logits
+    from kvpaging.worker.kv_accuracy import teacher_forced_logits
 
     if arch == "qwen3":
         model = make_model("qwen3")

@@ -19,7 +19,7 @@ import torch
 from engine_helpers import assert_pool_clean
 
 from kvpaging import LLM, SamplingParams
-import kvpaging.trained as trained_module
+import kvpaging.models.trained_model as trained_module
 from kvpaging.models import load_model, trained
 
 LONG_ANSWERS = (

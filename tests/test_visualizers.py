@@ -45,8 +45,8 @@ from kvpaging.visualizers.examples import BLOCK_SIZE, NUM_BLOCKS, chunked_prefil
 from kvpaging.visualizers.trace_io import Trace
 
 from kvpaging import LLM, SamplingParams, simulate_contiguous
-from kvpaging.contiguous import first_refusal
-from kvpaging.engine import StepRecord
+from kvpaging.core.contiguous import first_refusal
+from kvpaging.engine.llm_engine import StepRecord
 from kvpaging.models import tiny
 
 # Fields that newer engines add to StepRecord so that nothing has to be worked out. Removing

@@ -1,6 +1,6 @@
 """kvpaging.visualizers: watch the paged KV cache and the scheduler work, step by step.
 
-Every view reads the engine's :class:`~kvpaging.engine.StepRecord` stream and
+Every view reads the engine's :class:`~kvpaging.engine.llm_engine.StepRecord` stream and
 nothing else, so the same code draws a live engine, a trace in memory, or a
 trace saved on another machine::
 
@@ -50,8 +50,8 @@ pure functions take under a millisecond a frame and a whole widget redraw
 2-12 ms, well under the 50 ms budget.
 """
 
-from .base import LiveFeed, PlaybackControls, TraceView, View, presentation
-from .batching import (
+from kvpaging.visualizers.base import LiveFeed, PlaybackControls, TraceView, View, presentation
+from kvpaging.visualizers.batching import (
     ARTICLE_OUTPUT_LENGTHS,
     EngineSlots,
     SlotTimeline,
@@ -61,21 +61,21 @@ from .batching import (
     simulate_static_batching,
     slot_timeline_from_trace,
 )
-from .block_table import BlockTableFrame, BlockTableView, block_table_frame
-from .bubbles import BubbleFrame, BubbleTimeline, bubble_frame
-from .contiguous_view import (
+from kvpaging.visualizers.block_table import BlockTableFrame, BlockTableView, block_table_frame
+from kvpaging.visualizers.bubbles import BubbleFrame, BubbleTimeline, bubble_frame
+from kvpaging.visualizers.contiguous_view import (
     ContiguousFrame,
     ContiguousMemoryView,
     ContiguousTraceSim,
     contiguous_frame,
     fragmentation_refusals,
 )
-from .dashboard import Dashboard
-from .memory_map import MemoryMapFrame, MemoryMapView, memory_map_frame, pool_figures
-from .replay import DerivedStep, PoolArrays, TraceReplay, infer_block_size, pool_arrays
-from .throughput import LatencyTracker, RequestLatency, ThroughputPanel, request_latencies, throughput_series
-from .static import display_figure, figure_bundle, fix_axis_ranges
-from .trace_io import Trace, load_trace, save_chrome_trace, save_trace, to_chrome_trace
+from kvpaging.visualizers.dashboard import Dashboard
+from kvpaging.visualizers.memory_map import MemoryMapFrame, MemoryMapView, memory_map_frame, pool_figures
+from kvpaging.visualizers.replay import DerivedStep, PoolArrays, TraceReplay, infer_block_size, pool_arrays
+from kvpaging.visualizers.throughput import LatencyTracker, RequestLatency, ThroughputPanel, request_latencies, throughput_series
+from kvpaging.visualizers.static import display_figure, figure_bundle, fix_axis_ranges
+from kvpaging.visualizers.trace_io import Trace, load_trace, save_chrome_trace, save_trace, to_chrome_trace
 
 __all__ = [
     "ARTICLE_OUTPUT_LENGTHS",

@@ -517,7 +517,7 @@ class View(DisplaysAsWidget):
         """
         import plotly.graph_objects as go
 
-        from .static import fix_axis_ranges
+        from kvpaging.visualizers.static import fix_axis_ranges
 
         self.sync()
         fig = self._sized(go.Figure(self.base_figure()))
@@ -579,7 +579,7 @@ class View(DisplaysAsWidget):
 
     def display_static(self, max_frames: int = 30) -> None:
         """Display the static animation as plotly's notebook output (renders with no kernel, offline)."""
-        from .static import display_figure
+        from kvpaging.visualizers.static import display_figure
 
         display_figure(self.static_figure(max_frames), text=self.summary())
 
@@ -609,7 +609,7 @@ class TraceView(View):
 
     def __init__(self, trace=None, *, block_size: int | None = None, controls: bool = True,
                  interval_ms: int | None = None, width: int | None = None) -> None:
-        from .replay import TraceReplay
+        from kvpaging.visualizers.replay import TraceReplay
 
         super().__init__(controls=controls, interval_ms=interval_ms, width=width)
         if isinstance(trace, TraceReplay):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine import StepRecord
+from kvpaging.engine.llm_engine import StepRecord
 
 __all__ = [
     "SlotTimeline",

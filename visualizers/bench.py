@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..engine import ScheduledEntry, StepRecord
+from kvpaging.engine.llm_engine import ScheduledEntry, StepRecord
 
 __all__ = ["synthetic_trace", "time_frames", "time_widget_redraws", "main"]
 
@@ -74,13 +74,13 @@ def synthetic_trace(num_blocks: int = 4096, block_size: int = 16, num_seqs: int 
 
 def time_frames(records: list[StepRecord] | None = None, block_size: int = 16, repeats: int = 20) -> dict[str, float]:
     """Median seconds per frame of each view's pure function, at the last step of ``records``."""
-    from .batching import EngineSlots
-    from .block_table import block_table_frame
-    from .bubbles import bubble_frame
-    from .contiguous_view import ContiguousTraceSim, contiguous_frame
-    from .memory_map import memory_map_frame
-    from .replay import TraceReplay
-    from .throughput import throughput_series
+    from kvpaging.visualizers.batching import EngineSlots
+    from kvpaging.visualizers.block_table import block_table_frame
+    from kvpaging.visualizers.bubbles import bubble_frame
+    from kvpaging.visualizers.contiguous_view import ContiguousTraceSim, contiguous_frame
+    from kvpaging.visualizers.memory_map import memory_map_frame
+    from kvpaging.visualizers.replay import TraceReplay
+    from kvpaging.visualizers.throughput import throughput_series
 
     records = records if records is not None else synthetic_trace(block_size=block_size)
     replay = TraceReplay(records, block_size=block_size)
@@ -111,11 +111,11 @@ def time_frames(records: list[StepRecord] | None = None, block_size: int = 16, r
 
 def time_widget_redraws(records: list[StepRecord], block_size: int = 16, repeats: int = 20) -> dict[str, float]:
     """Median seconds for ``view.show(position)`` with the FigureWidget built (needs the notebook extras)."""
-    from .block_table import BlockTableView
-    from .bubbles import BubbleTimeline
-    from .contiguous_view import ContiguousMemoryView
-    from .memory_map import MemoryMapView
-    from .throughput import ThroughputPanel
+    from kvpaging.visualizers.block_table import BlockTableView
+    from kvpaging.visualizers.bubbles import BubbleTimeline
+    from kvpaging.visualizers.contiguous_view import ContiguousMemoryView
+    from kvpaging.visualizers.memory_map import MemoryMapView
+    from kvpaging.visualizers.throughput import ThroughputPanel
 
     views = {
         "MemoryMapView": MemoryMapView(records, block_size=block_size),
@@ -139,7 +139,7 @@ def time_widget_redraws(records: list[StepRecord], block_size: int = 16, repeats
 def main() -> None:
     records = synthetic_trace()
     start = time.perf_counter()
-    from .replay import TraceReplay
+    from kvpaging.visualizers.replay import TraceReplay
 
     TraceReplay(records, block_size=16)
     replay_time = time.perf_counter() - start

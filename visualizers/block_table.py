@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CELL_PX, TraceView, discrete_colorscale, small_lines
-from .replay import TraceReplay
+from kvpaging.visualizers.base import CELL_PX, TraceView, discrete_colorscale, small_lines
+from kvpaging.visualizers.replay import TraceReplay
 
 __all__ = ["BlockTableView", "BlockTableFrame", "block_table_frame", "PRIVATE", "SHARED", "PREFIX_HIT", "COPIED"]
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import PALETTE, SMALL_PX, View, discrete_colorscale
-from .batching import IDLE, EngineSlots, SlotTimeline, simulate_continuous_batching, simulate_static_batching
-from .replay import TraceReplay
+from kvpaging.visualizers.base import PALETTE, SMALL_PX, View, discrete_colorscale
+from kvpaging.visualizers.batching import IDLE, EngineSlots, SlotTimeline, simulate_continuous_batching, simulate_static_batching
+from kvpaging.visualizers.replay import TraceReplay
 
 __all__ = ["BubbleTimeline", "BubbleFrame", "bubble_frame"]
 

@@ -11,7 +11,7 @@ free in total. That step is marked with a red cross, and the title says so.
 Two sources of data:
 
 - ``ContiguousMemoryView(simulate_contiguous(num_slots, events))``: a scripted
-  scenario from :mod:`kvpaging.contiguous`;
+  scenario from :mod:`kvpaging.core.contiguous`;
 - ``ContiguousMemoryView.from_trace(engine.trace, reserve_tokens=...)``: what a
   contiguous allocator would have done with the very requests of a paged run
   (:class:`ContiguousTraceSim`). It is a what-if: requests it refuses keep
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
-from .base import PALETTE, SMALL, View
-from .replay import TraceReplay
+from kvpaging.core.contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
+from kvpaging.visualizers.base import PALETTE, SMALL, View
+from kvpaging.visualizers.replay import TraceReplay
 
 __all__ = [
     "ContiguousMemoryView",

@@ -26,14 +26,14 @@ from __future__ import annotations
 import threading
 from html import escape
 
-from .base import DisplaysAsWidget, LiveFeed, PlaybackControls, View
-from .block_table import BlockTableView
-from .bubbles import BubbleTimeline
-from .contiguous_view import ContiguousMemoryView, ContiguousTraceSim
-from .memory_map import MemoryMapView
-from .replay import TraceReplay
-from .throughput import ThroughputPanel
-from .trace_io import save_chrome_trace, save_trace
+from kvpaging.visualizers.base import DisplaysAsWidget, LiveFeed, PlaybackControls, View
+from kvpaging.visualizers.block_table import BlockTableView
+from kvpaging.visualizers.bubbles import BubbleTimeline
+from kvpaging.visualizers.contiguous_view import ContiguousMemoryView, ContiguousTraceSim
+from kvpaging.visualizers.memory_map import MemoryMapView
+from kvpaging.visualizers.replay import TraceReplay
+from kvpaging.visualizers.throughput import ThroughputPanel
+from kvpaging.visualizers.trace_io import save_chrome_trace, save_trace
 
 __all__ = ["Dashboard"]
 
@@ -179,7 +179,7 @@ class Dashboard(DisplaysAsWidget):
 
         Returns their ``RequestOutput``s in the order given, like ``LLM.generate``.
         """
-        from ..engine import normalize_batch
+        from kvpaging.engine.llm_engine import normalize_batch
 
         if self.engine is None:
             raise ValueError("Dashboard.run needs an engine: Dashboard(llm).run(prompts, params)")
@@ -218,7 +218,7 @@ class Dashboard(DisplaysAsWidget):
         if self._widget is None:
             import ipywidgets as widgets
 
-            from .base import fit_to_width
+            from kvpaging.visualizers.base import fit_to_width
 
             def row(*views):
                 for v in views:  # each panel grows to share the row; below MIN_PANEL_PX the row wraps
@@ -265,7 +265,7 @@ class Dashboard(DisplaysAsWidget):
 
         Saved in a notebook, they render with no kernel, untrusted and offline.
         """
-        from .static import display_figure
+        from kvpaging.visualizers.static import display_figure
 
         for view in self.views:
             view.position = self.position

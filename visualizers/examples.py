@@ -18,7 +18,7 @@ step 5  seq 1 decodes into a new block 7 and finishes; seqs 2 and 3 -> 7 tokens
 
 from __future__ import annotations
 
-from ..engine import ScheduledEntry, StepRecord
+from kvpaging.engine.llm_engine import ScheduledEntry, StepRecord
 
 __all__ = ["hand_trace", "chunked_prefill_trace", "BLOCK_SIZE", "NUM_BLOCKS"]
 

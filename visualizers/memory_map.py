@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CELL_PX, PALETTE, TraceView, discrete_colorscale, small_lines
-from .replay import TraceReplay, pool_arrays
+from kvpaging.visualizers.base import CELL_PX, PALETTE, TraceView, discrete_colorscale, small_lines
+from kvpaging.visualizers.replay import TraceReplay, pool_arrays
 
 __all__ = ["MemoryMapView", "MemoryMapFrame", "memory_map_frame", "pool_figures", "FREE", "CACHED_FREE", "SHARED"]
 

@@ -1,6 +1,6 @@
 """Rebuild what the block pool looked like after every step, from step records alone.
 
-A :class:`~kvpaging.engine.StepRecord` says which sequences ran, with how many
+A :class:`~kvpaging.engine.llm_engine.StepRecord` says which sequences ran, with how many
 tokens, and every running sequence's block table. It does not say how many
 token slots each block holds, how many tables share a block, or which free
 blocks still hold reusable KV for the prefix cache. The visualizers need all
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import StepRecord
+from kvpaging.engine.llm_engine import StepRecord
 
 __all__ = ["TraceReplay", "DerivedStep", "PoolArrays", "pool_arrays", "infer_block_size"]
 

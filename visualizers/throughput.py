@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import SMALL, TraceView
-from .replay import TraceReplay
+from kvpaging.visualizers.base import SMALL, TraceView
+from kvpaging.visualizers.replay import TraceReplay
 
 __all__ = ["ThroughputPanel", "throughput_series", "RequestLatency", "LatencyTracker", "request_latencies"]
 

@@ -22,7 +22,7 @@ import typing
 from collections.abc import Iterable
 from dataclasses import asdict
 
-from ..engine import ScheduledEntry, StepRecord
+from kvpaging.engine.llm_engine import ScheduledEntry, StepRecord
 
 __all__ = [
     "save_trace",

@@ -22,7 +22,7 @@ very code ``generate()`` runs, so a comparison of the two measures scheduling
 and paging and nothing else. ``LLM(..., cpu_fast_layers=True)`` turns them on.
 
 The user's model is never touched. The engine runs a private copy of the
-model's modules that shares the weight tensors (``kvpaging.model_runner.private_copy``);
+model's modules that shares the weight tensors (``kvpaging.worker.model_runner.private_copy``);
 ``enable_fast_layers`` gives *that copy's* layers a new ``forward``, bound to
 the layer (a bound method, so the copy can still be deep-copied and pickled).
 The layer's own weight is used: no copy, nothing to keep in sync. A norm gets
@@ -82,7 +82,7 @@ def _fast_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Te
 
 def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu" and hidden_states.is_contiguous():
-        from . import rms_norm
+        from kvpaging.kernels.cpu import rms_norm
 
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)  # the layer's own code
@@ -107,7 +107,7 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
 
 def _agrees(module: torch.nn.Module) -> bool:
     """The C RMSNorm gives what the layer's own forward gives, on a probe input."""
-    from . import rms_norm
+    from kvpaging.kernels.cpu import rms_norm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, module.weight.shape[0], generator=g) * 3
@@ -125,7 +125,7 @@ def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
     Call it on a model nobody else uses (the engine calls it on its private copy):
     the layers' ``forward`` changes for every caller. Returns how many layers have it.
     """
-    from . import available
+    from kvpaging.kernels.cpu import available
 
     use_onednn = onednn_usable()
     use_c = available()

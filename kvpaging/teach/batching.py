@@ -15,10 +15,10 @@ import math
 import random
 from dataclasses import dataclass
 
-from ..sampling_params import SamplingParams
-from ..visualizers.batching import SlotTimeline, slot_timeline_from_trace
-from .paging import timed
-from .sharing import preview
+from kvpaging.sampling_params import SamplingParams
+from kvpaging.visualizers.batching import SlotTimeline, slot_timeline_from_trace
+from kvpaging.teach.paging import timed
+from kvpaging.teach.sharing import preview
 
 __all__ = ["request_stream", "PolicyRun", "run_policy", "compare_policies", "preview", "POLICY_COLOURS",
            "throughput_figure", "memory_figure", "blocks_freed", "mean_blocks_used"]

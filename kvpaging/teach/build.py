@@ -12,7 +12,7 @@ figures written down here: the reference is the engine's own code.
   through block tables, against :func:`kvpaging.kernels.reference.paged_decode_attention`.
 - :func:`check_step_planner` (lesson 07): one step of continuous batching with
   chunked prefill (who runs, with how many tokens, under a token budget and a
-  sequence cap), against :class:`kvpaging.scheduler.Scheduler`'s own decisions.
+  sequence cap), against :class:`kvpaging.core.scheduler.Scheduler`'s own decisions.
 
 Block ids are the allocator's own business (which free block comes next is a
 policy), so tables are compared up to a renaming of blocks: two allocators
@@ -85,7 +85,7 @@ def _places(tables: dict, block: int, skip: tuple) -> str:
 
 def _one_workload(make, num_blocks: int, block_size: int, num_ops: int, rng: random.Random, fork: bool,
                   totals: dict) -> str:
-    from ..block_manager import BlockManager
+    from kvpaging.core.block_manager import BlockManager
 
     ref = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     mine = make(num_blocks, block_size)
@@ -219,8 +219,8 @@ def check_paged_attention(fn, cases: int = 12, seed: int = 0, atol: float = 1e-4
     attention). The cases vary the batch, the lengths (1, a whole block, ragged), the
     block size and the heads per K/V head; blocks lie in a random order.
     """
-    from ..kernels import reference
-    from ..kernels.testing import random_paged_kv
+    from kvpaging.kernels import reference
+    from kvpaging.kernels.testing import random_paged_kv
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -298,10 +298,10 @@ def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck
     enough that no one is ever preempted: this checks the plan, not the memory.
     After every step, your plan must equal the scheduler's.
     """
-    from ..block_manager import BlockManager
-    from ..sampling_params import SamplingParams
-    from ..scheduler import Scheduler
-    from ..sequence import Request
+    from kvpaging.core.block_manager import BlockManager
+    from kvpaging.sampling_params import SamplingParams
+    from kvpaging.core.scheduler import Scheduler
+    from kvpaging.core.sequence import Request
 
     rng = random.Random(seed)
     steps = chunked = capped = 0

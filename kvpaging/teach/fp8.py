@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
+from kvpaging.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
 
 __all__ = [
     "e4m3_fields",
@@ -99,8 +99,8 @@ def measure_pool_capacity(model, budget_bytes: int, seq_len: int, kv_cache_dtype
     token budget are set out of the way). Prefix caching is off: random prompts share
     nothing anyway, and it keeps the count plain.
     """
-    from ..llm import LLM
-    from ..sampling_params import SamplingParams
+    from kvpaging.entrypoints.llm import LLM
+    from kvpaging.sampling_params import SamplingParams
 
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget_bytes, block_size=block_size,
               max_model_len=seq_len, enable_prefix_caching=False, max_num_seqs=1024,
@@ -200,7 +200,7 @@ def attention_entropy(model, token_ids: list[int], skip_first: int = 16) -> torc
     Runs a private copy of ``model`` (same weights) with transformers' eager attention,
     which returns the weights; ``model`` itself is not changed.
     """
-    from ..models import private_copy
+    from kvpaging.models import private_copy
 
     if len(token_ids) <= skip_first + 1:
         raise ValueError(f"need more than {skip_first + 1} tokens, got {len(token_ids)}")

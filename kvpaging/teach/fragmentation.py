@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
+from kvpaging.core.contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
 
 __all__ = ["WorkloadRequest", "make_workload", "run_contiguous", "refusal_table", "paged_blocks_needed", "ServedStep",
            "contiguous_served", "serve_paged", "ServedSummary", "served_summary", "served_figure", "tokens_to_compute"]
@@ -138,7 +138,7 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
     """Serve the same ``requests`` with the same ``num_slots`` through kvpaging's own scheduler and block manager.
 
     The pool holds ``num_slots // block_size`` blocks. No model runs: each step the
-    :class:`kvpaging.scheduler.Scheduler` plans the batch exactly as the engine would
+    :class:`kvpaging.core.scheduler.Scheduler` plans the batch exactly as the engine would
     (prompts admitted first come, first served while their blocks fit; one block more
     only when a sequence's last block is full; the newest sequence preempted and
     recomputed later when a decode finds the pool empty), and every sequence that
@@ -149,10 +149,10 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
     pool, so a prompt is computed in one step); a smaller one cuts prompts into
     chunks (chunked prefill, lesson 07).
     """
-    from ..block_manager import BlockManager
-    from ..sampling_params import SamplingParams
-    from ..scheduler import Scheduler
-    from ..sequence import Request
+    from kvpaging.core.block_manager import BlockManager
+    from kvpaging.sampling_params import SamplingParams
+    from kvpaging.core.scheduler import Scheduler
+    from kvpaging.core.sequence import Request
 
     num_blocks = num_slots // block_size
     longest = max(r.prompt_len + r.output_len for r in requests)

@@ -85,7 +85,7 @@ def count_decode_step_ops(llm, batch: int, prompt_len: int = 16, seed: int = 0) 
     counts the operators of exactly one decode step, then aborts the requests
     (the engine is left idle and its pool clean).
     """
-    from ..sampling_params import SamplingParams
+    from kvpaging.sampling_params import SamplingParams
 
     engine = llm.engine
     if engine.has_unfinished_requests():
@@ -143,7 +143,7 @@ def decode_step_ms(llm, batch: int, prompt_len: int = 32, tokens: int = 16, seed
     syncs when it reads the sampled tokens back, so wall time includes the GPU's work.
     The first run warms up and is not counted.
     """
-    from ..sampling_params import SamplingParams
+    from kvpaging.sampling_params import SamplingParams
 
     engine = llm.engine
     g = torch.Generator().manual_seed(seed)
@@ -176,7 +176,7 @@ def interleaved_step_ms(engines: dict, batches, rounds: int = 3,
     busy moment on the machine hits all of them alike; the middle of the rounds' times
     (``sorted(times)[rounds // 2]``) is kept. Returns ``{name: {batch: ms}}``.
     """
-    from ..progress import track
+    from kvpaging.progress import track
 
     samples = {(name, b): [] for name in engines for b in batches}
     for _ in track(range(rounds), desc=desc):
@@ -301,7 +301,7 @@ def read_results_table(path: str | Path | None = None, marker: str = CUDA_GRAPHS
 
 def show_figure(fig) -> None:
     """Display a plotly figure as plotly's notebook output (renders offline, untrusted, with no kernel)."""
-    from ..visualizers.static import display_figure
+    from kvpaging.visualizers.static import display_figure
 
     display_figure(fig)
 

@@ -77,7 +77,7 @@ STEPS = (
 
 
 def _function_source(name: str) -> str:
-    from ..kernels import reference, triton_decode_attention
+    from kvpaging.kernels import reference, triton_decode_attention
 
     for module in (reference, triton_decode_attention):
         obj = getattr(module, name, None)

@@ -37,8 +37,8 @@ def tensor_parallel_demo(model, kv_cache_memory_bytes: int, prompts: Sequence[Se
     count, so the demo runs on one thread each (restored after), as a small CPU
     wants.
     """
-    from ..llm import LLM
-    from ..sampling_params import SamplingParams
+    from kvpaging.entrypoints.llm import LLM
+    from kvpaging.sampling_params import SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import text_table
+from kvpaging.teach import text_table
 
 __all__ = ["RequestTiming", "LoadRun", "percentile", "arrival_offsets", "chat_requests", "document_request",
            "serve", "run_load", "latency_throughput_figure", "idle_slots_while_waiting", "sweep_table",
@@ -70,7 +70,7 @@ def chat_requests(questions, max_tokens: int, system: str | None = None) -> list
 def document_request(tokenizer, doc_tokens: int, max_tokens: int,
                      question: str = "What is this text about? Answer in one sentence.") -> dict:
     """A long chat request: ``doc_tokens`` tokens of real prose (Python's documentation), then ``question``."""
-    from .text import real_text
+    from kvpaging.teach.text import real_text
 
     ids = tokenizer(real_text(8 * doc_tokens + 200), add_special_tokens=False)["input_ids"][:doc_tokens]
     text = tokenizer.decode(ids)
@@ -178,7 +178,7 @@ def serve(llm, name: str = "kvpaging", warm: list[dict] | None = None):
     for as long as its run lasts. With ``warm``, those requests' prompts are computed first
     (``cache_prompts``), so that the timed runs find them in the prefix cache.
     """
-    from ..serve import BackgroundServer, create_app
+    from kvpaging.entrypoints.serve import BackgroundServer, create_app
 
     server = BackgroundServer(create_app(llm, served_model_name=name))
     if warm:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..block_manager import BlockManager
+from kvpaging.core.block_manager import BlockManager
 
 __all__ = [
     "show",
@@ -47,7 +47,7 @@ def show(view, max_frames: int = 30, live: bool = True) -> None:
 
 def show_figure(fig) -> None:
     """A plain plotly figure as plotly's notebook output (renders offline, untrusted, with no kernel)."""
-    from ..visualizers.static import display_figure
+    from kvpaging.visualizers.static import display_figure
 
     display_figure(fig)
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_math import kv_bytes_per_token, num_kv_cache_layers
-from . import text_table
+from kvpaging.core.kv_math import kv_bytes_per_token, num_kv_cache_layers
+from kvpaging.teach import text_table
 
 __all__ = [
     "StepCost",
@@ -107,7 +107,7 @@ class StepCost:
 def _dtype_bytes(dtype) -> int:
     if isinstance(dtype, torch.dtype):
         return dtype.itemsize
-    from ..kv_math import dtype_nbytes
+    from kvpaging.core.kv_math import dtype_nbytes
 
     return dtype_nbytes(dtype)
 
@@ -222,9 +222,9 @@ def time_prefill_and_decode(llm, prompt_len: int, batch: int = 1, decode_steps: 
     ``batch * prompt_len``), each later one a single new token per sequence (a
     decode step). One extra warm-up repeat is not counted.
     """
-    from ..progress import track
+    from kvpaging.progress import track
 
-    from ..sampling_params import SamplingParams
+    from kvpaging.sampling_params import SamplingParams
 
     engine = llm.engine
     if engine.config.max_num_batched_tokens < batch * prompt_len:

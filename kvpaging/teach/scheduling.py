@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import RequestFailedError
-from ..sampling_params import SamplingParams
+from kvpaging.errors import RequestFailedError
+from kvpaging.sampling_params import SamplingParams
 
 __all__ = ["LongPromptRun", "long_prompt_arrives", "PreemptionRun", "run_with_pool", "cpu_threads",
            "document_chat", "ChunkBreakdown", "chunk_breakdown", "step_wall_time_figure"]
@@ -46,7 +46,7 @@ def document_chat(tokenizer, doc_tokens: int,
     tokens, so the prompt's length depends only on ``doc_tokens``, the chat template and
     the question, not on which Python's documentation was read.
     """
-    from .text import chat_text, real_text
+    from kvpaging.teach.text import chat_text, real_text
 
     marker = "@@DOCUMENT@@"
     head, tail = chat_text(tokenizer, f"{marker}\n\n{question}").split(marker)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import cpu_backend
+from kvpaging.kernels import cpu_backend
 
 __all__ = [
     "RunEvents",
@@ -97,7 +97,7 @@ def make_chat_workload(tokenizer, num_requests: int = 48, max_tokens: int = 256)
     """Real chat requests for the trained model, stopping at its own ``<|im_end|>``: the 16 questions of
     ``kvpaging.teach.text``, asked plainly, with the library-assistant system prompt, and with a short one
     (so 48 distinct prompts; more requests repeat them), each allowed up to ``max_tokens`` tokens."""
-    from .text import QUESTIONS, SYSTEM_PROMPT, chat_ids
+    from kvpaging.teach.text import QUESTIONS, SYSTEM_PROMPT, chat_ids
 
     systems = (None, SYSTEM_PROMPT, "You are a concise assistant. Answer in one or two sentences.")
     prompts = [chat_ids(tokenizer, q, s) for s in systems for q in QUESTIONS]
@@ -123,7 +123,7 @@ def warmup_requests(work: Workload, k: int) -> list[tuple[list[int], int]]:
 
 def kvpaging_llm(model, work: Workload, tokenizer=None, **llm_kwargs):
     """The ``LLM`` the race runs ``work`` on: room for every request at once, vLLM's default step budget."""
-    from ..llm import LLM
+    from kvpaging.entrypoints.llm import LLM
 
     kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=work.max_prompt + work.max_output + 1)
     kw.update(llm_kwargs)
@@ -132,7 +132,7 @@ def kvpaging_llm(model, work: Workload, tokenizer=None, **llm_kwargs):
 
 def _greedy(requests: list[tuple[list[int], int]], stop_at_eos: bool = False) -> tuple[list[list[int]], list]:
     """Prompts and greedy sampling parameters for (prompt, output length) pairs (ignore_eos unless ``stop_at_eos``)."""
-    from ..sampling_params import SamplingParams
+    from kvpaging.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=not stop_at_eos) for _, n in requests]
     return [p for p, _ in requests], params
@@ -180,8 +180,8 @@ def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_la
     of ``kvpaging.kernels.cpu.layers``, to compare the two engines on the same layers.
     """
     if cpu_fast_layers:
-        from ..kernels.cpu.layers import FastLayers, enable_fast_layers
-        from ..models import private_copy
+        from kvpaging.kernels.cpu.layers import FastLayers, enable_fast_layers
+        from kvpaging.models import private_copy
 
         model = private_copy(model)
         if enable_fast_layers(model) == FastLayers():
@@ -432,7 +432,7 @@ def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, 
     results = []
     bar = None
     if progress:
-        from ..progress import progress_bar
+        from kvpaging.progress import progress_bar
 
         bar = progress_bar(total=len(names) * repeats, desc="engines", unit="run")
     try:
@@ -461,41 +461,41 @@ def compare_engines(build_model: Callable[[], torch.nn.Module], work: Workload, 
 #: (concept, kvpaging name, vLLM name, where to find it in kvpaging). The last field is
 #: "module:attribute" or "module:Class.attribute"; tests check that each one exists.
 VLLM_NAMES: list[tuple[str, str, str, str]] = [
-    ("tokens per KV block", "LLM(block_size=16)", "block_size (--block-size)", "kvpaging.llm:LLM.__init__"),
+    ("tokens per KV block", "LLM(block_size=16)", "block_size (--block-size)", "kvpaging.entrypoints.llm:LLM.__init__"),
     ("blocks in the KV pool", "LLM(num_blocks=...), llm.engine.config.num_blocks",
      "num_gpu_blocks (cache_config.num_gpu_blocks, num_gpu_blocks_override)", "kvpaging.config:EngineConfig"),
     ("a sequence's logical -> physical block list", "BlockManager.get_block_table(seq_id)",
-     "block table (KVCacheManager / BlockTable)", "kvpaging.block_manager:BlockManager.get_block_table"),
+     "block table (KVCacheManager / BlockTable)", "kvpaging.core.block_manager:BlockManager.get_block_table"),
     ("cache slot of every new token", "StepInputs.slot_mapping (prepare_step_inputs)",
-     "slot_mapping (attention metadata)", "kvpaging.model_runner:prepare_step_inputs"),
+     "slot_mapping (attention metadata)", "kvpaging.worker.model_runner:prepare_step_inputs"),
     ("reuse KV of shared prompt prefixes", "LLM(enable_prefix_caching=True)", "enable_prefix_caching",
-     "kvpaging.llm:LLM.__init__"),
+     "kvpaging.entrypoints.llm:LLM.__init__"),
     ("split long prompts over steps", "chunked prefill (always on, within max_num_batched_tokens)",
-     "enable_chunked_prefill (on by default in v1)", "kvpaging.scheduler:Scheduler"),
+     "enable_chunked_prefill (on by default in v1)", "kvpaging.core.scheduler:Scheduler"),
     ("token budget of one step", "LLM(max_num_batched_tokens=2048)", "max_num_batched_tokens",
-     "kvpaging.llm:LLM.__init__"),
-    ("sequences in one batch", "LLM(max_num_seqs=256)", "max_num_seqs", "kvpaging.llm:LLM.__init__"),
+     "kvpaging.entrypoints.llm:LLM.__init__"),
+    ("sequences in one batch", "LLM(max_num_seqs=256)", "max_num_seqs", "kvpaging.entrypoints.llm:LLM.__init__"),
     ("pool full: evict a running sequence, recompute later", "preemption by recompute (Scheduler.num_preemptions)",
-     "preemption (recompute mode)", "kvpaging.scheduler:Scheduler"),
-    ("no CUDA graphs", "LLM(enforce_eager=True)", "enforce_eager", "kvpaging.llm:LLM.__init__"),
-    ("8-bit KV cache", 'LLM(kv_cache_dtype="fp8")', 'kv_cache_dtype="fp8"', "kvpaging.llm:LLM.__init__"),
+     "preemption (recompute mode)", "kvpaging.core.scheduler:Scheduler"),
+    ("no CUDA graphs", "LLM(enforce_eager=True)", "enforce_eager", "kvpaging.entrypoints.llm:LLM.__init__"),
+    ("8-bit KV cache", 'LLM(kv_cache_dtype="fp8")', 'kv_cache_dtype="fp8"', "kvpaging.entrypoints.llm:LLM.__init__"),
     ("share of GPU memory the engine may use", "LLM(gpu_memory_utilization=0.9)", "gpu_memory_utilization",
-     "kvpaging.llm:LLM.__init__"),
+     "kvpaging.entrypoints.llm:LLM.__init__"),
     ("fixed KV byte budget", "LLM(kv_cache_memory_bytes=...)", "kv_cache_memory_bytes",
-     "kvpaging.llm:LLM.__init__"),
+     "kvpaging.entrypoints.llm:LLM.__init__"),
     ("how to sample", "SamplingParams(n, temperature, top_p, top_k, min_p, seed, max_tokens, stop, stop_token_ids, "
      "include_stop_str_in_output, ignore_eos, logprobs, skip_special_tokens)", "SamplingParams (same field names)",
      "kvpaging.sampling_params:SamplingParams"),
     ("answer a conversation with the model's chat template", "LLM.chat(messages, params)",
-     "LLM.chat(messages, sampling_params)", "kvpaging.llm:LLM.chat"),
+     "LLM.chat(messages, sampling_params)", "kvpaging.entrypoints.llm:LLM.chat"),
     ("a request's result", "RequestOutput / CompletionOutput", "RequestOutput / CompletionOutput",
-     "kvpaging.outputs:RequestOutput"),
+     "kvpaging.engine.outputs:RequestOutput"),
     ("online serving loop", "LLMEngine.add_request / step / abort_request", "LLMEngine.add_request / step / "
-     "abort_request", "kvpaging.engine:LLMEngine.step"),
+     "abort_request", "kvpaging.engine.llm_engine:LLMEngine.step"),
     ("offline batch API", "LLM.generate(prompts, params)", "LLM.generate(prompts, sampling_params)",
-     "kvpaging.llm:LLM.generate"),
+     "kvpaging.entrypoints.llm:LLM.generate"),
     ("forget cached prefixes (e.g. between benchmark runs)", "LLM.reset_prefix_cache()", "LLM.reset_prefix_cache()",
-     "kvpaging.llm:LLM.reset_prefix_cache"),
+     "kvpaging.entrypoints.llm:LLM.reset_prefix_cache"),
 ]
 
 
@@ -620,7 +620,7 @@ class RunEvents:
 
     num_slots: int  # token slots of the pool (blocks x block size), the contiguous baseline's size too
     refused_step: int | None  # the step at which the contiguous baseline first refused a request (None: never)
-    refused: object | None  # its kvpaging.contiguous.OutOfMemory: request, slots asked, free in total, largest hole
+    refused: object | None  # its kvpaging.core.contiguous.OutOfMemory: request, slots asked, free in total, largest hole
     waited_steps: int  # how many steps that request then waited for a hole
     paged_running_then: int  # sequences the paged engine ran in that same step
     paged_used_then: int  # blocks the paged engine held in that same step
@@ -649,7 +649,7 @@ class RunEvents:
 def run_events(dash) -> RunEvents:
     """What happened in a :class:`~kvpaging.visualizers.Dashboard`'s run, read from its step records and its
     contiguous panel (the same requests replayed on a contiguous allocator of the same size)."""
-    from ..contiguous import OutOfMemory
+    from kvpaging.core.contiguous import OutOfMemory
 
     replay = dash.replay
     dash.contiguous.sync()

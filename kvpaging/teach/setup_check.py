@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import auto_attention_backend
+from kvpaging.config import auto_attention_backend
 
 __all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy", "GreedyAgreement",
            "greedy_agreement"]
@@ -79,7 +79,7 @@ def transformers_greedy(model, prompt: Sequence[int], num_tokens: int) -> list[i
 
 def engine_greedy(llm, prompts: Sequence[Sequence[int]], num_tokens: int, use_tqdm: bool = True) -> list[list[int]]:
     """Greedy tokens for every prompt from a kvpaging ``LLM``, all prompts in one batch."""
-    from ..sampling_params import SamplingParams
+    from kvpaging.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=use_tqdm)

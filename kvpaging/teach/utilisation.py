@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .roofline import synchronize
+from kvpaging.teach.roofline import synchronize
 
 __all__ = ["BusyReport", "measure_busy", "parse_gpu_util"]
 
@@ -104,7 +104,7 @@ def measure_busy(llm, prompt_len: int = 64, batch: int = 1, decode_steps: int = 
     mean of nvidia-smi's GPU-Util sampled every ``sample_every_s`` seconds.
     Whatever is left of the requests is run to its end before returning.
     """
-    from ..sampling_params import SamplingParams
+    from kvpaging.sampling_params import SamplingParams
 
     if decode_steps < 1:
         raise ValueError(f"decode_steps must be at least 1, got {decode_steps!r}")

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .checks import check_block_size, check_int
-from .errors import InvariantError
+from kvpaging.checks import check_block_size, check_int
+from kvpaging.errors import InvariantError
 
 __all__ = ["KVBlock", "FreeBlockQueue", "BlockPool"]
 

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
-from .config import EngineConfig
-from .errors import UnsupportedModelError
-from .kernels.backends import get_backend
-from .kernels.cpu.layers import FastLayers
-from .kv_layout import LayerKV, config_layout
-from .models import private_copy
-from .scheduler import SchedulerOutput
+from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
+from kvpaging.config import EngineConfig
+from kvpaging.errors import UnsupportedModelError
+from kvpaging.kernels.backends import get_backend
+from kvpaging.kernels.cpu.layers import FastLayers
+from kvpaging.worker.kv_layout import LayerKV, config_layout
+from kvpaging.models import private_copy
+from kvpaging.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpaging")
 
@@ -60,7 +60,7 @@ def check_model_supported(model) -> None:
     """Refuse models whose config declares what kvpaging cannot serve, saying which feature is the problem.
 
     What the config does not say (attention outside ``AttentionInterface``, arguments the kernels
-    ignore, keys of another shape) the load-time self-check finds (``kvpaging/self_check.py``).
+    ignore, keys of another shape) the load-time self-check finds (``kvpaging/worker/self_check.py``).
     """
     config = model.config
     name = type(model).__name__
@@ -110,8 +110,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = config_hf.num_hidden_layers
-        # this rank's KV heads: all of them, or 1/tensor_parallel_size of them (kvpaging/tensor_parallel.py)
-        # each layer's KV heads (this rank's share of them with tensor parallelism) and widths (kvpaging/kv_layout.py)
+        # this rank's KV heads: all of them, or 1/tensor_parallel_size of them (kvpaging/distributed/tensor_parallel.py)
+        # each layer's KV heads (this rank's share of them with tensor parallelism) and widths (kvpaging/worker/kv_layout.py)
         self.kv_layout = kv_layout or config_layout(config_hf, self.num_layers, config.tensor_parallel_size)
         if self.kv_layout is None:
             raise UnsupportedModelError(
@@ -132,16 +132,16 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_NAME)  # on the private copy: the user's model keeps its attention
         self.fast_layers = FastLayers()
         if config.cpu_fast_layers:  # opt-in: oneDNN linears and one-pass C RMSNorms (kernels/cpu/layers.py)
-            from .kernels.cpu.layers import enable_fast_layers
+            from kvpaging.kernels.cpu.layers import enable_fast_layers
 
             self.fast_layers = enable_fast_layers(model)
         # with tensor parallelism every rank calibrates once the all-reduces are in place (its forward pass is a
-        # part of the model's, not a whole one): kvpaging/tensor_parallel.py calls calibrate_fp8_scales then
+        # part of the model's, not a whole one): kvpaging/distributed/tensor_parallel.py calls calibrate_fp8_scales then
         if self.kv_cache_dtype == torch.float8_e4m3fn and config.tensor_parallel_size == 1:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/self_check.py)
+        self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/worker/self_check.py)
         self.graphs = None
         self._config = config
         if capture_graphs:
@@ -163,7 +163,7 @@ class ModelRunner:
         """Capture the decode step in CUDA graphs, where they apply (the engine does it after its self-check)."""
         config = self._config
         if self.uses_graphs:
-            from .cuda_graphs import DecodeGraphs
+            from kvpaging.worker.cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self, config.max_num_seqs, -(-config.max_model_len // self.block_size))
@@ -184,8 +184,8 @@ class ModelRunner:
         ``vocab_size``: the range of the random ids (default: the LM head's rows; a tensor-parallel rank
         holds only a share of them and passes the whole model's, so every rank draws the same ids).
         """
-        from .attention import CALIBRATION_KWARG
-        from .kernels.fp8 import FP8_MAX, MIN_SCALE
+        from kvpaging.worker.attention import CALIBRATION_KWARG
+        from kvpaging.kernels.fp8 import FP8_MAX, MIN_SCALE
 
         if calibration_tokens is None:
             vocab = vocab_size or self.model.get_output_embeddings().weight.shape[0]
@@ -196,9 +196,7 @@ class ModelRunner:
             ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             self.model(input_ids=ids, use_cache=False, logits_to_keep=1, **{CALIBRATION_KWARG: amax})
         missing = [i for i in range(self.num_layers) if i not in amax]
-        if missing:  # those layers' attention never came to our function (kvpaging/self_check.py names it)
-            from .self_check import not_routed_error
-
+        if missing:  # those layers' attention never came to our function (attention.not_routed_error names it)
             raise not_routed_error(type(self.model).__name__, missing, self.num_layers)
         return [((k / FP8_MAX).clamp(min=MIN_SCALE), (v / FP8_MAX).clamp(min=MIN_SCALE)) for k, v in
                 (amax[i] for i in range(self.num_layers))]

@@ -43,10 +43,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .step_record import StepRecord
+from kvpaging.engine.llm_engine import LLMEngine
+from kvpaging.engine.outputs import RequestOutput
+from kvpaging.sampling_params import SamplingParams
+from kvpaging.engine.step_record import StepRecord
 
 logger = logging.getLogger("kvpaging")
 

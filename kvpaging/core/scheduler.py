@@ -26,106 +26,23 @@ changes block tables.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .block_manager import NO_HIT, BlockManager
-from .checks import check_choice
-from .config import SCHEDULING
-from .errors import InvariantError
-from .sequence import Request, Sequence, SequenceStatus
+from kvpaging.core.block_manager import NO_HIT, BlockManager
+from kvpaging.checks import check_choice
+from kvpaging.config import SCHEDULING
+from kvpaging.errors import InvariantError
+from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput, UpdateResult
+from kvpaging.core.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "UpdateResult"]
-
-
-@dataclass(eq=False, slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step: compute tokens ``[start, start + num_new_tokens)``.
-
-    ``block_ids`` and ``table_row`` say where its whole context lives (its block
-    table, and that table's row in ``SchedulerOutput.table_array``), so the model
-    runner needs nothing from the block manager. Read them; never change them.
-    """
-
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    sample: bool  # the chunk reaches the end of the sequence, so its last position yields a token
-    is_prefill: bool  # prompt tokens (or recomputed ones) rather than one decode token: decided here only
-    block_ids: list[int] | None = None  # None for a decode (the runner reads its row of table_array)
-    table_row: int = -1
-
-
-@dataclass(eq=False)
-class SchedulerOutput:
-    """Everything one step needs, handed from the scheduler to the model runner and the sampler.
-
-    A step's sequences come in two groups, and are packed into the forward pass in this order:
-
-    * ``decodes``: sequences computing exactly one token, their last one (a decode, or a prompt
-      whose last chunk is one token). Each samples. They are most of every busy step, so they are
-      kept as plain lists and arrays (no object per sequence), and their block tables are rows of
-      ``table_array``: the runner builds their inputs with a few numpy operations.
-    * ``chunks``: everything else (prefill chunks, recomputation after preemption), one
-      ``ScheduledSeq`` each.
-
-    ``scheduled`` lists both groups, decodes first, as ``ScheduledSeq``s (built on demand).
-    """
-
-    step: int
-    decodes: list[Sequence] = field(default_factory=list)
-    decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their table_array rows
-    decode_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the token computed
-    decode_token_ids: list[int] = field(default_factory=list)  # and its id (the sequence's last)
-    chunks: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
-    # the sequences that get a token this step, in order: the decodes, then the chunks that reach their end,
-    # then completions forked this step; each samples with its request's SamplingParams and its own seed
-    # (Sequence.seed, a number: None means the engine's shared generator)
-    samples: list[Sequence] = field(default_factory=list)
-    # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
-    # end, decodes first); None when that is simply row k for sample k, i.e. when no request forked this step
-    sample_rows: list[int] | None = None
-    # which of ``chunks`` (indices) belong to requests that want their prompt's log-probabilities: the runner
-    # returns one more logits row per token of each, after the sampling rows, in this order
-    prompt_logprob_chunks: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
-    children: list[Sequence] = field(default_factory=list)  # the completions forked this step
-    table_array: np.ndarray | None = None  # every live block table, one row each
-    block_size: int = 16
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.decodes or self.chunks)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.chunks)
-
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """Every sequence of the step, decodes first (made on each call: for records and tests, not the hot path)."""
-        decodes = [ScheduledSeq(seq, start, 1, True, start < seq.prompt_len, None, row) for seq, start, row in
-                   zip(self.decodes, self.decode_positions.tolist(), self.decode_rows.tolist())]
-        return decodes + self.chunks
-
-
-@dataclass(eq=False)
-class UpdateResult:
-    """What ``Scheduler.update`` did with a step's sampled tokens."""
-
-    sampled: list[Sequence]  # sequences that got a token, in sampling order (the step's ``samples``)
-    finished: list[Sequence]  # of those, the ones that are done (their blocks are freed)
-    released_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # finished seq id -> its last table
-    # sequences of requests that failed on their own this step (their row could not be sampled, their stop
-    # check raised): finished with the error, blocks freed, out of the queues; not in ``sampled`` or ``finished``
-    failed: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -365,7 +282,7 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None,
                keep_tables: bool = False, top_logprobs: list[dict[int, float]] | None = None,
-               failed_rows: dict[int, BaseException] | None = None) -> UpdateResult:
+               failed_rows: dict[int, BaseException] | None = None, now: float | None = None) -> UpdateResult:
         """Take a successful step's results: one call per step, after the forward pass and the sampler.
 
         Records the computed tokens and offers newly full blocks to the prefix cache,
@@ -378,6 +295,7 @@ class Scheduler:
         ``failed_rows`` maps a sample's index to the error that kept it from getting a
         token: its request fails alone (every completion of it, blocks freed), and the
         step goes on for everyone else. A stop check that raises fails its request the same way.
+        ``now`` (default: the clock now) is when the step's tokens arrived, for each request's timing.
         """
         self._cache_computed_blocks(out)
         result = UpdateResult(out.samples, [])
@@ -405,6 +323,7 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         if out.samples and self.scheduling == "static":
             self._static_admitting = False
+        _stamp_times(result, time.perf_counter() if now is None else now)
         return result
 
     def _cache_computed_blocks(self, out: SchedulerOutput) -> None:
@@ -548,6 +467,19 @@ class Scheduler:
         for seq in self.waiting:
             _check(seq.status is SequenceStatus.WAITING, f"waiting sequence {seq.seq_id} is {seq.status}")
             _check(not self.bm.has_sequence(seq.seq_id), f"waiting sequence {seq.seq_id} holds blocks")
+
+
+def _stamp_times(result: UpdateResult, now: float) -> None:
+    """Each request's token times (completion 0's: time to first token, inter-token latency) and when it finished."""
+    for seq in result.sampled:
+        if seq.index == 0:
+            request = seq.request
+            if not request.token_times:
+                request.first_token_time = now
+            request.token_times.append(now)
+    for seq in chain(result.finished, result.failed):
+        if seq.request.is_finished:
+            seq.request.finished_time = now
 
 
 def _check(condition: bool, message: str) -> None:

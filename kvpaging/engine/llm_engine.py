@@ -29,19 +29,18 @@ from typing import Callable
 
 import torch
 
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .errors import DuplicateSequenceError, RequestFailedError
-from .input_processor import InputProcessor, normalize_batch
-from .kv_layout import measure_kv_layout
-from .model_runner import ModelRunner, check_model_supported
-from .self_check import CHECKED, SelfCheckResult, model_fingerprint, run_self_check
-from .outputs import RequestOutput, request_output
-from .sampler import RowHistory, Sampler, SamplerOutput, make_generator
-from .sampling_params import RequestOutputKind, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
-from .step_record import ScheduledEntry, StepObservers, StepRecord
+from kvpaging.core.block_manager import BlockManager
+from kvpaging.config import EngineConfig
+from kvpaging.errors import DuplicateSequenceError, RequestFailedError
+from kvpaging.engine.input_processor import InputProcessor, normalize_batch
+from kvpaging.worker.model_runner import ModelRunner, check_model_supported
+from kvpaging.worker.self_check import CHECKED, SelfCheckResult, measure_kv_layout, model_fingerprint, run_self_check
+from kvpaging.engine.outputs import RequestOutput, request_output
+from kvpaging.worker.sampler import RowHistory, Sampler, SamplerOutput, make_generator
+from kvpaging.sampling_params import RequestOutputKind, SamplingParams
+from kvpaging.core.scheduler import Scheduler, SchedulerOutput
+from kvpaging.core.sequence import Sequence
+from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
 
 logger = logging.getLogger("kvpaging")
 
@@ -62,34 +61,16 @@ class LLMEngine:
         layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers)
         config = (config if config is not None else EngineConfig()).resolve(model, layout)
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        if config.tensor_parallel_size > 1:  # worker processes hold the other ranks' shards
-            from .tensor_parallel import TensorParallelRunner
-
-            self.runner = TensorParallelRunner(model, config)
-        else:  # CUDA graphs are captured after the self-check, which then replays them
-            self.runner = ModelRunner(model, config, capture_graphs=not config.self_check, kv_layout=layout)
+        self.runner = _make_runner(model, config, layout)
         self.model = self.runner.model  # the private copy the engine runs (with tensor parallelism: rank 0's shard)
         self.device = self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # exact or refused: the paged path against the model's own forward pass, before any request
-        self.self_check: SelfCheckResult | None = CHECKED.result(model, fingerprint, config) if config.self_check else None
-        if self.self_check is not None:  # checked before, and nothing it depends on has changed since
-            if config.tensor_parallel_size == 1 and self.runner.uses_graphs:
-                self.runner.capture_graphs()
-        elif config.self_check:
-            try:
-                self.self_check = run_self_check(self.runner, model, config, self.vocab_size,
-                                                 capture_graphs=config.tensor_parallel_size == 1)
-            except BaseException:
-                self.runner.shutdown()  # a tensor-parallel runner's workers go too
-                raise
-        if layout is not None:
-            CHECKED.remember(model, fingerprint, layout, config, self.self_check)
+        self.self_check = self._check_model(model, fingerprint, layout)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
         self.scheduler = Scheduler(
-            self.block_manager,
+            BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
@@ -104,6 +85,30 @@ class LLMEngine:
         self._batch_ids = itertools.count()
         self._streaming: set[str] = set()  # unfinished requests that report every step (not FINAL_ONLY)
         self.owner_thread: threading.Thread | None = None  # set while a server's engine thread owns it
+
+    def _check_model(self, model, fingerprint, layout) -> SelfCheckResult | None:
+        """The load-time self-check's result: remembered from an earlier engine on the same, unchanged model
+        with the same settings, or run now (None with ``self_check=False``). Captures CUDA graphs either way."""
+        config = self.config
+        result = CHECKED.result(model, fingerprint, config) if config.self_check else None
+        if result is not None:  # checked before, and nothing it depends on has changed since
+            if config.tensor_parallel_size == 1 and self.runner.uses_graphs:
+                self.runner.capture_graphs()
+        elif config.self_check:
+            try:
+                result = run_self_check(self.runner, model, config, self.vocab_size,
+                                        capture_graphs=config.tensor_parallel_size == 1)
+            except BaseException:
+                self.runner.shutdown()  # a tensor-parallel runner's workers go too
+                raise
+        if layout is not None:
+            CHECKED.remember(model, fingerprint, layout, config, result)
+        return result
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The scheduler's block manager (it owns every block table; the engine only reads it)."""
+        return self.scheduler.bm
 
     @property
     def tokenizer(self):
@@ -293,26 +298,15 @@ class LLMEngine:
             self._forget_generators(failed)
             if not isinstance(error, Exception):
                 raise
-            self.observers.emit(out, start, sched, self.block_manager, finished=failed)
+            self.observers.emit(out, start, sched, finished=failed)
             return self._outputs(failed, failed)
         listening = self.observers.listening
         result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening,
-                              top_logprobs=sampled.top_logprobs, failed_rows=failed_rows)
-        now = time.perf_counter()
-        for seq in result.sampled:
-            if seq.index == 0:  # completion 0's token times: time to first token, inter-token latency
-                times = seq.request.token_times
-                if not times:
-                    seq.request.first_token_time = now
-                times.append(now)
+                              top_logprobs=sampled.top_logprobs, failed_rows=failed_rows, now=time.perf_counter())
         finished = result.finished + result.failed if result.failed else result.finished
-        for seq in finished:
-            if seq.request.is_finished:
-                seq.request.finished_time = now
         self._forget_generators(finished)
         if listening:
-            self.observers.emit(out, start, sched, self.block_manager, finished, result.sampled,
-                                result.released_tables)
+            self.observers.emit(out, start, sched, finished, result.sampled, result.released_tables)
         return self._outputs(result.sampled, finished)
 
     @staticmethod
@@ -457,3 +451,12 @@ def _eos_token_ids(model, tokenizer) -> frozenset[int]:
         elif isinstance(eos, (list, tuple)):
             ids.update(int(e) for e in eos)
     return frozenset(ids)
+
+
+def _make_runner(model, config: EngineConfig, layout) -> ModelRunner:
+    if config.tensor_parallel_size > 1:  # worker processes hold the other ranks' shards
+        from kvpaging.distributed.tensor_parallel import TensorParallelRunner
+
+        return TensorParallelRunner(model, config)
+    # CUDA graphs are captured after the self-check, which then replays them
+    return ModelRunner(model, config, capture_graphs=not config.self_check, kv_layout=layout)

@@ -70,41 +70,12 @@ class StepObservers:
         """Whether step records are wanted (an observer, or the trace): else none is built."""
         return bool(self.observers) or self.keep_trace
 
-    def emit(self, out, start: float, scheduler, block_manager, finished=(), sampled=(),
-             released: dict | None = None) -> None:
+    def emit(self, out, start: float, scheduler, finished=(), sampled=(), released: dict | None = None) -> None:
         """Build the step's record from the scheduler's output and the books after the step, and hand it
         to the trace and every observer (an observer that raises is logged once and detached)."""
         if not self.listening:
             return
-        bm = block_manager
-        stats = bm.stats()
-        record = StepRecord(
-            step=out.step,
-            start_time=start,
-            wall_time=time.perf_counter() - start,
-            scheduled=tuple(
-                ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens, s.is_prefill,
-                               s.start)
-                for s in out.scheduled
-            ),
-            num_batched_tokens=out.num_batched_tokens,
-            preempted=tuple(s.seq_id for s in out.preempted),
-            finished=tuple(s.seq_id for s in finished),
-            blocks_copied=tuple(out.blocks_to_copy),
-            num_free_blocks=stats.num_free_blocks,
-            num_used_blocks=stats.num_used_blocks,
-            num_cached_blocks=stats.num_cached_blocks,
-            num_tokens_stored=stats.num_tokens_stored,
-            num_waiting=len(scheduler.waiting),
-            num_running=len(scheduler.running),
-            block_tables={s.seq_id: tuple(bm.get_block_table(s.seq_id)) for s in scheduler.running},
-            seq_num_tokens={s.seq_id: bm.get_num_tokens(s.seq_id) for s in scheduler.running},
-            forked=tuple(out.forked),
-            sampled=tuple(s.seq_id for s in sampled),
-            arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
-                      if s.seq.request.first_scheduled_time == start},
-            finished_block_tables=released or {},
-        )
+        record = _record(out, start, scheduler, finished, sampled, released)
         if self.keep_trace:
             self.trace.append(record)
         for fn in list(self.observers):
@@ -113,3 +84,35 @@ class StepObservers:
             except Exception:  # noqa: BLE001 - a broken observer must not stop serving
                 logger.exception("observer %r raised; detaching it", fn)
                 self.observers.remove(fn)
+
+
+def _record(out, start: float, scheduler, finished, sampled, released: dict | None) -> StepRecord:
+    bm = scheduler.bm
+    stats = bm.stats()
+    return StepRecord(
+        step=out.step,
+        start_time=start,
+        wall_time=time.perf_counter() - start,
+        scheduled=tuple(
+            ScheduledEntry(s.seq.request.request_id, s.seq.seq_id, s.seq.index, s.num_new_tokens, s.is_prefill,
+                           s.start)
+            for s in out.scheduled
+        ),
+        num_batched_tokens=out.num_batched_tokens,
+        preempted=tuple(s.seq_id for s in out.preempted),
+        finished=tuple(s.seq_id for s in finished),
+        blocks_copied=tuple(out.blocks_to_copy),
+        num_free_blocks=stats.num_free_blocks,
+        num_used_blocks=stats.num_used_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        num_tokens_stored=stats.num_tokens_stored,
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        block_tables={s.seq_id: tuple(bm.get_block_table(s.seq_id)) for s in scheduler.running},
+        seq_num_tokens={s.seq_id: bm.get_num_tokens(s.seq_id) for s in scheduler.running},
+        forked=tuple(out.forked),
+        sampled=tuple(s.seq_id for s in sampled),
+        arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
+                  if s.seq.request.first_scheduled_time == start},
+        finished_block_tables=released or {},
+    )

@@ -10,7 +10,7 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvpaging", description="kvpaging: a small LLM serving engine.")
     commands = parser.add_subparsers(dest="command", required=True)
-    from .serve import add_serve_arguments, run  # the server's packages load only for `serve`
+    from kvpaging.entrypoints.serve import add_serve_arguments, run  # the server's packages load only for `serve`
 
     add_serve_arguments(commands.add_parser(
         "serve", help="serve a model with an OpenAI-compatible API (like `vllm serve`)",

@@ -22,7 +22,7 @@ someone called the engine's private model outside a step: the function raises
 rather than attend without the cache, since that would give wrong tokens silently.
 The one exception is the FP8 calibration pass, which runs the model unpaged.
 
-The load-time self-check (``kvpaging/self_check.py``) sets ``AttentionMetadata.probe``
+The load-time self-check (``kvpaging/worker/self_check.py``) sets ``AttentionMetadata.probe``
 for its few steps: every call is then recorded and checked (one call per layer,
 key/value shapes that fit the cache, no attention argument the kernels ignore).
 """
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_layout import MEASURING, record_call
+from kvpaging.errors import UnsupportedModelError
+from kvpaging.worker.kv_layout import MEASURING, record_call
 
 ATTN_NAME = "kvpaging"
 CALIBRATION_KWARG = "kvpaging_calibration"  # a dict layer -> (k amax, v amax) per KV head, filled in place
@@ -57,37 +58,16 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer FP8 scales, or (None, None)
     backend: object  # an AttentionBackend (kernels/backends.py): store_kv, paged_*_attention, copy_blocks
-    probe: object = None  # the self-check's AttentionProbe (kvpaging/self_check.py) during its steps, else None
+    probe: object = None  # the self-check's AttentionProbe (kvpaging/worker/self_check.py) during its steps, else None
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One layer's attention over the paged KV cache: store this step's keys and values, then attend."""
     meta: AttentionMetadata | None = kwargs.get(ATTN_NAME) or CURRENT_STEP.get()
     if meta is None:
-        amax = kwargs.pop(CALIBRATION_KWARG, None)
-        found = MEASURING.get()
-        if found is not None:  # the engine reads each layer's key/value shapes before sizing the cache
-            record_call(found, module, key, value)
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
-        if amax is None:
-            from .self_check import no_metadata_error
-
-            raise no_metadata_error(module)
-        # an FP8 calibration pass (unpaged): record each KV head's largest |key| and |value|
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        k_max = key.detach().abs().amax(dim=(0, 2, 3)).float()
-        v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
-        old = amax.get(module.layer_idx)
-        amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if meta.probe is not None:  # the load-time self-check: record and check this call
         meta.probe.record(module, query, key, value, dropout, kwargs)
-    window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
-    softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
-    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per query head
     # transformers hands us [batch=1, heads, tokens, head_dim]; the kernels take [tokens, heads, head_dim]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
@@ -97,35 +77,56 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     layer = module.layer_idx
     k_cache, v_cache = meta.kv_caches[layer]
     width, value_width = k_cache.shape[-1], v.shape[-1]
-    if k.shape[-1] != width or value_width != width:  # keys and values of two widths (kvpaging/kv_layout.py)
+    if k.shape[-1] != width or value_width != width:  # keys and values of two widths (kvpaging/worker/kv_layout.py)
         if k.shape[-1] > width or value_width > width:
-            from .errors import UnsupportedModelError
-
             raise UnsupportedModelError(
                 f"layer {layer} gives keys {k.shape[-1]} and values {value_width} wide, but its cache rows hold "
                 f"{width}: the cache was sized for other shapes", "kv_shape")
         q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     k_scale, v_scale = meta.kv_scales[layer]
-    ops = meta.backend
-    ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    nd = meta.num_decodes
-    if nd == q.shape[0]:
-        out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling, k_scale, v_scale,
-                                         window=window, softcap=softcap, sinks=sinks)
-    else:
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = ops.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scaling, k_scale, v_scale,
-                window=window, softcap=softcap, sinks=sinks,
-            )
-        out[nd:] = ops.paged_prefill_attention(
-            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q, meta.seq_lens[nd:],
-            scaling, k_scale, v_scale, window=window, softcap=softcap, sinks=sinks,
-        )
+    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    features = dict(window=kwargs.get("sliding_window") or 0,  # a sliding layer's window (keys after q - window)
+                    softcap=kwargs.get("softcap") or 0.0,  # Gemma 2's soft-capped attention scores
+                    sinks=kwargs.get("s_aux"))  # gpt-oss's attention sinks: one logit per query head
+    out = _attend(meta, q, k_cache, v_cache, scaling, k_scale, v_scale, features)
     if value_width != width:
         out = out[..., :value_width]
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
+
+
+def _attend(meta: AttentionMetadata, q, k_cache, v_cache, scaling, k_scale, v_scale, features: dict) -> torch.Tensor:
+    """The decodes (the first ``num_decodes`` tokens) with the decode kernel, the chunks after them with prefill's."""
+    ops, nd = meta.backend, meta.num_decodes
+    if nd == q.shape[0]:
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling,
+                                          k_scale, v_scale, **features)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                              scaling, k_scale, v_scale, **features)
+    out[nd:] = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q,
+                                           meta.seq_lens[nd:], scaling, k_scale, v_scale, **features)
+    return out
+
+
+def _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A call outside an engine step: the engine measuring key/value shapes, or an FP8 calibration pass (both
+    plain SDPA over the call's tokens); anything else is refused, never served without the cache."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    amax = kwargs.pop(CALIBRATION_KWARG, None)
+    found = MEASURING.get()
+    if found is not None:  # the engine reads each layer's key/value shapes before sizing the cache
+        record_call(found, module, key, value)
+    elif amax is None:
+        raise no_metadata_error(module)
+    else:  # record each KV head's largest |key| and |value|
+        k_max = key.detach().abs().amax(dim=(0, 2, 3)).float()
+        v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
+        old = amax.get(module.layer_idx)
+        amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 def _no_mask(*args, **kwargs):
@@ -150,3 +151,29 @@ def register_attention() -> None:
     # skip mask creation altogether.
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     _registered = True
+
+
+def no_metadata_error(module) -> UnsupportedModelError:
+    """Raised by the paged attention function when a call comes without the step's metadata."""
+    layer = getattr(module, "layer_idx", None)
+    return UnsupportedModelError(
+        f"{type(module).__name__} (layer_idx={layer!r}) called kvpaging's paged attention outside an engine step "
+        f"(no '{ATTN_NAME}' keyword "
+        "argument, no step running): the engine's private model was called directly. Attention would then run "
+        "over the call's tokens alone, without the KV cache: kvpaging refuses rather than fall back to it.",
+        "no_metadata")
+
+
+def not_routed_error(model_name: str, missing: list[int], num_layers: int) -> UnsupportedModelError:
+    """No layer, or not every layer, called kvpaging's attention in a forward pass."""
+    if len(missing) == num_layers:
+        return UnsupportedModelError(
+            f"{model_name}'s attention does not go through transformers' AttentionInterface: no layer called "
+            "kvpaging's attention function in a forward pass, so set_attn_implementation('kvpaging') left it with "
+            "attention of its own, which would run without the paged KV cache. kvpaging serves models whose "
+            "attention transformers dispatches by config._attn_implementation.", "attention_interface")
+    return UnsupportedModelError(
+        f"{model_name}: layers {missing} of {num_layers} never called kvpaging's attention function in a forward "
+        "pass. The paged cache gives every layer one self-attention call per step; those layers do something else "
+        "(cross-attention to another input, a recurrent or convolution layer, or attention of their own that "
+        "AttentionInterface does not dispatch), which kvpaging does not serve.", "attention_interface")

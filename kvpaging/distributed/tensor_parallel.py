@@ -59,7 +59,6 @@ import copy
 import datetime
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -71,14 +70,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from .config import EngineConfig
-from .errors import TensorParallelError
-from .model_runner import ModelRunner, StepInputs, prepare_step_inputs
-from .scheduler import SchedulerOutput
+from kvpaging.config import EngineConfig
+from kvpaging.distributed.plan import shard_styles
+from kvpaging.errors import TensorParallelError
+from kvpaging.worker.model_runner import ModelRunner, StepInputs, prepare_step_inputs
+from kvpaging.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["TensorParallelRunner", "check_tensor_parallel", "shard_styles", "shard_model"]
+__all__ = ["TensorParallelRunner", "shard_model"]
 
 STEP_TIMEOUT = datetime.timedelta(seconds=120)  # any one collective inside a step (one layer's work)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as the user likes
@@ -89,83 +89,6 @@ _STEP, _STOP = 1, 2  # the header's first entry
 # header: op, num_tokens, num_seqs, table width, len(prefill_cu_seqlens_q), num_logits, num_decodes,
 # num copy pairs, all_positions
 _HEADER_LEN = 9
-
-
-# ------------------------------------------------------------------------------------- the plan
-
-def shard_styles(model) -> dict[str, str]:
-    """How each module that is split is split: module name -> "colwise", "rowwise", "vocab" (the
-    embedding) or "lm_head". Modules not named are replicated. Raises ValueError for a model whose
-    plan kvpaging cannot apply."""
-    name = type(model).__name__
-    plan = getattr(model.config, "base_model_tp_plan", None) or {}
-    if not plan:
-        raise ValueError(f"{name} has no tensor-parallel plan (config.base_model_tp_plan): "
-                         "kvpaging cannot tell which layers to split; use tensor_parallel_size=1")
-    prefix = getattr(model, "base_model_prefix", "model")
-    patterns = []
-    for pattern, style in plan.items():
-        if style.startswith("replicated"):
-            continue
-        if style not in ("colwise", "rowwise"):
-            raise ValueError(f"{name}'s tensor-parallel plan splits {pattern!r} as {style!r}; kvpaging splits "
-                             "separate 'colwise' and 'rowwise' projections only (not fused ones)")
-        regex = re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+")
-        patterns.append((re.compile(regex + "$"), style))
-    styles: dict[str, str] = {}
-    names = {}
-    for module_name, module in model.named_modules():
-        names[id(module)] = module_name
-        for regex, style in patterns:
-            if regex.match(module_name):
-                if type(module) is not nn.Linear:
-                    raise ValueError(f"{name}.{module_name} is a {type(module).__name__}, not a plain nn.Linear: "
-                                     "kvpaging cannot split it")
-                styles[module_name] = style
-    if not any(s == "rowwise" for s in styles.values()):
-        raise ValueError(f"{name}'s tensor-parallel plan matched no row-parallel layer: kvpaging cannot split it")
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(embedding) is not nn.Embedding:
-        raise ValueError(f"{name}'s embedding is a {type(embedding).__name__}; kvpaging splits a plain nn.Embedding only")
-    if type(head) is not nn.Linear or head.bias is not None:
-        raise ValueError(f"{name}'s LM head is not a plain bias-free nn.Linear; kvpaging cannot split it")
-    styles[names[id(embedding)]] = "vocab"
-    styles[names[id(head)]] = "lm_head"
-    return styles
-
-
-def check_tensor_parallel(model, tp: int, kv_cache_dtype: str = "auto", cpu_fast_layers: bool = False) -> None:
-    """Refuse, with a ValueError naming the value, a ``tensor_parallel_size`` this model or machine cannot run."""
-    name = type(model).__name__
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
-    for field, value in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
-                         ("intermediate_size", getattr(config, "intermediate_size", 0)), ("vocab size", vocab)):
-        if value % tp:
-            raise ValueError(
-                f"tensor_parallel_size={tp} does not divide {name}'s {field}={value}: each rank must hold an equal "
-                f"share (sizes this model can use: {', '.join(map(str, _common_divisors(model)))})")
-    shard_styles(model)
-    if cpu_fast_layers:
-        raise ValueError(f"cpu_fast_layers=True with tensor_parallel_size={tp}: the fast layers are not split; "
-                         "use one or the other")
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        first = device.index or 0
-        if first + tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} needs GPUs cuda:{first}..cuda:{first + tp - 1}, "
-                             f"but this machine has {torch.cuda.device_count()}")
-    elif device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size={tp} runs on CUDA (NCCL) or the CPU (gloo), not on {device.type}")
-
-
-def _common_divisors(model) -> list[int]:
-    config = model.config
-    values = [config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-              getattr(config, "intermediate_size", 1), model.get_output_embeddings().weight.shape[0]]
-    return [d for d in range(1, min(values) + 1) if all(v % d == 0 for v in values)]
 
 
 # ------------------------------------------------------------------------------------- the shards
@@ -306,8 +229,7 @@ class TensorParallelRunner(ModelRunner):
     """
 
     def __init__(self, model, config: EngineConfig) -> None:
-        tp = config.tensor_parallel_size
-        check_tensor_parallel(model, tp, config.kv_cache_dtype, config.cpu_fast_layers)
+        tp = config.tensor_parallel_size  # EngineConfig.resolve has checked the plan for this model
         styles = shard_styles(model)
         device = next(model.parameters()).device
         self.tp = tp
@@ -480,7 +402,7 @@ def _worker_context():
     state or memory) without paying the imports again for every worker of every engine: on a loaded
     2-core machine those imports take some 10 s, starting a fork takes well under one."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvpaging.tensor_parallel", "transformers.modeling_utils"])
+    ctx.set_forkserver_preload(["kvpaging.distributed.tensor_parallel", "transformers.modeling_utils"])
     return ctx
 
 

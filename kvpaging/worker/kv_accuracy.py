@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .scheduler import ScheduledSeq, SchedulerOutput
+from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 
 __all__ = ["teacher_forced_logits", "compare_kv_cache_dtypes", "compare_engines", "KVAccuracy"]
 
@@ -148,7 +148,7 @@ def compare_kv_cache_dtypes(model, sequences: list[list[int]], kv_cache_dtype: s
 
     Builds the two engines (pool sized for the longest sequence) and calls ``compare_engines``.
     """
-    from .llm import LLM
+    from kvpaging.entrypoints.llm import LLM
 
     if not sequences:
         raise ValueError("sequences is empty")

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import EngineConfig
-from .engine import LLMEngine, normalize_batch
-from .models import load_model, load_tokenizer
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from kvpaging.config import EngineConfig
+from kvpaging.engine.llm_engine import LLMEngine, normalize_batch
+from kvpaging.models import load_model, load_tokenizer
+from kvpaging.engine.outputs import RequestOutput
+from kvpaging.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpaging")
 
@@ -72,12 +72,8 @@ class LLM:
             cpu_fast_layers=cpu_fast_layers, tensor_parallel_size=tensor_parallel_size, self_check=self_check,
             max_logprobs=max_logprobs,
         )
-        if isinstance(dtype, str):
-            dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
-            if not isinstance(dtype, (torch.dtype, type(None))):
-                raise ValueError(f"dtype must be a torch dtype, its name or 'auto', got {dtype!r}")
         # a model object stays the user's: with dtype or device, the engine gets a converted copy
-        model = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        model = load_model(model, dtype=_torch_dtype(dtype), device=device, trust_remote_code=trust_remote_code)
         if tokenizer is None:
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         self.engine = LLMEngine(model, tokenizer, config=config)
@@ -154,7 +150,7 @@ class LLM:
         prompts, params = normalize_batch(prompts, sampling_params)
         bar = None
         if use_tqdm:
-            from .progress import progress_bar
+            from kvpaging.progress import progress_bar
 
             bar = progress_bar(total=len(prompts), desc="Processed prompts", unit="req")
         try:
@@ -179,3 +175,10 @@ def _conversations(messages) -> list[list[dict]]:
     return [list(c) for c in conversations]
 
 
+def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a torch dtype: a name ("bfloat16") is looked up, "auto" and None keep the model's."""
+    if isinstance(dtype, str):
+        dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
+    if not isinstance(dtype, (torch.dtype, type(None))):
+        raise ValueError(f"dtype must be a torch dtype, its name or 'auto', got {dtype!r}")
+    return dtype

@@ -17,8 +17,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .detokenizer import IncrementalDetokenizer
-from .sampling_params import SamplingParams
+from kvpaging.engine.detokenizer import IncrementalDetokenizer
+from kvpaging.sampling_params import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence", "Request", "completion_seed"]
 

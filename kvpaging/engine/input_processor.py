@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from .config import EngineConfig
-from .sampling_params import SamplingParams
-from .sequence import Request
-from .structured_outputs import GrammarCompiler
+from kvpaging.config import EngineConfig
+from kvpaging.sampling_params import SamplingParams
+from kvpaging.core.sequence import Request
+from kvpaging.engine.structured_outputs import GrammarCompiler
 
 __all__ = ["InputProcessor", "normalize_batch"]
 

@@ -11,7 +11,7 @@ not all of them:
 
 So before the cache is sized, the engine runs its private copy of the model once over a few
 tokens, unpaged, and records the keys' and values' shapes that reach the attention function in
-every layer (``measure_kv_layout``). Each layer's cache is then ``[num_blocks, block_size,
+every layer (``kvpaging.worker.self_check.measure_kv_layout``). Each layer's cache is then ``[num_blocks, block_size,
 num_kv_heads, width]`` with that layer's heads, where ``width`` is the wider of the two: the
 narrower of keys and values is stored with zeros after it (a zero in a key adds nothing to a
 dot product, a zero in a value gives a zero output column, which is cut off), so every kernel
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_math import dtype_nbytes
+from kvpaging.core.kv_math import dtype_nbytes
 
-__all__ = ["LayerKV", "config_layout", "measure_kv_layout", "layout_bytes_per_token", "MEASURING"]
+__all__ = ["LayerKV", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call"]
 
 # during measure_kv_layout's forward pass: a dict layer -> LayerKV, filled by the attention function
 MEASURING: contextvars.ContextVar = contextvars.ContextVar("kvpaging_measuring", default=None)
@@ -60,33 +60,6 @@ def config_layout(config, num_layers: int, tensor_parallel_size: int = 1) -> lis
     except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
         return None
     return [LayerKV(heads // tensor_parallel_size, width, width)] * num_layers
-
-
-def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
-    """Each layer's keys and values as the model gives them to attention, from one unpaged forward pass of a
-    private copy over 4 tokens (the user's model is not touched). None when the pass fails or a layer never
-    calls kvpaging's attention: the load-time self-check then names the cause."""
-    from .attention import ATTN_NAME, register_attention
-    from .models import private_copy
-
-    register_attention()
-    copy = private_copy(model).eval()
-    copy.set_attn_implementation(ATTN_NAME)
-    vocab = copy.get_output_embeddings().weight.shape[0]
-    device = next(copy.parameters()).device
-    ids = (torch.arange(4, device=device) % vocab).unsqueeze(0)
-    found: dict[int, LayerKV] = {}
-    token = MEASURING.set(found)
-    try:
-        with torch.inference_mode():
-            copy(input_ids=ids, use_cache=False, logits_to_keep=1)
-    except Exception:  # noqa: BLE001 - the self-check runs the model again and says what went wrong
-        return None
-    finally:
-        MEASURING.reset(token)
-    if sorted(found) != list(range(num_layers)):
-        return None
-    return [found[i] for i in range(num_layers)]
 
 
 def record_call(found: dict, module, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the sharding plan and the worker processes (``tensor_parallel``)."""
