@@ -22,7 +22,7 @@ very code ``generate()`` runs, so a comparison of the two measures scheduling
 and paging and nothing else. ``LLM(..., cpu_fast_layers=True)`` turns them on.
 
 The user's model is never touched. The engine runs a private copy of the
-model's modules that shares the weight tensors (``kvpaging.worker.model_runner.private_copy``);
+model's modules that shares the weight tensors (``kvpaging.models.private_copy``);
 ``enable_fast_layers`` gives *that copy's* layers a new ``forward``, bound to
 the layer (a bound method, so the copy can still be deep-copied and pickled).
 The layer's own weight is used: no copy, nothing to keep in sync. A norm gets
