@@ -31,8 +31,8 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from kvpaging.core.block_pool import BlockPool, KVBlock
 from kvpaging.checks import check_bool, check_int
+from kvpaging.core.block_pool import BlockPool, KVBlock
 from kvpaging.errors import DuplicateSequenceError, InvariantError, SequenceNotFoundError, SequenceTooLongError
 
 __all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "SequenceBlocks", "default_block_hash"]

@@ -28,17 +28,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
-from kvpaging.core.block_manager import NO_HIT, BlockManager
 from kvpaging.checks import check_choice
 from kvpaging.config import SCHEDULING
-from kvpaging.errors import InvariantError
+from kvpaging.core.block_manager import NO_HIT, BlockManager
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput, UpdateResult
 from kvpaging.core.sequence import Request, Sequence, SequenceStatus
+from kvpaging.errors import InvariantError
 
 logger = logging.getLogger(__name__)
 

@@ -71,10 +71,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from kvpaging.config import EngineConfig
+from kvpaging.core.scheduler_output import SchedulerOutput
 from kvpaging.distributed.plan import shard_styles
 from kvpaging.errors import TensorParallelError
 from kvpaging.worker.model_runner import ModelRunner, StepInputs, prepare_step_inputs
-from kvpaging.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpaging")
 

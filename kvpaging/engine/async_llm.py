@@ -45,8 +45,8 @@ from typing import Any, Protocol
 
 from kvpaging.engine.llm_engine import LLMEngine
 from kvpaging.engine.outputs import RequestOutput
-from kvpaging.sampling_params import SamplingParams
 from kvpaging.engine.step_record import StepRecord
+from kvpaging.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpaging")
 

@@ -14,9 +14,9 @@ import time
 import torch
 
 from kvpaging.config import EngineConfig
-from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.sequence import Request
 from kvpaging.engine.structured_outputs import GrammarCompiler
+from kvpaging.sampling_params import SamplingParams
 
 __all__ = ["InputProcessor", "normalize_batch"]
 

@@ -29,18 +29,18 @@ from typing import Callable
 
 import torch
 
-from kvpaging.core.block_manager import BlockManager
 from kvpaging.config import EngineConfig
-from kvpaging.errors import DuplicateSequenceError, RequestFailedError
-from kvpaging.engine.input_processor import InputProcessor, normalize_batch
-from kvpaging.worker.model_runner import ModelRunner, check_model_supported
-from kvpaging.worker.self_check import CHECKED, SelfCheckResult, measure_kv_layout, model_fingerprint, run_self_check
-from kvpaging.engine.outputs import RequestOutput, request_output
-from kvpaging.worker.sampler import RowHistory, Sampler, SamplerOutput, make_generator
-from kvpaging.sampling_params import RequestOutputKind, SamplingParams
+from kvpaging.core.block_manager import BlockManager
 from kvpaging.core.scheduler import Scheduler, SchedulerOutput
 from kvpaging.core.sequence import Sequence
+from kvpaging.engine.input_processor import InputProcessor, normalize_batch
+from kvpaging.engine.outputs import RequestOutput, request_output
 from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
+from kvpaging.errors import DuplicateSequenceError, RequestFailedError
+from kvpaging.sampling_params import RequestOutputKind, SamplingParams
+from kvpaging.worker.model_runner import ModelRunner, check_model_supported
+from kvpaging.worker.sampler import RowHistory, Sampler, SamplerOutput, make_generator
+from kvpaging.worker.self_check import CHECKED, SelfCheckResult, measure_kv_layout, model_fingerprint, run_self_check
 
 logger = logging.getLogger("kvpaging")
 

@@ -20,8 +20,8 @@ import torch
 
 from kvpaging.config import EngineConfig
 from kvpaging.engine.llm_engine import LLMEngine, normalize_batch
-from kvpaging.models import load_model, load_tokenizer
 from kvpaging.engine.outputs import RequestOutput
+from kvpaging.models import load_model, load_tokenizer
 from kvpaging.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpaging")

@@ -56,11 +56,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpaging.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from kvpaging.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING
+from kvpaging.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from kvpaging.engine.outputs import CompletionOutput, RequestOutput
-from kvpaging.sampling_params import RequestOutputKind, SamplingParams
 from kvpaging.engine.structured_outputs import StructuredOutputsParams
+from kvpaging.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvpaging.entrypoints.serve")
 

@@ -321,8 +321,8 @@ def check_architecture(model_type: str, modes=MODES, seed: int = 0) -> dict[str,
 
 
 def _check_mode(model, prompt: list[int], expected: list[int], mode: str) -> Verdict:
-    from kvpaging.errors import UnsupportedModelError
     from kvpaging.entrypoints.llm import LLM
+    from kvpaging.errors import UnsupportedModelError
     from kvpaging.sampling_params import SamplingParams
 
     try:

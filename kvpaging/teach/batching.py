@@ -16,9 +16,9 @@ import random
 from dataclasses import dataclass
 
 from kvpaging.sampling_params import SamplingParams
-from kvpaging.visualizers.batching import SlotTimeline, slot_timeline_from_trace
 from kvpaging.teach.paging import timed
 from kvpaging.teach.sharing import preview
+from kvpaging.visualizers.batching import SlotTimeline, slot_timeline_from_trace
 
 __all__ = ["request_stream", "PolicyRun", "run_policy", "compare_policies", "preview", "POLICY_COLOURS",
            "throughput_figure", "memory_figure", "blocks_freed", "mean_blocks_used"]

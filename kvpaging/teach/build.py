@@ -299,9 +299,9 @@ def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck
     After every step, your plan must equal the scheduler's.
     """
     from kvpaging.core.block_manager import BlockManager
-    from kvpaging.sampling_params import SamplingParams
     from kvpaging.core.scheduler import Scheduler
     from kvpaging.core.sequence import Request
+    from kvpaging.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     steps = chunked = capped = 0

@@ -150,9 +150,9 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
     chunks (chunked prefill, lesson 07).
     """
     from kvpaging.core.block_manager import BlockManager
-    from kvpaging.sampling_params import SamplingParams
     from kvpaging.core.scheduler import Scheduler
     from kvpaging.core.sequence import Request
+    from kvpaging.sampling_params import SamplingParams
 
     num_blocks = num_slots // block_size
     longest = max(r.prompt_len + r.output_len for r in requests)

@@ -223,7 +223,6 @@ def time_prefill_and_decode(llm, prompt_len: int, batch: int = 1, decode_steps: 
     decode step). One extra warm-up repeat is not counted.
     """
     from kvpaging.progress import track
-
     from kvpaging.sampling_params import SamplingParams
 
     engine = llm.engine

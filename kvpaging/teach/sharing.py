@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.sequence import completion_seed
+from kvpaging.sampling_params import SamplingParams
 
 __all__ = [
     "ref_counts",

@@ -26,7 +26,6 @@ import logging
 
 import torch
 
-
 logger = logging.getLogger("kvpaging")
 
 __all__ = ["batch_size_ladder", "DecodeGraphs"]

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
 from kvpaging.config import EngineConfig
+from kvpaging.core.scheduler_output import SchedulerOutput
 from kvpaging.errors import UnsupportedModelError
 from kvpaging.kernels.backends import get_backend
 from kvpaging.kernels.cpu.layers import FastLayers
-from kvpaging.worker.kv_layout import LayerKV, config_layout
 from kvpaging.models import private_copy
-from kvpaging.core.scheduler_output import SchedulerOutput
+from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
+from kvpaging.worker.kv_layout import LayerKV, config_layout
 
 logger = logging.getLogger("kvpaging")
 
@@ -184,8 +184,8 @@ class ModelRunner:
         ``vocab_size``: the range of the random ids (default: the LM head's rows; a tensor-parallel rank
         holds only a share of them and passes the whole model's, so every rank draws the same ids).
         """
-        from kvpaging.worker.attention import CALIBRATION_KWARG
         from kvpaging.kernels.fp8 import FP8_MAX, MIN_SCALE
+        from kvpaging.worker.attention import CALIBRATION_KWARG
 
         if calibration_tokens is None:
             vocab = vocab_size or self.model.get_output_embeddings().weight.shape[0]

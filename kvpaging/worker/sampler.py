@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvpaging.sampling_params import SamplingParams, SamplingType
 from kvpaging.engine.structured_outputs import allowed_tokens
+from kvpaging.sampling_params import SamplingParams, SamplingType
 
 
 @dataclass

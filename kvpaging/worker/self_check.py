@@ -49,12 +49,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
-from kvpaging.errors import TensorParallelError, UnsupportedModelError
-from kvpaging.worker.model_runner import layer_windows
-from kvpaging.models import private_copy
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from kvpaging.errors import TensorParallelError, UnsupportedModelError
+from kvpaging.models import private_copy
+from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
 from kvpaging.worker.kv_layout import MEASURING, LayerKV
+from kvpaging.worker.model_runner import layer_windows
 
 __all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
 
