@@ -85,27 +85,29 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     k_scale, v_scale = meta.kv_scales[layer]
     meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    features = dict(window=kwargs.get("sliding_window") or 0,  # a sliding layer's window (keys after q - window)
-                    softcap=kwargs.get("softcap") or 0.0,  # Gemma 2's soft-capped attention scores
-                    sinks=kwargs.get("s_aux"))  # gpt-oss's attention sinks: one logit per query head
-    out = _attend(meta, q, k_cache, v_cache, scaling, k_scale, v_scale, features)
+    window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
+    softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per query head
+    out = _attend(meta, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
     if value_width != width:
         out = out[..., :value_width]
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
 
 
-def _attend(meta: AttentionMetadata, q, k_cache, v_cache, scaling, k_scale, v_scale, features: dict) -> torch.Tensor:
+def _attend(meta: AttentionMetadata, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap,
+            sinks) -> torch.Tensor:
     """The decodes (the first ``num_decodes`` tokens) with the decode kernel, the chunks after them with prefill's."""
     ops, nd = meta.backend, meta.num_decodes
     if nd == q.shape[0]:
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling,
-                                          k_scale, v_scale, **features)
+                                          k_scale, v_scale, window=window, softcap=softcap, sinks=sinks)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                              scaling, k_scale, v_scale, **features)
+                                              scaling, k_scale, v_scale, window=window, softcap=softcap, sinks=sinks)
     out[nd:] = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q,
-                                           meta.seq_lens[nd:], scaling, k_scale, v_scale, **features)
+                                           meta.seq_lens[nd:], scaling, k_scale, v_scale, window=window,
+                                           softcap=softcap, sinks=sinks)
     return out
 
 
