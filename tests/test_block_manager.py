@@ -324,17 +324,41 @@ def test_decode_tokens_become_cacheable_when_their_block_fills():
     assert prefill(bm, "b", [1, 2, 3, 4, 5]) == 4
 
 
-def test_duplicate_prefix_computed_twice_is_deduplicated():
+def test_a_prefix_computed_twice_keeps_both_tables_and_both_copies_findable():
+    """Two requests admitted before either was computed: neither can hit, each computes its own copy. Tables
+    only grow (no switching to the other's blocks), so the duplicate costs its blocks until b ends; both copies
+    are cached, so a later request hits while either one survives."""
     bm = BlockManager(num_blocks=8, block_size=2)
     tokens = [5, 6, 7, 8, 9]
-    # both admitted before either was computed: neither can hit
     assert bm.allocate_sequence("a", 5, bm.lookup_prefix(tokens))
     assert bm.allocate_sequence("b", 5, bm.lookup_prefix(tokens))
-    assert bm.stats().num_used_blocks == 6
     bm.cache_full_blocks("a", tokens, 5)
-    bm.cache_full_blocks("b", tokens, 5)  # b switches to a's blocks and frees its own
-    assert bm.get_block_table("b")[:2] == bm.get_block_table("a")[:2] == [0, 1]
-    assert bm.stats().num_used_blocks == 4
+    bm.cache_full_blocks("b", tokens, 5)
+    assert bm.get_block_table("a") == [0, 1, 2] and bm.get_block_table("b") == [3, 4, 5]
+    s = bm.stats()
+    assert (s.num_used_blocks, s.num_cached_blocks) == (6, 4)
+    assert [b.block_id for b in bm.lookup_prefix(tokens).blocks] == [0, 1]  # the first copy cached
+    bm.free("a")
+    bm.reset_prefix_cache()  # a's copy is gone; b's, in use, stays findable
+    assert [b.block_id for b in bm.lookup_prefix(tokens).blocks] == [3, 4]
+    bm.check_invariants()
+
+
+def test_a_chain_passes_through_either_twin():
+    """a computed [5, 6]; b, admitted beside it, computed [5, 6] again and then [7, 8] after its own copy. The
+    two copies of [5, 6] hold the same content, so [7, 8] follows either: the lookup takes a's first block, then
+    b's second, and hits both blocks (a block-by-block identity would stop after the first)."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    assert bm.allocate_sequence("a", 2) and bm.allocate_sequence("b", 4)
+    bm.cache_full_blocks("a", [5, 6], 2)
+    bm.cache_full_blocks("b", [5, 6, 7, 8], 4)
+    assert bm.get_block_table("a") == [0] and bm.get_block_table("b") == [1, 2]
+    assert [b.block_id for b in bm.lookup_prefix([5, 6, 7, 8, 9]).blocks] == [0, 2]
+    bm.free("a")
+    bm.free("b")
+    bm.check_invariants()
+    assert prefill(bm, "c", [5, 6, 7, 8, 9]) == 4  # the hit is taken out of the free queue and shared
+    assert bm.get_block_table("c")[:2] == [0, 2]
     bm.check_invariants()
 
 
@@ -492,8 +516,8 @@ def test_append_decode_slots_gives_what_append_slots_gives_one_by_one(num_blocks
 
 
 def test_cache_decode_blocks_caches_as_cache_full_blocks_does():
-    """A decode that fills its block: offered to the cache in the step's one call, or sequence by sequence; with a
-    twin (two sequences computed the same block), both switch to the cached copy and free their own."""
+    """A decode that fills its block: offered to the cache in the step's one call, or sequence by sequence. Two
+    sequences that computed the same blocks keep their own (tables only grow), and both copies are findable."""
     made = []
     for one_call in (True, False):
         bm = BlockManager(12, 4)
@@ -513,9 +537,19 @@ def test_cache_decode_blocks_caches_as_cache_full_blocks_does():
         bm.check_invariants()
         made.append(bm)
     assert _books(made[0]) == _books(made[1])
-    tables = _tables(made[0])
-    assert tables["x"] == tables["y"]  # y found x's blocks when it offered its own: one copy is kept
-    assert made[0].get_sequence_blocks("y").last is made[0].pool.blocks[tables["y"][-1]]
+    bm = made[0]
+    tables = _tables(bm)
+    assert not set(tables["x"]) & set(tables["y"])  # each kept its own blocks
+    pool = bm.pool
+    assert all(pool.blocks[b].block_hash is not None for b in tables["x"] + tables["y"])
+    assert [pool.blocks[b].block_hash for b in tables["x"]] == [pool.blocks[b].block_hash for b in tables["y"]]
+    assert bm.stats().num_cached_blocks == 4
+    hit = bm.lookup_prefix([7, 7, 7, 7, 8, 8, 8, 9, 1])  # the first cached twin is found: x's
+    assert [b.block_id for b in hit.blocks] == tables["x"]
+    bm.free("x")
+    bm.reset_prefix_cache()  # x's blocks leave the cache; y's, in use, stay and are found
+    assert [b.block_id for b in bm.lookup_prefix([7, 7, 7, 7, 8, 8, 8, 9, 1]).blocks] == tables["y"]
+    bm.check_invariants()
 
 
 def test_free_blocks_is_free_block_in_order():

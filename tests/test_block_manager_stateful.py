@@ -139,8 +139,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 end = min(n, (i + 1) * self.bs)
                 assert self.content[block_id] == tuple(toks[:end]), f"seq {seq} block {i} holds the wrong prefix"
         # every cached hash points at a block whose tokens match what was written there
-        for h, block in bm.pool.cached_blocks.items():
-            assert block.block_hash == h
+        for block in bm.pool.cached_blocks():
             assert self.content[block.block_id][-self.bs :] == block.token_ids
         if bm.enable_prefix_caching and not self.colliding:
             # a live sequence's computed full blocks are all findable

@@ -399,9 +399,11 @@ def test_max_num_seqs_counts_every_completion_of_an_n_request(ref):
     assert_pool_clean(llm)
 
 
-def test_requests_computing_one_prefix_in_the_same_step_end_up_sharing_its_blocks(ref):
+def test_requests_computing_one_prefix_in_the_same_step_keep_their_own_copies_and_both_are_found(ref):
+    """Block tables only grow: two requests that compute one prefix in the same step each keep their copy (no
+    switching to the other's blocks afterwards, as vLLM v1 does), and a later request finds the prefix cached."""
     shared = random_prompt(16, seed=160)
-    pa, pb = shared + random_prompt(3, seed=161), shared + random_prompt(3, seed=162)
+    pa, pb, pc = (shared + random_prompt(3, seed=s) for s in (161, 162, 163))
     llm = build_llm(make_model(ARCH), block_size=4, enable_prefix_caching=True)
     engine = llm.engine
     engine.keep_trace, engine.trace = True, []
@@ -410,12 +412,16 @@ def test_requests_computing_one_prefix_in_the_same_step_end_up_sharing_its_block
     finals = run_engine(engine, check=True)
     first = engine.trace[0]
     assert len(first.scheduled) == 2 and first.num_batched_tokens == 38  # both prompts computed in full
-    # 5 blocks each, but b's 4 full prefix blocks duplicate a's: b moves onto a's and frees its copies
-    assert first.num_used_blocks == 5 + 1
+    assert first.num_used_blocks == 5 + 5  # b's 4 full prefix blocks duplicate a's, and stay in b's table
     table_a, table_b = (first.block_tables[e.seq_id] for e in first.scheduled)
-    assert table_a[:4] == table_b[:4] and table_a[4] != table_b[4]
+    assert not set(table_a) & set(table_b)
     ref.assert_greedy(pa, finals["a"].outputs[0].token_ids, 3)
     ref.assert_greedy(pb, finals["b"].outputs[0].token_ids, 3)
+    engine.trace = []
+    engine.add_request("c", pc, greedy_params(3))
+    finals = run_engine(engine, check=True)
+    assert engine.trace[0].num_batched_tokens == len(pc) - 16  # the 4 prefix blocks came from the cache
+    ref.assert_greedy(pc, finals["c"].outputs[0].token_ids, 3)
     assert_pool_clean(llm)
 
 

@@ -373,7 +373,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"seq {seq.seq_id} position {p} (block {table[p // self.bs]}) holds {held}, "
                     f"expected {tuple(seq.token_ids[: p + 1])}"
                 )
-        for block in bm.pool.cached_blocks.values():  # anything findable holds the data it claims
+        for block in bm.pool.cached_blocks():  # anything findable holds the data it claims
             slots = self.content[block.block_id]
             assert all(isinstance(x, tuple) for x in slots), f"cached block {block.block_id} holds {slots}"
             assert slots[-1][-self.bs:] == block.token_ids

@@ -137,9 +137,9 @@ def test_peak_watcher_exact_peaks(chatty, scenario):
         # later, so the figures at the peak of use differ from the tables' own peak
         llm.generate([prompt], SamplingParams(n=6, temperature=1.0, seed=1, max_tokens=60), use_tqdm=False)
     else:
-        # separate requests for one prompt, computed in the same step: each holds its own copy of the
-        # prompt's blocks until the step ends and the duplicates are swapped for the cached ones and freed
-        llm.generate([prompt] * 6, [SamplingParams(temperature=1.0, seed=k, max_tokens=20) for k in range(6)],
+        # separate one-token requests for one prompt (a scoring pass), computed in the same step: each holds
+        # its own copy of the prompt's blocks while it is computed, and all of them end in that step
+        llm.generate([prompt] * 6, [SamplingParams(temperature=1.0, seed=k, max_tokens=1) for k in range(6)],
                      use_tqdm=False)
     used = [u for u, _ in states]
     at_peak = next(t for u, t in states if u == max(used))

@@ -25,9 +25,11 @@ lengths and fork parents from there instead of working them out.)
   prefix cache; it stays findable after its sequence ends until the pool hands
   it out again. The replay keeps that set. A request can start and finish
   within one step, so its table is never among the running ones: records carry
-  the tables of the sequences that finished (``finished_block_tables``). With a
-  record from an older engine, which lacks them, the set is exact only until
-  the first such request.
+  the tables of the sequences that finished or were preempted
+  (``finished_block_tables``). With a record from an older engine, which lacks
+  them, the set is exact only until the first sequence that takes a block in
+  the step it leaves in (such a one-step request, or a sequence whose last
+  token opens a new block).
 
 Everything is kept compactly (a few small numpy arrays per step), so a dashboard
 can scrub back and forth through thousands of steps. The per-step *pictures*

@@ -16,7 +16,10 @@ The life of a sequence, as the scheduler drives it::
     bm.fork(seq_id, child_id)                       # n > 1: children share every block
     bm.free(seq_id)                                 # finished, aborted or preempted
 
-Only this class changes block tables and reference counts. Copy-on-write copies
+Only this class changes block tables; the pool alone changes reference and fill
+counts. Tables only grow: a block, once in a table, stays at its place until the
+sequence is freed (the one exception is copy-on-write, which gives a sequence its
+own copy of a shared, partly filled last block). Copy-on-write copies
 it decides on are queued as ``(src, dst)`` block-id pairs; the scheduler hands
 them to the model runner (:meth:`blocks_to_copy`), which copies the KV data before
 the forward, and reports them done after it (:meth:`copies_made`): until then a
@@ -249,7 +252,7 @@ class BlockManager:
 
     def _note_peak(self) -> None:
         """Raise the high-water marks to the present state. Called at the end of every method that
-        can add a used block or a table entry (allocate, append, fork, a prefix-cache swap); the
+        can add a used block or a table entry (allocate, append, fork); the
         others only lower both, so the marks are exact peaks, not samples."""
         used = self.num_blocks - self.pool.free_queue.num_free_blocks
         tables = self._num_table_blocks
@@ -292,66 +295,41 @@ class BlockManager:
         Call it after the forward pass that computed them, never before: a
         failed step must not leave half-written blocks findable. When another
         block already holds the very same tokens after the very same prefix
-        (two requests computed one prefix at once), the sequence switches to
-        that block and frees its own duplicate.
+        (two requests computed one prefix at once), both stay cached and the
+        table keeps its own block.
         """
         if not self.enable_prefix_caching:
             return
         st = self._state(seq_id)
-        bs = self.block_size
-        hashes = st.block_hashes
-        if num_computed_tokens // bs <= len(hashes):
+        if num_computed_tokens // self.block_size <= len(st.block_hashes):
             return  # no block became full: most decode steps end here
         if num_computed_tokens > st.num_tokens or num_computed_tokens > len(token_ids):
             raise ValueError(
                 f"num_computed_tokens={num_computed_tokens} exceeds the sequence's {st.num_tokens} slots "
                 f"or its {len(token_ids)} tokens"
             )
-        if self._cache_blocks(st, token_ids, num_computed_tokens):
-            self._note_peak()
+        self._cache_blocks(st, token_ids, num_computed_tokens)
 
     def cache_decode_blocks(self, seqs: list) -> None:
         """``cache_full_blocks`` for sequences whose decode just filled their last block, in one call per step.
 
         ``seqs`` holds scheduler sequences, read through ``blocks`` and ``token_ids`` as in
         :meth:`append_decode_slots`; each has computed every token it has a slot for."""
-        if not self.enable_prefix_caching:
-            return
-        swapped = False
-        for seq in seqs:
-            st = seq.blocks
-            swapped |= self._cache_blocks(st, seq.token_ids, st.num_tokens)
-        if swapped:
-            self._note_peak()
+        if self.enable_prefix_caching:
+            for seq in seqs:
+                self._cache_blocks(seq.blocks, seq.token_ids, seq.blocks.num_tokens)
 
-    def _cache_blocks(self, st: SequenceBlocks, token_ids: Sequence[int], num_computed_tokens: int) -> bool:
-        """Hash and offer the full blocks of ``st`` up to ``num_computed_tokens``; True when one was switched
-        for an identical cached block (the only change here that can move the high-water marks)."""
+    def _cache_blocks(self, st: SequenceBlocks, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Hash the full blocks of ``st`` up to ``num_computed_tokens`` and offer the uncached ones."""
         bs = self.block_size
         hashes = st.block_hashes
         blocks = st.blocks
-        pool = self.pool
-        hash_fn = self.hash_fn
-        swapped = False
         for i in range(len(hashes), num_computed_tokens // bs):
-            start = i * bs
-            toks = tuple(token_ids[start : start + bs])
-            h = hash_fn(hashes[-1] if i else None, toks)
-            block = blocks[i]
-            if block.block_hash is None:
-                parent = blocks[i - 1] if i else None
-                twin = pool.cache_block_or_find_twin(block, h, toks, parent)
-                if twin is not None:
-                    pool.touch(twin)
-                    blocks[i] = twin
-                    st.block_ids[i] = twin.block_id
-                    if block is st.last:
-                        st.last = twin
-                    self._tables.set(st.row, i, twin.block_id)
-                    pool.free_block(block)
-                    swapped = True
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self.hash_fn(hashes[-1] if i else None, toks)
+            if blocks[i].block_hash is None:  # not a prefix hit, nor shared with a parent that cached it
+                self.pool.cache_block(blocks[i], h, toks, blocks[i - 1] if i else None)
             hashes.append(h)
-        return swapped
 
     # -- allocation ------------------------------------------------------------
     def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
@@ -443,7 +421,8 @@ class BlockManager:
         free_queue = pool.free_queue
         max_tokens = self.max_tokens_per_sequence
         served = len(rows)
-        slow = 0  # decodes that took the general path (they count their own fills)
+        slow = False  # whether a decode took the general path
+        filling = []  # unshared last blocks with room: one more slot each, filled by the pool below
         for seq in islice(seqs, start, stop):
             st = seq.blocks
             n = st.num_tokens
@@ -452,7 +431,7 @@ class BlockManager:
                 break  # more than one token to compute: a prefill chunk, not a decode
             last = st.last
             if n % bs and last.ref_cnt == 1:  # room in an unshared last block: the common case
-                last.num_filled += 1
+                filling.append(last)
                 st.num_tokens = n + 1
             else:  # a full last block (or none) needs a new block; a shared, partly filled one its copy
                 if n >= max_tokens:  # _check_fits's test, without the call on every new block
@@ -462,20 +441,18 @@ class BlockManager:
                 if n % bs:
                     self._copy_on_write(st, last)
                 self._grow(st, 1)
-                slow += 1
+                slow = True
             rows.append(st.row)
             positions.append(n)
             input_ids.append(tokens[n])
-        served = len(rows) - served
-        pool.num_filled_slots += served - slow  # the fast path's fills, counted once (BlockPool.fill's counter)
+        pool.fill_one_each(filling)
         if slow:
             self._note_peak()
-        return served
+        return len(rows) - served
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
-        copy = pool.get_new_block()
-        pool.fill(copy, shared.num_filled)
+        copy = pool.get_new_block(shared.num_filled)
         pool.free_block(shared)  # one owner fewer; it stays with the others
         pool.hold_until_copied(shared)  # until copied, it must not be handed out again
         st.blocks[-1] = st.last = copy
@@ -498,23 +475,19 @@ class BlockManager:
             count = -(-remaining // bs)
             first = len(st.block_ids)
             if count == 1:  # one new block (every decode that crosses into a new block): no lists made
-                last = pool.get_new_block()
-                last.num_filled = remaining
+                last = pool.get_new_block(remaining)
                 st.blocks.append(last)
                 st.block_ids.append(last.block_id)
                 self._tables.set(st.row, first, last.block_id)
             else:
-                blocks = [pool.get_new_block() for _ in range(count)]
-                for block in blocks:
-                    block.num_filled = bs
+                blocks = [pool.get_new_block(bs) for _ in range(count - 1)]
+                blocks.append(pool.get_new_block(remaining - (count - 1) * bs))
                 last = blocks[-1]
-                last.num_filled = remaining - (count - 1) * bs
                 ids = [block.block_id for block in blocks]
                 st.blocks += blocks
                 st.block_ids += ids
                 self._tables.set_range(st.row, first, ids)
             st.last = last
-            pool.num_filled_slots += remaining  # BlockPool.fill's counter, for all of them at once
             self._num_table_blocks += count
         st.num_tokens += num_new_tokens
 

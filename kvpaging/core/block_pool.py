@@ -9,7 +9,13 @@ state of each physical block:
   (``n > 1`` sampling, GRPO rollouts) share blocks, so a block can have several
   owners. A block with ``ref_cnt == 0`` is free.
 * ``block_hash`` -- set when the block holds a *full* block of tokens that the
-  prefix cache may hand to another request with the same prefix.
+  prefix cache may hand to another request with the same prefix. Two blocks can
+  hold the same tokens after the same prefix (two requests computed it in one
+  step): both are cached under the hash with one ``cache_id`` (the identity of
+  their content), so a later block's parent may be either of them, and a lookup
+  takes the first. A block table never changes to point at such a twin: tables
+  only grow (vLLM v1 makes the same choice), and the duplicate costs one block
+  until its sequence ends.
 
 Free blocks wait in a :class:`FreeBlockQueue`, a doubly linked list threaded
 through the blocks themselves. Freed blocks join the tail; allocation takes the
@@ -20,8 +26,8 @@ a prefix-cache hit revives a free cached block, it leaves the *middle* of the
 queue, which a linked list does in O(1) -- the reason for the list instead of a
 ``deque``.
 
-Every operation here is O(1): no method scans all blocks (the exception is
-:meth:`BlockPool.check_invariants`, which exists for tests).
+Every operation on the hot path is O(1). Two scan: :meth:`BlockPool.reset_prefix_cache`
+(every cached block, on request) and :meth:`BlockPool.check_invariants` (tests only).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ class KVBlock:
     # Prefix-cache identity, set only while the block is in the cache.
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the block's tokens: compared on every hit
-    cache_id: int = -1  # unique per caching; children remember their parent's
+    cache_id: int = -1  # what it holds: these tokens after its parent's content (twins share it)
     parent_cache_id: int = -1  # cache_id of the block before it in its sequence (-1: first block)
     # Links of the free queue (None when the block is not in it).
     prev_free: KVBlock | None = field(default=None, repr=False)
@@ -147,9 +153,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        # hash -> the one block cached under it. A block is cached only while
-        # it is registered here; eviction removes it.
-        self.cached_blocks: dict[int, KVBlock] = {}
+        # hash -> {block id: block} of the blocks cached under it (usually one). A block is
+        # cached only while it is registered here; eviction removes it.
+        self._cached: dict[int, dict[int, KVBlock]] = {}
+        self.num_cached_blocks = 0
         self._next_cache_id = 0
         self.num_cached_free_blocks = 0  # cached blocks sitting in the free queue
         self.num_filled_slots = 0  # slots holding a token, over blocks in use
@@ -169,26 +176,35 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.free_queue.num_free_blocks
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.cached_blocks)
+    def cached_blocks(self) -> Iterator[KVBlock]:
+        """Every block the prefix cache can find, in use or free."""
+        for same_hash in self._cached.values():
+            yield from same_hash.values()
 
     # -- allocation --------------------------------------------------------
-    def get_new_block(self) -> KVBlock:
-        """Take the least recently freed block, evicting its cached contents if any."""
+    def get_new_block(self, num_filled: int = 0) -> KVBlock:
+        """Take the least recently freed block, evicting its cached contents if any; ``num_filled`` of its
+        slots are about to hold tokens."""
         block = self.free_queue.popleft()
         if block.block_hash is not None:
             self._uncache(block)
             self.num_cached_free_blocks -= 1
             self.num_evictions += 1
         block.ref_cnt = 1
-        block.num_filled = 0
+        block.num_filled = num_filled
+        self.num_filled_slots += num_filled
         return block
 
     def fill(self, block: KVBlock, num_slots: int) -> None:
         """``num_slots`` more of an owned block's slots now hold a token (the pool's fill counter follows)."""
         block.num_filled += num_slots
         self.num_filled_slots += num_slots
+
+    def fill_one_each(self, blocks: list[KVBlock]) -> None:
+        """``fill(block, 1)`` for each of ``blocks``: a step's decodes, in one call."""
+        for block in blocks:
+            block.num_filled += 1
+        self.num_filled_slots += len(blocks)
 
     def hold_until_copied(self, block: KVBlock) -> None:
         """``block`` is the source of a pending copy: should its last owner free it before the copy is
@@ -252,59 +268,53 @@ class BlockPool:
 
     # -- prefix cache --------------------------------------------------------
     def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
-        """The cached block holding ``token_ids`` right after ``parent``, or None.
+        """A cached block holding ``token_ids`` right after ``parent``, or None.
 
         A hash match alone is not trusted: the tokens must be equal and the
-        candidate must have been computed after this very ``parent`` block
-        (compared by its unique ``cache_id``), so a hash collision can never
-        hand one request another request's keys and values.
+        candidate must have been computed after ``parent``'s very content
+        (compared by ``cache_id``, which only equal tokens after an equal parent
+        share), so a hash collision can never hand one request another request's
+        keys and values.
         """
         if parent is not None and parent.block_hash is None:
             return None  # an uncached parent has no identity to match against
-        block = self.cached_blocks.get(block_hash)
-        return block if block is not None and _same(block, token_ids, parent) else None
+        return self._find(block_hash, token_ids, -1 if parent is None else parent.cache_id)
+
+    def _find(self, block_hash: int, token_ids: tuple[int, ...], parent_cache_id: int) -> KVBlock | None:
+        for block in self._cached.get(block_hash, {}).values():
+            if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
+                return block
+        return None
 
     def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> bool:
-        """Register a full, computed block under ``block_hash``. Returns False when it stays uncached.
+        """Make a full, computed block findable under ``block_hash``; False when it stays uncached.
 
-        A block is cached only after a cached parent (so a chain is cached from
-        its start), and only if no live block already holds that hash. A stale
-        entry (free, e.g. left behind when its parent was evicted) is replaced.
+        A block is cached only after a cached parent, so a chain is cached from
+        its start. Blocks already cached under the same hash stay (see the
+        module docstring on twins).
         """
         if parent is not None and parent.block_hash is None:
             return False
-        return self._register(block, block_hash, token_ids, parent, self.cached_blocks.get(block_hash))
-
-    def cache_block_or_find_twin(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
-                                 parent: KVBlock | None) -> KVBlock | None:
-        """``lookup``, then ``cache_block`` when nothing was found, with one look in the index: the twin (a
-        cached block holding these very tokens after this very parent), or None once ``block`` is offered."""
-        if parent is not None and parent.block_hash is None:
-            return None  # stays uncached, as cache_block leaves it
-        existing = self.cached_blocks.get(block_hash)
-        if existing is not None and _same(existing, token_ids, parent):
-            return existing
-        self._register(block, block_hash, token_ids, parent, existing)
-        return None
-
-    def _register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None,
-                  existing: KVBlock | None) -> bool:
-        """``cache_block`` once the parent is known to be cached and ``existing`` is the index's entry."""
-        if existing is not None:
-            if existing.ref_cnt > 0:
-                return False
-            self._uncache(existing)
-            self.num_cached_free_blocks -= 1
+        parent_cache_id = -1 if parent is None else parent.cache_id
+        twin = self._find(block_hash, token_ids, parent_cache_id)
+        if twin is not None:  # the same content: one identity, so a chain may pass through either copy
+            block.cache_id = twin.cache_id
+        else:
+            block.cache_id = self._next_cache_id
+            self._next_cache_id += 1
         block.block_hash = block_hash
         block.token_ids = token_ids
-        block.parent_cache_id = -1 if parent is None else parent.cache_id
-        block.cache_id = self._next_cache_id
-        self._next_cache_id += 1
-        self.cached_blocks[block_hash] = block
+        block.parent_cache_id = parent_cache_id
+        self._cached.setdefault(block_hash, {})[block.block_id] = block
+        self.num_cached_blocks += 1
         return True
 
     def _uncache(self, block: KVBlock) -> None:
-        del self.cached_blocks[block.block_hash]
+        same_hash = self._cached[block.block_hash]
+        del same_hash[block.block_id]
+        if not same_hash:
+            del self._cached[block.block_hash]
+        self.num_cached_blocks -= 1
         block.block_hash = None
         block.token_ids = None
         block.cache_id = -1
@@ -312,7 +322,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence uses (vLLM: reset_prefix_cache). Returns how many."""
-        stale = [b for b in self.cached_blocks.values() if b.ref_cnt == 0]
+        stale = [b for b in self.cached_blocks() if b.ref_cnt == 0]
         for block in stale:
             self._uncache(block)
         self.num_cached_free_blocks -= len(stale)
@@ -331,23 +341,23 @@ class BlockPool:
                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free}")
             _check(0 <= block.num_filled <= self.block_size, f"block {block.block_id} holds {block.num_filled}")
             if block.block_hash is not None:
-                _check(self.cached_blocks.get(block.block_hash) is block, f"block {block.block_id} hash not indexed")
+                _check(self._cached.get(block.block_hash, {}).get(block.block_id) is block,
+                       f"block {block.block_id} hash not indexed")
                 _check(block.token_ids is not None and len(block.token_ids) == self.block_size,
                        f"cached block {block.block_id} does not hold a full block of tokens")
                 _check(block.num_filled == self.block_size, f"cached block {block.block_id} is not full")
-        for h, block in self.cached_blocks.items():
-            _check(block.block_hash == h, f"block {block.block_id} indexed under another hash")
+        for h, same_hash in self._cached.items():
+            _check(bool(same_hash), f"hash {h} indexed with no block")
+            for block_id, block in same_hash.items():
+                _check(block.block_hash == h and block.block_id == block_id,
+                       f"block {block.block_id} indexed under another hash or id")
+        _check(self.num_cached_blocks == sum(map(len, self._cached.values())), "num_cached_blocks out of step")
         _check(self.num_used_blocks + self.num_free_blocks == self.num_blocks, "used + free != all blocks")
         _check(all(b.ref_cnt == 0 and b.block_id in self._hold_on_free for b in self._held), "held block not held")
         _check(self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None),
                "num_cached_free_blocks out of step")
         _check(self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0),
                "num_filled_slots out of step")
-
-
-def _same(block: KVBlock, token_ids: tuple[int, ...], parent: KVBlock | None) -> bool:
-    """Whether cached ``block`` holds ``token_ids`` right after ``parent`` (not merely the same hash)."""
-    return block.token_ids == token_ids and block.parent_cache_id == (-1 if parent is None else parent.cache_id)
 
 
 def _check(condition: bool, message: str) -> None:

@@ -339,10 +339,6 @@ class Scheduler:
             seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
             bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        for child in out.children:
-            # A child took its parent's table before the forward; when the parent just switched a full block
-            # for an identical cached one (two requests computed one prefix at once), the child follows.
-            bm.cache_full_blocks(child.seq_id, child.token_ids, child.num_computed_tokens)
         bm.copies_made()
 
     def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:

@@ -46,8 +46,8 @@ class PeakWatcher:
     """An engine observer that reports the block manager's exact peaks over the steps it watched.
 
     ``peak_used_blocks`` is the most blocks held at once, even when they were
-    allocated and freed again within one step (say, a prompt computed and then
-    swapped for a cached twin): the block manager raises its high-water marks
+    allocated and freed again within one step (say, a one-token request computed
+    and finished in the same step): the block manager raises its high-water marks
     after every change, and the watcher only reads them (it resets them when it
     starts). ``table_blocks_at_peak`` is what the block tables pointed at at
     that same moment (a shared block counted once per table: the blocks the same
