@@ -216,7 +216,7 @@ def take_copies(bm):
     """What the scheduler and runner do with the pending copies: read them, copy, report them made."""
     pairs = bm.blocks_to_copy()
     assert bm.blocks_to_copy() == pairs, "reading the pending copies changes nothing"
-    bm.copies_made()
+    bm.step_done()
     assert bm.blocks_to_copy() == []
     return pairs
 

@@ -40,7 +40,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in self.bm.blocks_to_copy():
             assert self.bm.pool.blocks[dst].ref_cnt == 1
             self.content[dst] = self.content[src]
-        self.bm.copies_made()
+        self.bm.step_done()
 
     def _write(self, seq, start, end):
         """Positions [start, end) of ``seq`` are computed and stored in its blocks."""

@@ -399,11 +399,12 @@ def test_max_num_seqs_counts_every_completion_of_an_n_request(ref):
     assert_pool_clean(llm)
 
 
-def test_requests_computing_one_prefix_in_the_same_step_keep_their_own_copies_and_both_are_found(ref):
-    """Block tables only grow: two requests that compute one prefix in the same step each keep their copy (no
-    switching to the other's blocks afterwards, as vLLM v1 does), and a later request finds the prefix cached."""
+def test_a_request_finds_blocks_computed_in_its_own_step(ref):
+    """As in vLLM v1, a block is findable from the step that computes it: b, admitted right after a in the same
+    step, finds a's four full prefix blocks and computes only its own last tokens, attending to the keys and
+    values a writes there in that very forward pass; both answer as generate() does."""
     shared = random_prompt(16, seed=160)
-    pa, pb, pc = (shared + random_prompt(3, seed=s) for s in (161, 162, 163))
+    pa, pb = (shared + random_prompt(3, seed=s) for s in (161, 162))
     llm = build_llm(make_model(ARCH), block_size=4, enable_prefix_caching=True)
     engine = llm.engine
     engine.keep_trace, engine.trace = True, []
@@ -411,11 +412,38 @@ def test_requests_computing_one_prefix_in_the_same_step_keep_their_own_copies_an
     engine.add_request("b", pb, greedy_params(3))
     finals = run_engine(engine, check=True)
     first = engine.trace[0]
-    assert len(first.scheduled) == 2 and first.num_batched_tokens == 38  # both prompts computed in full
-    assert first.num_used_blocks == 5 + 5  # b's 4 full prefix blocks duplicate a's, and stay in b's table
+    assert [e.num_tokens for e in first.scheduled] == [19, 3]  # b's first 16 tokens came from a's blocks
+    assert first.num_used_blocks == 5 + 1
     table_a, table_b = (first.block_tables[e.seq_id] for e in first.scheduled)
-    assert not set(table_a) & set(table_b)
+    assert table_a[:4] == table_b[:4] and table_a[4] != table_b[4]
     ref.assert_greedy(pa, finals["a"].outputs[0].token_ids, 3)
+    ref.assert_greedy(pb, finals["b"].outputs[0].token_ids, 3)
+    assert_pool_clean(llm)
+
+
+def test_a_prefix_computed_again_keeps_its_own_copy_and_both_are_found(ref):
+    """Tables only grow. b asks for its prompt's log-probabilities, so it computes its whole prompt (vLLM's rule:
+    no prefix-cache hit) while a's copy of the shared prefix sits in the cache: b keeps its own copy (no switching
+    to a's, as vLLM v1 does), both copies are cached as twins of one content, and c later finds the prefix."""
+    shared = random_prompt(16, seed=160)
+    pa, pb, pc = (shared + random_prompt(3, seed=s) for s in (161, 162, 163))
+    llm = build_llm(make_model(ARCH), block_size=4, enable_prefix_caching=True)
+    engine = llm.engine
+    engine.keep_trace, engine.trace = True, []
+    engine.add_request("a", pa, greedy_params(3))
+    finals = run_engine(engine, check=True)
+    ref.assert_greedy(pa, finals["a"].outputs[0].token_ids, 3)
+    table_a = engine.trace[0].block_tables[0]
+    engine.trace = []
+    engine.add_request("b", pb, greedy_params(3, prompt_logprobs=1))
+    finals = run_engine(engine, check=True)
+    first = engine.trace[0]
+    assert first.num_batched_tokens == len(pb)  # no hit: b computed the shared prefix again
+    table_b = first.block_tables[first.scheduled[0].seq_id]
+    assert not set(table_a[:4]) & set(table_b[:4])
+    pool = engine.block_manager.pool
+    for x, y in zip(table_a[:4], table_b[:4]):
+        assert pool.blocks[x].cache_id == pool.blocks[y].cache_id != -1  # twins: one content, two blocks
     ref.assert_greedy(pb, finals["b"].outputs[0].token_ids, 3)
     engine.trace = []
     engine.add_request("c", pc, greedy_params(3))

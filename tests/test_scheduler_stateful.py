@@ -139,13 +139,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         children: dict[int, int] = {}  # writer seq id -> completions forked from it in this step
         for parent, _ in out.forked:
             children[parent] = children.get(parent, 0) + 1
+        in_step = {s.seq.seq_id for s in out.scheduled} | {child for _, child in out.forked}
         for block_id, slot, p, seq in self._written_slots(out):
             block = bm.pool.blocks[block_id]
-            # a written block is the writer's alone, but for the completions forked from it in this very
-            # step: they share its prompt, so the keys and values it writes are theirs too
-            assert block.ref_cnt == 1 + children.get(seq.seq_id, 0), (
-                f"seq {seq.seq_id} writes position {p} into shared block {block_id}")
-            assert block.block_hash is None, f"seq {seq.seq_id} writes position {p} into cached block {block_id}"
+            # a block is findable from the step that computes it, never one that an earlier step computed
+            cached_now = any(block is c for c in bm._cached_in_step)
+            assert block.block_hash is None or cached_now, (
+                f"seq {seq.seq_id} writes position {p} into block {block_id}, cached before this step")
+            # a written block is the writer's alone, but for the completions forked from it in this very step
+            # (they share its prompt, so the keys and values it writes are theirs too) and, once it is cached
+            # for this step, the sequences of this step that found it there (they read what it writes)
+            if cached_now:
+                holders = {sid for sid in bm._seqs if block_id in bm.get_block_table(sid)}
+                assert seq.seq_id in holders and holders <= in_step, (
+                    f"block {block_id}, written by seq {seq.seq_id}, is held by {holders - in_step} outside the step")
+            else:
+                assert block.ref_cnt == 1 + children.get(seq.seq_id, 0), (
+                    f"seq {seq.seq_id} writes position {p} into shared block {block_id}")
             assert (block_id, slot) not in slots, f"two tokens of one step write slot {slot} of block {block_id}"
             slots.add((block_id, slot))
 
@@ -268,7 +278,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             result = sched.update(out, tokens, None, keep_tables=True)
             for s in out.scheduled:
                 assert s.seq.num_computed_tokens == s.start + s.num_new_tokens
-            for parent, child in out.forked:  # still one table, even if the parent switched to cached twins
+            for parent, child in out.forked:  # still one table: tables only grow
                 if self.bm.has_sequence(parent) and self.bm.has_sequence(child):
                     assert self.bm.get_block_table(child) == self.bm.get_block_table(parent)
             assert result.sampled == seqs

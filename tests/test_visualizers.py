@@ -264,7 +264,7 @@ def test_replay_rebuilds_the_engine_pool_exactly(one_thread, block_size, num_blo
         SamplingParams(max_tokens=12, ignore_eos=True),
         SamplingParams(max_tokens=9, n=3, temperature=1.0, seed=3, ignore_eos=True),
         SamplingParams(max_tokens=30, ignore_eos=True),
-        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(max_tokens=5, ignore_eos=True),
         SamplingParams(max_tokens=1, ignore_eos=True),  # admitted and finished within one step
         SamplingParams(max_tokens=1, n=2, temperature=1.0, seed=1, ignore_eos=True),  # forks that end at once
         SamplingParams(max_tokens=4, ignore_eos=True),  # reuses what the one-step request left cached

@@ -10,8 +10,9 @@ The life of a sequence, as the scheduler drives it::
 
     hit = bm.lookup_prefix(token_ids)              # reuse cached leading blocks
     bm.allocate_sequence(seq_id, n_new, hit)        # waiting -> running
+    bm.cache_full_blocks(seq_id, token_ids, n)      # blocks full once this step is computed: findable now
     ... forward pass ...
-    bm.cache_full_blocks(seq_id, token_ids, n_computed)   # full blocks become findable
+    bm.step_done()                                  # (or step_done(failed=True): forget what it cached)
     bm.append_slots(seq_id, 1)                      # each decode step
     bm.fork(seq_id, child_id)                       # n > 1: children share every block
     bm.free(seq_id)                                 # finished, aborted or preempted
@@ -22,8 +23,15 @@ sequence is freed (the one exception is copy-on-write, which gives a sequence it
 own copy of a shared, partly filled last block). Copy-on-write copies
 it decides on are queued as ``(src, dst)`` block-id pairs; the scheduler hands
 them to the model runner (:meth:`blocks_to_copy`), which copies the KV data before
-the forward, and reports them done after it (:meth:`copies_made`): until then a
+the forward, and reports them done after it (:meth:`step_done`): until then a
 source block whose last owner let go is held out of the free queue.
+
+A block is findable in the prefix cache from the step that computes it, as in vLLM
+v1: a request admitted later in the same step finds it, and attends to the keys
+and values that step writes there (every layer stores the step's keys and values
+before it attends). So requests that arrive together with one system prompt
+compute it once. Should the step fail, ``step_done(failed=True)`` takes the blocks
+cached for it out of the cache again: their data was never written.
 """
 
 from __future__ import annotations
@@ -187,6 +195,7 @@ class BlockManager:
         self._seqs: dict[Hashable, SequenceBlocks] = {}
         self._tables = _TableArray()
         self._blocks_to_copy: list[tuple[int, int]] = []
+        self._cached_in_step: list[KVBlock] = []  # made findable for the step under way (see step_done)
         self._num_table_blocks = 0
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
@@ -289,46 +298,46 @@ class BlockManager:
             parent, parent_hash = block, h
         return PrefixHit(tuple(blocks), tuple(hashes), len(token_ids))
 
-    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Offer the sequence's newly full, computed blocks to the prefix cache.
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Offer the sequence's blocks that are full once its first ``num_tokens`` tokens are computed.
 
-        Call it after the forward pass that computed them, never before: a
-        failed step must not leave half-written blocks findable. When another
-        block already holds the very same tokens after the very same prefix
-        (two requests computed one prefix at once), both stay cached and the
-        table keeps its own block.
+        Call it in the step that computes them, once their slots are given (see the module docstring): a later
+        admission in the same step may hit them. When another block already holds the very same tokens after
+        the very same prefix (two requests computed one prefix in different steps' chunks), both stay cached
+        and the table keeps its own block.
         """
         if not self.enable_prefix_caching:
             return
         st = self._state(seq_id)
-        if num_computed_tokens // self.block_size <= len(st.block_hashes):
+        if num_tokens // self.block_size <= len(st.block_hashes):
             return  # no block became full: most decode steps end here
-        if num_computed_tokens > st.num_tokens or num_computed_tokens > len(token_ids):
+        if num_tokens > st.num_tokens or num_tokens > len(token_ids):
             raise ValueError(
-                f"num_computed_tokens={num_computed_tokens} exceeds the sequence's {st.num_tokens} slots "
-                f"or its {len(token_ids)} tokens"
+                f"num_tokens={num_tokens} exceeds the sequence's {st.num_tokens} slots or its {len(token_ids)} tokens"
             )
-        self._cache_blocks(st, token_ids, num_computed_tokens)
+        self._cache_blocks(st, token_ids, num_tokens)
 
     def cache_decode_blocks(self, seqs: list) -> None:
-        """``cache_full_blocks`` for sequences whose decode just filled their last block, in one call per step.
+        """``cache_full_blocks`` for sequences whose decode fills their last block, in one call per step.
 
         ``seqs`` holds scheduler sequences, read through ``blocks`` and ``token_ids`` as in
-        :meth:`append_decode_slots`; each has computed every token it has a slot for."""
+        :meth:`append_decode_slots`, each with its slot for this step."""
         if self.enable_prefix_caching:
             for seq in seqs:
                 self._cache_blocks(seq.blocks, seq.token_ids, seq.blocks.num_tokens)
 
-    def _cache_blocks(self, st: SequenceBlocks, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Hash the full blocks of ``st`` up to ``num_computed_tokens`` and offer the uncached ones."""
+    def _cache_blocks(self, st: SequenceBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Hash the full blocks of ``st`` up to ``num_tokens`` and offer the uncached ones."""
         bs = self.block_size
         hashes = st.block_hashes
         blocks = st.blocks
-        for i in range(len(hashes), num_computed_tokens // bs):
+        for i in range(len(hashes), num_tokens // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.hash_fn(hashes[-1] if i else None, toks)
-            if blocks[i].block_hash is None:  # not a prefix hit, nor shared with a parent that cached it
-                self.pool.cache_block(blocks[i], h, toks, blocks[i - 1] if i else None)
+            block = blocks[i]
+            # a prefix hit, or a block shared with a parent that cached it, is cached already
+            if block.block_hash is None and self.pool.cache_block(block, h, toks, blocks[i - 1] if i else None):
+                self._cached_in_step.append(block)
             hashes.append(h)
 
     # -- allocation ------------------------------------------------------------
@@ -523,14 +532,19 @@ class BlockManager:
         self._tables.release_row(st.row, len(st.blocks))
 
     def blocks_to_copy(self) -> list[tuple[int, int]]:
-        """The copy-on-write (src, dst) pairs decided since the last ``copies_made()``; changes nothing.
+        """The copy-on-write (src, dst) pairs decided since the last ``step_done()``; changes nothing.
 
         The model runner copies them before the forward pass that writes into the copies."""
         return list(self._blocks_to_copy)
 
-    def copies_made(self) -> None:
-        """The pending copies are done (or their step failed): forget them, and let the sources
-        that were held back for them go to the free queue."""
+    def step_done(self, failed: bool = False) -> None:
+        """The step's forward is over: its copies are made, so the sources held back for them go to the free
+        queue. ``failed``: it raised, so the blocks cached for it hold no keys and values; they leave the cache
+        (every sequence that holds one was in that step, and is failed with it)."""
+        if failed:
+            for block in self._cached_in_step:
+                self.pool.uncache(block)
+        self._cached_in_step.clear()
         if not self._blocks_to_copy:  # no copy pending (most steps): no block is held back either
             return
         self._blocks_to_copy.clear()

@@ -10,12 +10,13 @@ state of each physical block:
   owners. A block with ``ref_cnt == 0`` is free.
 * ``block_hash`` -- set when the block holds a *full* block of tokens that the
   prefix cache may hand to another request with the same prefix. Two blocks can
-  hold the same tokens after the same prefix (two requests computed it in one
-  step): both are cached under the hash with one ``cache_id`` (the identity of
-  their content), so a later block's parent may be either of them, and a lookup
-  takes the first. A block table never changes to point at such a twin: tables
-  only grow (vLLM v1 makes the same choice), and the duplicate costs one block
-  until its sequence ends.
+  hold the same tokens after the same prefix (a request that computes its whole
+  prompt for its log-probabilities; two requests that reached one block in
+  chunks of the same step): both are cached under the hash with one
+  ``cache_id`` (the identity of their content), so a later block's parent may be
+  either of them, and a lookup takes the first. A block table never changes to
+  point at such a twin: tables only grow (vLLM v1 makes the same choice), and
+  the duplicate costs one block until its sequence ends.
 
 Free blocks wait in a :class:`FreeBlockQueue`, a doubly linked list threaded
 through the blocks themselves. Freed blocks join the tail; allocation takes the
@@ -308,6 +309,14 @@ class BlockPool:
         self._cached.setdefault(block_hash, {})[block.block_id] = block
         self.num_cached_blocks += 1
         return True
+
+    def uncache(self, block: KVBlock) -> None:
+        """Take ``block`` out of the prefix cache (if it is in it): its data is not what its hash says."""
+        if block.block_hash is None:
+            return
+        self._uncache(block)
+        if block.ref_cnt == 0 and block.prev_free is not None:  # free, in the queue: counted as cached there
+            self.num_cached_free_blocks -= 1
 
     def _uncache(self, block: KVBlock) -> None:
         same_hash = self._cached[block.block_hash]

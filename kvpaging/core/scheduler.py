@@ -160,6 +160,10 @@ class Scheduler:
             table_array=bm.table_array,
             block_size=bm.block_size,
         )
+        if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
+            full = np.flatnonzero(out.decode_positions % bm.block_size == bm.block_size - 1).tolist()
+            if full:
+                bm.cache_decode_blocks([batch.decodes[k] for k in full])
         if batch.chunks and self._prompt_logprob_requests:
             out.prompt_logprob_chunks = [k for k, c in enumerate(batch.chunks) if c.seq.request.needs_prompt_logprobs]
         self._plan_samples(out)
@@ -193,6 +197,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, start + n)
                 batch.add(seq, start, n)
                 i += 1
 
@@ -220,6 +225,7 @@ class Scheduler:
             n = min(len(seq.token_ids) - start, batch.budget)
             if not bm.allocate_sequence(seq.seq_id, n, hit):
                 return
+            bm.cache_full_blocks(seq.seq_id, seq.token_ids, start + n)  # findable for the next admissions
             self.waiting.popleft()
             self._admit(seq, start, now)
             seats += need
@@ -285,8 +291,7 @@ class Scheduler:
                failed_rows: dict[int, BaseException] | None = None, now: float | None = None) -> UpdateResult:
         """Take a successful step's results: one call per step, after the forward pass and the sampler.
 
-        Records the computed tokens and offers newly full blocks to the prefix cache,
-        lets go of copy-on-write sources, appends each sampled token (``token_ids[k]``
+        Records the computed tokens, lets go of copy-on-write sources, appends each sampled token (``token_ids[k]``
         is the token of ``out.samples[k]``), and finishes sequences that are done
         (EOS, a stop token or string, max_tokens, max_model_len), freeing their
         blocks at once. With ``keep_tables``, each finished sequence's block table is
@@ -297,7 +302,9 @@ class Scheduler:
         step goes on for everyone else. A stop check that raises fails its request the same way.
         ``now`` (default: the clock now) is when the step's tokens arrived, for each request's timing.
         """
-        self._cache_computed_blocks(out)
+        for s in out.chunks:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        self.bm.step_done()
         result = UpdateResult(out.samples, [])
         samples, decodes = out.samples, out.decodes
         if failed_rows:
@@ -325,21 +332,6 @@ class Scheduler:
             self._static_admitting = False
         _stamp_times(result, time.perf_counter() if now is None else now)
         return result
-
-    def _cache_computed_blocks(self, out: SchedulerOutput) -> None:
-        """Record each chunk's computed tokens, offer the blocks this step filled to the prefix cache, and let
-        go of the step's copy-on-write sources."""
-        bm = self.bm
-        if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
-            bs = bm.block_size
-            full = np.flatnonzero(out.decode_positions % bs == bs - 1).tolist()
-            if full:
-                bm.cache_decode_blocks([out.decodes[k] for k in full])
-        for s in out.chunks:
-            seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        bm.copies_made()
 
     def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:
         """After ``token`` was appended: finish ``seq`` if it is done, in vLLM's order of reasons
@@ -421,8 +413,8 @@ class Scheduler:
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> list[Sequence]:
         """The forward (or the sampler, outside any one row) raised: finish every sequence of the step's
-        requests with the error, and free their blocks. Nothing the step computed is offered to the prefix cache."""
-        self.bm.copies_made()
+        requests with the error, and free their blocks. What the step would have computed leaves the prefix cache."""
+        self.bm.step_done(failed=True)
         failed: list[Sequence] = []
         for step_seq in out.decodes + [c.seq for c in out.chunks]:
             self._fail_request(step_seq.request, error, failed, None)

@@ -111,7 +111,7 @@ def _one_workload(make, num_blocks: int, block_size: int, num_ops: int, rng: ran
             copies = ref.stats().num_cow_copies
             got, want = mine.append(seq), ref.append_slots(seq, 1)
             totals["copies"] += ref.stats().num_cow_copies - copies
-            ref.copies_made()  # the engine copies the block's data now
+            ref.step_done()  # the engine copies the block's data now
         elif kind == "free":
             seq = rng.choice(live)
             op = f"free({seq!r})"
