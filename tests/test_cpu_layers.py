@@ -117,9 +117,30 @@ def test_other_modules_and_dtypes_are_left_alone():
     class MyLinear(torch.nn.Linear):
         pass
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MyLinear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MyLinear(8, 8), torch.nn.Linear(8, 8).to(torch.float16))
     assert layers.enable_fast_layers(model).linears == 1
     assert "forward" in vars(model[0]) and "forward" not in vars(model[1]) and "forward" not in vars(model[2])
+
+
+@needs_onednn
+def test_bfloat16_linears_run_on_packed_weights_to_the_bit():
+    """A bfloat16 linear's product on its packed weight is F.linear's, bit for bit, at decode and prefill sizes;
+    a weight written in place is packed again; a copy computes with its own weights, and the layer saves."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    plain = copy.deepcopy(layer)
+    assert layers.enable_fast_layers(layer).linears == 1 and "forward" in vars(layer)
+    with torch.no_grad():
+        for rows in (1, 7, 48, 300):
+            x = torch.randn(1, rows, 576).to(torch.bfloat16)
+            assert torch.equal(layer(x), plain(x)), rows
+        layer.weight.mul_(-0.5)  # written in place: the next call packs the new weight
+        plain.weight.mul_(-0.5)
+        assert torch.equal(layer(x), plain(x))
+        twin = copy.deepcopy(layer)
+        twin.weight.zero_()
+        assert torch.equal(twin(x), torch.zeros(1, 300, 1536, dtype=torch.bfloat16)) and torch.equal(layer(x), plain(x))
+    torch.save(layer, io.BytesIO())  # the packed copy is left out
 
 
 @needs_onednn

@@ -94,10 +94,28 @@ def test_decode_of_peaked_scores(gen):
     assert kernel_error <= 2 * reference_error + 1e-5, (kernel_error, reference_error)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_other_dtypes_are_served_by_the_torch_backend(gen, dtype):
-    kv = random_paged_kv([5, 33], 2, 32, 16, dtype=dtype, generator=gen)
-    query = transposed_query(2, 8, 32, gen).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 80), (16, 2, 128)])
+def test_bfloat16_caches_match_the_reference_in_float32(gen, block_size, heads, kv_heads, dim):
+    """A bfloat16 cache and query: the same attention as the reference computes on their values in float32, then
+    rounded to bfloat16 (what the torch backend does, widening the gathered blocks)."""
+    lens = [0, 1, block_size + 1, 3 * block_size + 2, 150]
+    kv = random_paged_kv(lens, kv_heads, dim, block_size, dtype=torch.bfloat16, generator=gen,
+                         max_blocks=-(-max(lens) // block_size) + 2)
+    query = transposed_query(len(lens), heads, dim, gen).to(torch.bfloat16)
+    got = cpu_backend.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, dim**-0.5)
+    assert got.dtype == torch.bfloat16
+    want = reference.paged_decode_attention(query.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
+                                            kv.seq_lens, dim**-0.5)
+    # both round a float32 result to bfloat16: at most one step of bfloat16 apart (2**-8 of the value), and
+    # almost always equal
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=1e-6, rtol=2**-7)
+    assert (got == want.to(torch.bfloat16)).float().mean() > 0.95
+
+
+def test_fp8_caches_are_served_by_the_torch_backend(gen):
+    kv = random_paged_kv([5, 33], 2, 32, 16, dtype=torch.float8_e4m3fn, generator=gen)
+    query = transposed_query(2, 8, 32, gen)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32**-0.5, kv.k_scale, kv.v_scale)
     assert torch.equal(cpu_backend.paged_decode_attention(*args), torch_backend.paged_decode_attention(*args))
 

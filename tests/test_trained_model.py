@@ -101,6 +101,28 @@ def test_greedy_tokens_equal_generate(smollm2, chat_prompts, reference, how):
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("fast_layers", [False, True], ids=["own layers", "packed linears"])
+def test_bfloat16_greedy_tokens_agree_with_generate_up_to_ties(chat_prompts, fast_layers):
+    """In bfloat16 (the C decode kernel reading a bfloat16 cache; with cpu_fast_layers, the linears on packed
+    weights), every answer equals transformers' batch-1 generate() in bfloat16, or parts from it only where the
+    reference's two best logits are equal up to bfloat16's rounding (kvpaging.teach.setup_check)."""
+    from kvpaging.teach.setup_check import greedy_agreement
+
+    model, tok = trained(dtype=torch.bfloat16)
+    reference_model, _ = trained(dtype=torch.bfloat16)
+    llm = LLM(model, tok, num_blocks=128, max_model_len=512, cpu_fast_layers=fast_layers)
+    assert llm.engine.config.attention_backend == "cpu"
+    got = [o.outputs[0].token_ids for o in generate_ids(llm, chat_prompts, greedy(24))]
+    with torch.no_grad():
+        for prompt, answer in zip(chat_prompts, got):
+            x = torch.tensor([prompt])
+            expected = reference_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                                max_new_tokens=24)[0, len(prompt):].tolist()
+            agreement = greedy_agreement(reference_model, prompt, answer, expected)
+            assert agreement.agrees, str(agreement)
+    assert_pool_clean(llm)
+
+
 def test_text_is_the_tokenizers_decode_and_the_model_answers(smollm2):
     llm = serve(smollm2)
     _, tok = smollm2

@@ -4,7 +4,7 @@ Two small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
-  calls it for float32 on the CPU);
+  calls it for float32 and bfloat16 caches on the CPU);
 * ``rms_norm.c``: RMSNorm in one pass per row, for the opt-in fast layers of
   ``layers.py`` (``EngineConfig(cpu_fast_layers=True)``).
 
@@ -47,7 +47,8 @@ LINK_FLAGS = ["-shared", "-lm"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in torch.profiler tables
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 
-_decode_fn = None
+_decode_fn = None  # float32 caches
+_decode_bf16_fn = None  # bfloat16 caches
 _rms_norm_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
@@ -82,7 +83,7 @@ def _compile(cc: str, target: Path) -> None:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _rms_norm_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -105,17 +106,17 @@ def _load():
     except (OSError, RuntimeError) as exc:
         _reason = f"the C kernel could not be built with {cc}: {exc}"
         return None
-    fn = lib.kvpaging_decode_attention_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                   ctypes.c_float]
-    fn.restype = i64
+    for fn in (lib.kvpaging_decode_attention_f32, lib.kvpaging_decode_attention_bf16):
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                       ctypes.c_float]
+        fn.restype = i64
     norm = lib.kvpaging_rms_norm_f32
     norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
     norm.restype = None
-    _decode_fn = fn
+    _decode_fn, _decode_bf16_fn = lib.kvpaging_decode_attention_f32, lib.kvpaging_decode_attention_bf16
     _rms_norm_fn = norm
-    return fn
+    return _decode_fn
 
 
 def available() -> bool:
@@ -129,9 +130,12 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def decode_attention_fn():
-    """The C decode kernel (a ctypes function), or None where it cannot be built."""
-    return _load()
+def decode_attention_fn(cache_dtype: torch.dtype = torch.float32):
+    """The C decode kernel for a float32 or bfloat16 cache (a ctypes function), or None where it cannot be built
+    or the cache has another dtype."""
+    if _load() is None:
+        return None
+    return {torch.float32: _decode_fn, torch.bfloat16: _decode_bf16_fn}.get(cache_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

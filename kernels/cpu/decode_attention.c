@@ -10,12 +10,18 @@
  *     p[g][t]     = softmax over t < seq_len of score[g][t]
  *     out[g]      = sum over t of p[g][t] * value[t]
  *
- * Layouts (float32, as the engine keeps them on the CPU):
+ * Layouts (the query float32, the caches float32 or bfloat16, as the engine keeps them on the CPU):
  *     query   [batch, num_heads, head_dim], any strides for batch and head, head_dim contiguous
  *     caches  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *     tables  [batch, table_width] int32, rows table_stride apart;  seq_lens [batch] int32
  *     out     [batch, num_heads, head_dim], contiguous
  *     scores  scratch of at least num_heads * max(seq_lens) floats
+ *     block   scratch of block_size * num_kv_heads * head_dim floats (bfloat16 caches only)
+ *
+ * A bfloat16 cache holds half the bytes of a float32 one, and reading the cache is most of the
+ * time this kernel takes. Each block is widened to float32 in the `block` scratch as it is reached
+ * (a bfloat16 number is the top half of a float32 one: widening is a 16-bit shift), and the loops
+ * below run on it as on a float32 block: all arithmetic is float32, as in the reference.
  * A sequence of length 0 (padding) gets zeros, as in the reference.
  *
  * Returns 0, or 1 when a sequence is longer than its table holds, or 2 when a table entry in use
@@ -31,26 +37,35 @@
 
 /* Ask for a whole block ahead of its use: the cache is far bigger than the CPU's caches, so every
  * block comes from memory, and the loads of one token alone cannot keep memory busy. */
-static inline void prefetch_block(const float *block, int64_t floats)
+static inline void prefetch_block(const char *block, int64_t bytes)
 {
-    for (int64_t i = 0; i < floats; i += 16)  /* 16 floats: one 64-byte cache line */
-        __builtin_prefetch(block + i, 0, 0);
+    for (int64_t i = 0; i < bytes; i += 64)  /* one 64-byte cache line at a time */
+        __builtin_prefetch(block + i, 0, 3);
 }
 
-/* Block j of a sequence in a cache, with block j + 1 asked for while block j is being used. */
-static inline const float *block_of(const float *cache, const int32_t *table, int64_t j, int64_t num_used,
-                                    int64_t block_stride)
+/* Block j of a sequence in a cache, as float32, with block j + 1 asked for while block j is being used:
+ * in place in a float32 cache; widened into `scratch` from a bfloat16 one. */
+static inline const float *block_of(const void *cache, int bf16, const int32_t *table, int64_t j,
+                                    int64_t num_used, int64_t block_stride, float *scratch)
 {
+    const int64_t bytes = block_stride * (bf16 ? 2 : 4);
     if (j + 1 < num_used)
-        prefetch_block(cache + (int64_t)table[j + 1] * block_stride, block_stride);
-    return cache + (int64_t)table[j] * block_stride;
+        prefetch_block((const char *)cache + (int64_t)table[j + 1] * bytes, bytes);
+    if (!bf16)
+        return (const float *)cache + (int64_t)table[j] * block_stride;
+    const uint16_t *src = (const uint16_t *)cache + (int64_t)table[j] * block_stride;
+    for (int64_t i = 0; i < block_stride; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(scratch + i, &bits, sizeof(float));
+    }
+    return scratch;
 }
 
 static inline __attribute__((always_inline)) int64_t decode_attention(
     const float *query, int64_t q_batch_stride, int64_t q_head_stride,
-    const float *k_cache, const float *v_cache, int64_t num_blocks,
+    const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks,
     const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-    float *out, float *scores, int64_t *error,
+    float *out, float *scores, float *block, int64_t *error,
     int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     float scale)
 {
@@ -83,7 +98,7 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
 
         /* pass 1: every head's scores (scores[h][t]), block by block: a block is read from memory once, for all heads */
         for (int64_t j = 0; j < num_used; j++) {
-            const float *k = block_of(k_cache, table, j, num_used, block_stride);
+            const float *k = block_of(k_cache, bf16, table, j, num_used, block_stride, block);
             const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
             for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its query stays in registers */
                 const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
@@ -101,17 +116,17 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
         /* softmax weights, not yet divided by their sum */
         for (int64_t h = 0; h < num_heads; h++) {
             float *s = scores + h * len, sum = 0.0f;
-            for (int64_t t = 0; t < len; t++) {
-                /* below e^-80 a weight is 0 in float32 terms: skip the C library's slow path for it */
-                const float x = s[t] - row_max[h];
-                s[t] = x < -80.0f ? 0.0f : expf(x);
-                sum += s[t];
+            const float m = row_max[h];
+            for (int64_t t = 0; t < len; t++) {  /* vectorized: 16 expf at a time (glibc's vector maths) */
+                const float e = expf(s[t] - m);
+                s[t] = e;
+                sum += e;
             }
             inv_sum[h] = 1.0f / sum;
         }
         /* pass 2: the weighted sum of the values */
         for (int64_t j = 0; j < num_used; j++) {
-            const float *v = block_of(v_cache, table, j, num_used, block_stride);
+            const float *v = block_of(v_cache, bf16, table, j, num_used, block_stride, block);
             const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
             for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its sum stays in registers */
                 const float *vh = v + (h / group) * head_dim, *p = scores + h * len + start;
@@ -132,24 +147,27 @@ static inline __attribute__((always_inline)) int64_t decode_attention(
     return 0;
 }
 
-/* The entry point. Common head sizes get their own copy of the loops above, with head_dim a
- * constant the compiler can unroll and vectorize exactly; any other size runs the general copy. */
-int64_t kvpaging_decode_attention_f32(
-    const float *query, int64_t q_batch_stride, int64_t q_head_stride,
-    const float *k_cache, const float *v_cache, int64_t num_blocks,
-    const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-    float *out, float *scores, int64_t *error,
-    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale)
-{
-#define DECODE(D) decode_attention(query, q_batch_stride, q_head_stride, k_cache, v_cache, num_blocks, \
-    block_tables, table_stride, table_width, seq_lens, out, scores, error, batch, num_heads, num_kv_heads, \
-    D, block_size, scale)
-    switch (head_dim) {
-    case 32: return DECODE(32);
-    case 64: return DECODE(64);
-    case 128: return DECODE(128);
-    default: return DECODE(head_dim);
-    }
-#undef DECODE
+/* The entry points, one per cache dtype. Common head sizes get their own copy of the loops above,
+ * with head_dim a constant the compiler can unroll and vectorize exactly; any other size runs the
+ * general copy. */
+#define DECODE(BF16, D) decode_attention(query, q_batch_stride, q_head_stride, k_cache, v_cache, BF16, \
+    num_blocks, block_tables, table_stride, table_width, seq_lens, out, scores, block, error, batch, num_heads, \
+    num_kv_heads, D, block_size, scale)
+#define ENTRY_POINT(NAME, BF16)                                                                               \
+int64_t NAME(const float *query, int64_t q_batch_stride, int64_t q_head_stride,                               \
+             const void *k_cache, const void *v_cache, int64_t num_blocks,                                   \
+             const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens, \
+             float *out, float *scores, float *block, int64_t *error,                                         \
+             int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,    \
+             float scale)                                                                                     \
+{                                                                                                             \
+    switch (head_dim) {                                                                                       \
+    case 32: return DECODE(BF16, 32);                                                                         \
+    case 64: return DECODE(BF16, 64);                                                                         \
+    case 128: return DECODE(BF16, 128);                                                                       \
+    default: return DECODE(BF16, head_dim);                                                                   \
+    }                                                                                                         \
 }
+
+ENTRY_POINT(kvpaging_decode_attention_f32, 0)
+ENTRY_POINT(kvpaging_decode_attention_bf16, 1)

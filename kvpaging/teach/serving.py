@@ -148,6 +148,7 @@ class Run:
 
     seconds: float
     output_lengths: tuple[int, ...]  # each request's useful tokens, in workload order
+    token_ids: tuple[tuple[int, ...], ...] | None = None  # each request's useful tokens themselves, where kept
 
     @property
     def useful_tokens(self) -> int:
@@ -164,7 +165,8 @@ def run_kvpaging(model, work: Workload, tokenizer=None, **llm_kwargs) -> Run:
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(_device(model))
     elapsed = time.perf_counter() - t0
-    run = Run(elapsed, tuple(len(o.outputs[0].token_ids) for o in outs))
+    tokens = tuple(tuple(o.outputs[0].token_ids) for o in outs)
+    run = Run(elapsed, tuple(map(len, tokens)), tokens)
     if not work.stop_at_eos and run.useful_tokens != work.num_output_tokens:
         raise RuntimeError(f"kvpaging produced {run.useful_tokens} tokens, {work.num_output_tokens} were asked for")
     return run
@@ -194,30 +196,30 @@ def _run_static_generate(model, work: Workload, batch_size: int) -> Run:
     pad = 0
     eos = _eos_ids(model)
 
-    def batch_generate(batch) -> list[int]:
+    def batch_generate(batch) -> list[tuple[int, ...]]:
         """Generate for one left-padded batch; returns each request's useful tokens (its own, EOS included)."""
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
         longest = max(n for _, n in batch)
         if not work.stop_at_eos:
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
-                           min_new_tokens=longest, pad_token_id=pad)
-            return [n for _, n in batch]
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                                 min_new_tokens=longest, pad_token_id=pad)
+            return [tuple(row[:n]) for row, (_, n) in zip(out[:, width:].tolist(), batch)]
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
                              pad_token_id=pad)
         useful = []
         for row, (_, n) in zip(out[:, width:].tolist(), batch):
             end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            useful.append(min(end, n))  # past its own budget a request's tokens are waste
+            useful.append(tuple(row[: min(end, n)]))  # past its own budget a request's tokens are waste
         return useful
 
     batch_generate(warmup_requests(work, 2))  # warm-up
     _sync(device)
     t0 = time.perf_counter()
-    useful = [n for i in range(0, len(work.requests), batch_size) for n in batch_generate(work.requests[i : i + batch_size])]
+    tokens = tuple(t for i in range(0, len(work.requests), batch_size) for t in batch_generate(work.requests[i : i + batch_size]))
     _sync(device)
-    return Run(time.perf_counter() - t0, tuple(useful))
+    return Run(time.perf_counter() - t0, tuple(map(len, tokens)), tokens)
 
 
 def _eos_ids(model) -> set[int]:
