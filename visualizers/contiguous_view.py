@@ -185,7 +185,9 @@ class ContiguousTraceSim:
         derived = self.replay.steps[position]
         alloc = self.allocator
         actions, results = [], []
-        for entry in record.scheduled:
+        # in arrival order (sequence ids are given at arrival): a step lists its one-token sequences first, and a
+        # new request whose prompt was all found in the prefix cache but its last token is one of them
+        for entry in sorted(record.scheduled, key=lambda e: e.seq_id):
             rid = entry.request_id
             if rid not in self.live:
                 self.live[rid] = set()

@@ -1,0 +1,127 @@
+"""One decode step of the trained model at a batch of chats, against the physical floor of this machine.
+
+The trained chat model (SmolLM2-135M-Instruct) gets ``--batch`` chat requests (the throughput workload's
+prompts); once every prompt is computed, ``--steps`` decode steps are timed one by one (wall clock, median)
+and, after them, one step under ``torch.profiler`` splits the time into the linear layers, decode attention,
+RMSNorm and the rest. Beside the step time: the two floors of that step, measured on this machine in the same
+run, and the step's distance to the larger one:
+
+* bytes: every weight the step reads (the whole model; the tied embedding once, as the LM head) and every cached
+  key and value its attention reads, over the read bandwidth of one thread (a sum over 1 GiB);
+* flops: 2 x parameters x batch (the attention's own flops are a rounding error at this length), over the
+  best rate of a layer-sized matrix product in the model's dtype (a 576 x 1536 linear at batch 256).
+
+    python benchmarks/decode_step.py --dtype bfloat16 --cpu-fast-layers
+    python benchmarks/decode_step.py --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvpaging import SamplingParams
+from kvpaging.models import load_trained_model
+from kvpaging.models.trained_model import trained_path
+from kvpaging.teach import serving
+
+
+def read_bandwidth() -> float:
+    """Bytes per second one thread reads: the best of three sums over 1 GiB."""
+    data = torch.ones(256 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * data.element_size() / best
+
+
+def product_rate(dtype: torch.dtype) -> float:
+    """Flops per second of a 576 x 1536 linear at batch 256 in ``dtype``, the best of 20."""
+    x, w = torch.randn(256, 576).to(dtype), torch.randn(1536, 576).to(dtype)
+    F.linear(x, w)
+    best = float("inf")
+    for _ in range(20):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 256 * 576 * 1536 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpu-fast-layers", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = load_trained_model("smollm2", dtype=dtype, device="cpu")
+    from transformers import AutoTokenizer
+
+    work = serving.make_chat_workload(AutoTokenizer.from_pretrained(trained_path("smollm2")), args.batch, 128)
+    llm = serving.kvpaging_llm(model, work, cpu_fast_layers=args.cpu_fast_layers)
+    engine = llm.engine
+    for i, (prompt, _) in enumerate(work.requests):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.token_ids) - 1
+                                          for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()  # warm
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    context = sum(len(s.token_ids) for s in engine.scheduler.running)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    groups = {"linear layers": 0.0, "decode attention": 0.0, "RMSNorm (C)": 0.0, "other tensor ops": 0.0}
+    for event in prof.key_averages():
+        name, seconds = event.key, event.self_cpu_time_total / 1e6
+        if name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"):
+            groups["linear layers"] += seconds
+        elif name == "kvpaging::cpu_decode_attention":
+            groups["decode attention"] += seconds
+        elif name == "kvpaging::cpu_rms_norm":
+            groups["RMSNorm (C)"] += seconds
+        else:
+            groups["other tensor ops"] += seconds
+
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())  # the tied embedding counted once
+    layers = engine.runner.kv_layout
+    kv_bytes = context * sum(2 * layer.num_kv_heads * layer.width for layer in layers) * dtype.itemsize
+    weight_bytes = params * dtype.itemsize
+    bandwidth = read_bandwidth()
+    rate = product_rate(dtype)
+    byte_floor = (weight_bytes + kv_bytes) / bandwidth
+    flop_floor = 2 * params * len(engine.scheduler.running) / rate
+    print(f"machine: {platform.machine()} {platform.processor() or ''} | torch {torch.__version__} | "
+          f"{args.threads} thread(s) | {args.dtype} | cpu_fast_layers={args.cpu_fast_layers} | "
+          f"attention backend {engine.config.attention_backend}")
+    print(f"decode step at batch {len(engine.scheduler.running)} ({context} tokens of context): "
+          f"{step * 1e3:.1f} ms (median of {args.steps}; {min(times) * 1e3:.1f} to {max(times) * 1e3:.1f})")
+    profiled = sum(groups.values())
+    for name, seconds in groups.items():
+        print(f"  {name:18s} {seconds * 1e3:7.1f} ms  {seconds / profiled:6.1%} of the profiled step's tensor ops")
+    print(f"floor, bytes: {weight_bytes / 1e6:.0f} MB of weights + {kv_bytes / 1e6:.0f} MB of keys and values "
+          f"at {bandwidth / 1e9:.1f} GB/s = {byte_floor * 1e3:.1f} ms")
+    print(f"floor, flops: {2 * params * len(engine.scheduler.running) / 1e9:.1f} GFLOP at {rate / 1e9:.0f} GFLOP/s "
+          f"= {flop_floor * 1e3:.1f} ms")
+    print(f"step / larger floor: {step / max(byte_floor, flop_floor):.2f}x "
+          f"({config.num_hidden_layers} layers, {params / 1e6:.0f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()
