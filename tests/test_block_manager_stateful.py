@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpaging.core.block_manager import BlockManager
+from kvpaging.worker.block_table import BlockTable
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary, so prefixes repeat and the cache gets hits
 
@@ -34,6 +35,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.content: dict[int, tuple[int, ...]] = {}  # block id -> the prefix its KV encodes
         self.next_id = 0
         self.colliding = colliding_hash
+        self.runner_tables = BlockTable()  # what the model runner rebuilds from the manager's table updates
 
     # -- helpers replaying the engine's writes on the model ---------------------------
     def _apply_copies(self):
@@ -133,6 +135,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert s.num_free_blocks == bm.num_blocks - len(held)
         assert s.num_tokens_stored == sum(bm.pool.blocks[b].num_filled for b in held)
         assert s.num_table_blocks == sum(len(bm.get_block_table(seq)) for seq in self.tokens)
+        # the updates, applied in order, rebuild every live table: its row holds the table, then zeros
+        self.runner_tables.apply(bm.take_table_updates())
+        for seq in self.tokens:
+            st = bm.get_sequence_blocks(seq)
+            row = self.runner_tables.array[st.row].tolist()
+            assert row[: len(st.block_ids)] == st.block_ids and not any(row[len(st.block_ids):]), (seq, row)
+        assert len({bm.get_sequence_blocks(seq).row for seq in self.tokens}) == len(self.tokens), "a row shared"
         for seq, toks in self.tokens.items():
             n = bm.get_num_tokens(seq)
             for i, block_id in enumerate(bm.get_block_table(seq)):

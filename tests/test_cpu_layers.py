@@ -97,27 +97,6 @@ def test_rms_norm_is_one_c_pass_and_its_own_code_for_what_c_does_not_take():
 
 
 @needs_c
-def test_bfloat16_rms_norm_rounds_where_transformers_rounds():
-    """In bfloat16, transformers' RMSNorm widens the row, normalizes it in float32, rounds, multiplies by the
-    weight and rounds again; the C loop does the same. The sum of squares is added in another order, so now and
-    then a result lands one bfloat16 step away: almost all are equal, none further apart."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
-    norm.weight.data = torch.randn(576).bfloat16()
-    reference = copy.deepcopy(norm)
-    assert layers.enable_fast_layers(norm).rms_norms == 1
-    x = (torch.randn(48, 576) * 3).bfloat16()
-    with torch.inference_mode():
-        got, want = norm(x), reference(x)
-        assert "aten::rsqrt" not in ops_called(lambda: norm(x))
-    assert got.dtype == torch.bfloat16 and (got == want).float().mean() > 0.99
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
-    x[3, 7] = float("nan")
-    assert torch.isnan(norm(x)[3]).all() and not torch.isnan(norm(x)[2]).any()
-
-
-@needs_c
 def test_an_rms_norm_with_other_maths_keeps_its_own_forward():
     class GemmaLikeRMSNorm(torch.nn.Module):  # scales by (1 + weight), as Gemma's does
         def __init__(self, dim):
@@ -181,10 +160,8 @@ def test_a_patched_copy_still_deep_copies_and_pickles_with_its_own_weights():
 
 @needs_c
 def test_c_rms_norm_refuses_what_it_cannot_serve():
-    with pytest.raises(ValueError, match="bfloat16 CPU tensors of one dtype, got x torch.bfloat16"):
-        cpu.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-6)
-    with pytest.raises(ValueError, match="got x torch.float16"):
-        cpu.rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-6)
+    with pytest.raises(ValueError, match="float32 CPU tensors, got x torch.bfloat16"):
+        cpu.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-6)
     with pytest.raises(ValueError, match=r"weight of shape \(8,\), got weight \(4,\)"):
         cpu.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)
     with pytest.raises(ValueError, match="contiguous x"):

@@ -36,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import torch
 
 from kvpaging.core.block_manager import BlockManager
+from kvpaging.worker.block_table import BlockTable
 from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler
@@ -74,6 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             eos_token_ids=frozenset({EOS}),
         )
         self.bs = block_size
+        self.tables = BlockTable()  # the model runner's copy of the tables, from each step's table_updates
         self.content: dict[int, list] = {b: [None] * block_size for b in range(self.bm.num_blocks)}
         self.expected_tokens: dict[int, list[int]] = {}  # seq id -> its tokens, kept by this model
         self.next_request = 0
@@ -162,7 +164,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _check_inputs(self, out) -> None:
         """The model runner's input tensors for the step, against plain lists built from this model's own
         record of the tokens and the block manager's tables: decodes first, then the chunks."""
-        inputs = prepare_step_inputs(out)
+        self.tables.apply(out.table_updates)
+        inputs = prepare_step_inputs(out, self.tables.array)
         COUNTS["decode_only_steps"] += not out.chunks  # the runner's shorter path
         bs = self.bs
         ids, positions, slots, seq_lens, tables, logits, cu = [], [], [], [], [], [], [0]

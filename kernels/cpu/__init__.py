@@ -49,8 +49,7 @@ RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
-_rms_norm_fn = None  # float32 rows
-_rms_norm_bf16_fn = None  # bfloat16 rows
+_rms_norm_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -84,7 +83,7 @@ def _compile(cc: str, target: Path) -> None:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _rms_norm_bf16_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -112,11 +111,11 @@ def _load():
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                        ctypes.c_float]
         fn.restype = i64
-    for norm in (lib.kvpaging_rms_norm_f32, lib.kvpaging_rms_norm_bf16):
-        norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-        norm.restype = None
+    norm = lib.kvpaging_rms_norm_f32
+    norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    norm.restype = None
     _decode_fn, _decode_bf16_fn = lib.kvpaging_decode_attention_f32, lib.kvpaging_decode_attention_bf16
-    _rms_norm_fn, _rms_norm_bf16_fn = lib.kvpaging_rms_norm_f32, lib.kvpaging_rms_norm_bf16
+    _rms_norm_fn = norm
     return _decode_fn
 
 
@@ -141,15 +140,13 @@ def decode_attention_fn(cache_dtype: torch.dtype = torch.float32):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dimension, in one pass per row
-    (``rms_norm.c``): contiguous ``x`` on the CPU and a ``weight`` of its last size, both float32 or both bfloat16
-    (then rounded as transformers' RMSNorm rounds it: the normalized row, then its product with the weight)."""
+    (``cpu_rms_norm.c``): contiguous float32 ``x`` on the CPU and a float32 ``weight`` of its last size."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
     dim = x.shape[-1]
-    fn = {torch.float32: _rms_norm_fn, torch.bfloat16: _rms_norm_bf16_fn}.get(x.dtype)
-    if not (fn is not None and x.dtype == weight.dtype and x.device.type == weight.device.type == "cpu"):
-        raise ValueError(f"rms_norm needs float32 or bfloat16 CPU tensors of one dtype, got x {x.dtype} on "
-                         f"{x.device}, weight {weight.dtype} on {weight.device}")
+    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
+        raise ValueError(f"rms_norm needs float32 CPU tensors, got x {x.dtype} on {x.device}, "
+                         f"weight {weight.dtype} on {weight.device}")
     if weight.shape != (dim,) or not x.is_contiguous() or not weight.is_contiguous():
         raise ValueError(f"rms_norm needs a contiguous x and a contiguous weight of shape ({dim},), "
                          f"got weight {tuple(weight.shape)}")
@@ -157,7 +154,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     args = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1), dim, float(eps))
     if torch.autograd._profiler_enabled():  # name the C call in profiles (kvpaging.teach.serving.time_breakdown)
         with torch.profiler.record_function(RMS_NORM_PROFILER_NAME):
-            fn(*args)
+            _rms_norm_fn(*args)
     else:
-        fn(*args)
+        _rms_norm_fn(*args)
     return out

@@ -20,7 +20,10 @@ The life of a sequence, as the scheduler drives it::
 Only this class changes block tables; the pool alone changes reference and fill
 counts. Tables only grow: a block, once in a table, stays at its place until the
 sequence is freed (the one exception is copy-on-write, which gives a sequence its
-own copy of a shared, partly filled last block). Copy-on-write copies
+own copy of a shared, partly filled last block). Every change is also written down
+as a ``(row, column, block_ids)`` triple; the scheduler hands the step's triples
+to the model runner (:meth:`take_table_updates`), which keeps its own copy of the
+tables (``kvpaging/worker/block_table.py``). Copy-on-write copies
 it decides on are queued as ``(src, dst)`` block-id pairs; the scheduler hands
 them to the model runner (:meth:`blocks_to_copy`), which copies the KV data before
 the forward, and reports them done after it (:meth:`step_done`): until then a
@@ -39,8 +42,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Callable, Hashable, Sequence
-
-import numpy as np
 
 from kvpaging.checks import check_bool, check_int
 from kvpaging.core.block_pool import BlockPool, KVBlock
@@ -128,51 +129,9 @@ class SequenceBlocks:
     block_ids: list[int]  # kept beside ``blocks`` so the runner gets a table without a loop
     num_tokens: int  # token slots assigned
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
-    row: int = -1  # this table's row in BlockManager.table_array
+    row: int = -1  # this table's row in the model runner's BlockTable (kvpaging/worker/block_table.py)
     seq_id: Hashable = None  # whose table it is
     last: KVBlock | None = None  # blocks[-1] (None while empty): read at every decode, so kept at hand
-
-
-class _TableArray:
-    """Every live block table as one row of a numpy array, kept up to date block by block.
-
-    The model runner needs the step's block tables as a tensor. Copying each
-    table from a Python list every step costs a microsecond or more per
-    sequence; with the tables already in an array, a step takes its rows with
-    one fancy-indexing call. Rows and columns grow by doubling when needed.
-    Entries past a table's length are 0.
-    """
-
-    def __init__(self, rows: int = 64, cols: int = 64) -> None:
-        self.array = np.zeros((rows, cols), dtype=np.int32)
-        self._free_rows = list(range(rows - 1, -1, -1))
-
-    def take_row(self) -> int:
-        if not self._free_rows:
-            rows, cols = self.array.shape
-            self.array = np.concatenate([self.array, np.zeros((rows, cols), dtype=np.int32)])
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        return self._free_rows.pop()
-
-    def release_row(self, row: int, length: int) -> None:
-        self.array[row, :length] = 0
-        self._free_rows.append(row)
-
-    def set(self, row: int, col: int, block_id: int) -> None:
-        if col >= self.array.shape[1]:
-            rows, cols = self.array.shape
-            self.array = np.concatenate([self.array, np.zeros((rows, max(cols, col + 1)), dtype=np.int32)], axis=1)
-        self.array[row, col] = block_id
-
-    def set_range(self, row: int, col: int, block_ids: list[int]) -> None:
-        """Entries ``col, col + 1, ...`` of ``row`` become ``block_ids``."""
-        if block_ids:
-            end = col + len(block_ids)
-            self.set(row, end - 1, block_ids[-1])  # grows the columns if needed
-            self.array[row, col:end] = block_ids
-
-    def set_prefix(self, row: int, block_ids: list[int]) -> None:
-        self.set_range(row, 0, block_ids)
 
 
 class BlockManager:
@@ -193,7 +152,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self._seqs: dict[Hashable, SequenceBlocks] = {}
-        self._tables = _TableArray()
+        self._free_rows: list[int] = []  # rows of sequences that ended, taken again first
+        self._num_rows = 0  # rows ever given
+        self._table_updates: list[tuple[int, int, list[int]]] = []  # (row, column, block ids) since the last take
         self._blocks_to_copy: list[tuple[int, int]] = []
         self._cached_in_step: list[KVBlock] = []  # made findable for the step under way (see step_done)
         self._num_table_blocks = 0
@@ -215,13 +176,21 @@ class BlockManager:
         return self._state(seq_id).block_ids
 
     def get_sequence_blocks(self, seq_id: Hashable) -> SequenceBlocks:
-        """The sequence's live table record (block ids, token count, row in ``table_array``): read only."""
+        """The sequence's live table record (block ids, token count, row in the runner's block table): read only."""
         return self._state(seq_id)
 
-    @property
-    def table_array(self) -> np.ndarray:
-        """All live block tables, one row each (see ``SequenceBlocks.row``), padded with 0. Read only."""
-        return self._tables.array
+    def take_table_updates(self) -> list[tuple[int, int, list[int]]]:
+        """Every change to the tables since the last call, in order, as ``(row, column, block_ids)``: ``block_ids``
+        go into ``row`` from ``column`` on; written from column 0 they are the whole table (the model runner's
+        ``BlockTable.apply``)."""
+        updates, self._table_updates = self._table_updates, []
+        return updates
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        self._num_rows += 1
+        return self._num_rows - 1
 
     def get_num_tokens(self, seq_id: Hashable) -> int:
         """How many token slots the sequence has been given."""
@@ -367,10 +336,10 @@ class BlockManager:
         for block in hit:
             pool.touch(block)
         st = SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
-        st.row = self._tables.take_row()
+        st.row = self._take_row()
         st.seq_id = seq_id
         st.last = hit[-1] if hit else None
-        self._tables.set_prefix(st.row, st.block_ids)
+        self._table_updates.append((st.row, 0, list(st.block_ids)))
         self._seqs[seq_id] = st
         self._num_table_blocks += len(hit)
         self._prefix_query_tokens += prefix_hit.num_prompt_tokens
@@ -419,7 +388,7 @@ class BlockManager:
         manager gave them, :meth:`get_sequence_blocks`) and ``token_ids``. A sequence decodes when every token
         but its last has a slot; the run stops at the first one that does not (a prefill chunk is next), or
         that the pool has no block for. For each served sequence it appends its table's row (in
-        ``table_array``), the new slot's position and the token that goes there (its last) to ``rows``,
+        the runner's block table), the new slot's position and the token that goes there (its last) to ``rows``,
         ``positions`` and ``input_ids``: the model runner's inputs, gathered in the same pass.
 
         Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a full or
@@ -466,7 +435,7 @@ class BlockManager:
         pool.hold_until_copied(shared)  # until copied, it must not be handed out again
         st.blocks[-1] = st.last = copy
         st.block_ids[-1] = copy.block_id
-        self._tables.set(st.row, len(st.block_ids) - 1, copy.block_id)
+        self._table_updates.append((st.row, len(st.block_ids) - 1, [copy.block_id]))
         self._blocks_to_copy.append((shared.block_id, copy.block_id))
         self._num_cow_copies += 1
 
@@ -487,7 +456,7 @@ class BlockManager:
                 last = pool.get_new_block(remaining)
                 st.blocks.append(last)
                 st.block_ids.append(last.block_id)
-                self._tables.set(st.row, first, last.block_id)
+                self._table_updates.append((st.row, first, [last.block_id]))
             else:
                 blocks = [pool.get_new_block(bs) for _ in range(count - 1)]
                 blocks.append(pool.get_new_block(remaining - (count - 1) * bs))
@@ -495,7 +464,7 @@ class BlockManager:
                 ids = [block.block_id for block in blocks]
                 st.blocks += blocks
                 st.block_ids += ids
-                self._tables.set_range(st.row, first, ids)
+                self._table_updates.append((st.row, first, ids))
             st.last = last
             self._num_table_blocks += count
         st.num_tokens += num_new_tokens
@@ -508,10 +477,10 @@ class BlockManager:
         for block in parent.blocks:
             self.pool.touch(block)
         child = SequenceBlocks(list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes))
-        child.row = self._tables.take_row()
+        child.row = self._take_row()
         child.seq_id = child_id
         child.last = parent.last
-        self._tables.set_prefix(child.row, child.block_ids)
+        self._table_updates.append((child.row, 0, list(child.block_ids)))
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks)
         self._note_peak()
@@ -529,7 +498,7 @@ class BlockManager:
             )
         self.pool.free_blocks(reversed(st.blocks))
         self._num_table_blocks -= len(st.blocks)
-        self._tables.release_row(st.row, len(st.blocks))
+        self._free_rows.append(st.row)  # the next owner's first update rewrites the whole row
 
     def blocks_to_copy(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs decided since the last ``step_done()``; changes nothing.
@@ -578,9 +547,6 @@ class BlockManager:
         for seq_id, st in self._seqs.items():
             _check(st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
             _check(st.last is (st.blocks[-1] if st.blocks else None), f"{seq_id!r}: last block out of sync")
-            row = self._tables.array[st.row]
-            _check(row[: len(st.block_ids)].tolist() == st.block_ids, f"{seq_id!r}: table_array row out of sync")
-            _check(not row[len(st.block_ids) :].any(), f"{seq_id!r}: table_array row not zero-padded")
             _check(len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks")
             _check(len(st.block_hashes) <= st.num_tokens // self.block_size, f"{seq_id!r}: hashes of unfilled blocks")
             for i, block in enumerate(st.blocks):

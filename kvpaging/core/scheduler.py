@@ -52,7 +52,7 @@ class _Batch:
 
     budget: int
     decodes: list[Sequence] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)  # each decode's table_array row, position and token id
+    rows: list[int] = field(default_factory=list)  # each decode's block-table row, position and token id
     positions: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     chunks: list[ScheduledSeq] = field(default_factory=list)
@@ -157,7 +157,6 @@ class Scheduler:
             blocks_to_copy=bm.blocks_to_copy(),
             preempted=batch.preempted,
             num_batched_tokens=self.max_num_batched_tokens - batch.budget,
-            table_array=bm.table_array,
             block_size=bm.block_size,
         )
         if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
@@ -167,6 +166,7 @@ class Scheduler:
         if batch.chunks and self._prompt_logprob_requests:
             out.prompt_logprob_chunks = [k for k, c in enumerate(batch.chunks) if c.seq.request.needs_prompt_logprobs]
         self._plan_samples(out)
+        out.table_updates = bm.take_table_updates()  # the forks' tables too
         return out
 
     def _schedule_running(self, batch: _Batch) -> None:

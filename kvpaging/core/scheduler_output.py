@@ -21,8 +21,8 @@ class ScheduledSeq:
     """One sequence's share of a step: compute tokens ``[start, start + num_new_tokens)``.
 
     ``block_ids`` and ``table_row`` say where its whole context lives (its block
-    table, and that table's row in ``SchedulerOutput.table_array``), so the model
-    runner needs nothing from the block manager. Read them; never change them.
+    table, and that table's row in the model runner's block table). Read them;
+    never change them.
     """
 
     seq: Sequence
@@ -30,7 +30,7 @@ class ScheduledSeq:
     num_new_tokens: int
     sample: bool  # the chunk reaches the end of the sequence, so its last position yields a token
     is_prefill: bool  # prompt tokens (or recomputed ones) rather than one decode token: decided here only
-    block_ids: list[int] | None = None  # None for a decode (the runner reads its row of table_array)
+    block_ids: list[int] | None = None  # None for a decode (the runner reads its row of its block table)
     table_row: int = -1
 
 
@@ -43,7 +43,7 @@ class SchedulerOutput:
     * ``decodes``: sequences computing exactly one token, their last one (a decode, or a prompt
       whose last chunk is one token). Each samples. They are most of every busy step, so they are
       kept as plain lists and arrays (no object per sequence), and their block tables are rows of
-      ``table_array``: the runner builds their inputs with a few numpy operations.
+      the runner's own block table: it builds their inputs with a few numpy operations.
     * ``chunks``: everything else (prefill chunks, recomputation after preemption), one
       ``ScheduledSeq`` each.
 
@@ -52,7 +52,7 @@ class SchedulerOutput:
 
     step: int
     decodes: list[Sequence] = field(default_factory=list)
-    decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their table_array rows
+    decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their block-table rows
     decode_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the token computed
     decode_token_ids: list[int] = field(default_factory=list)  # and its id (the sequence's last)
     chunks: list[ScheduledSeq] = field(default_factory=list)
@@ -71,7 +71,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
     children: list[Sequence] = field(default_factory=list)  # the completions forked this step
-    table_array: np.ndarray | None = None  # every live block table, one row each
+    # every change to the block tables since the last step's output, in order: (row, column, block ids), which the
+    # runner applies to its own copy of the tables before it reads them (kvpaging/worker/block_table.py)
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     block_size: int = 16
 
     @property

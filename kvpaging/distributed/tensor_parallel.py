@@ -74,7 +74,7 @@ from kvpaging.config import EngineConfig
 from kvpaging.core.scheduler_output import SchedulerOutput
 from kvpaging.distributed.plan import shard_styles
 from kvpaging.errors import TensorParallelError
-from kvpaging.worker.model_runner import ModelRunner, StepInputs, prepare_step_inputs
+from kvpaging.worker.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger("kvpaging")
 
@@ -271,7 +271,7 @@ class TensorParallelRunner(ModelRunner):
 
     # -- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
-        inputs = prepare_step_inputs(out, self.device)
+        inputs = self.prepare_inputs(out)
         self._check_workers()
         try:
             self._broadcast_step(inputs, out.blocks_to_copy, all_positions)

@@ -13,8 +13,10 @@ positions, as variable-length attention does. Beside the tokens it builds:
   sequence that reaches its end this step; a mid-prompt chunk needs none).
 
 This input preparation runs on the host every step, so it is written with as
-little Python per token as possible. The runner keeps no per-request state
-between steps: everything above is rebuilt from the scheduler's output.
+little Python per token as possible. Between steps the runner keeps one thing of
+its own: its copy of the block tables (``BlockTable``, one row per live sequence),
+brought up to date from each step's ``table_updates`` before it is read; the rest
+is rebuilt from the scheduler's output.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvpaging.kernels.backends import get_backend
 from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
+from kvpaging.worker.block_table import BlockTable
 from kvpaging.worker.kv_layout import LayerKV, config_layout
 
 logger = logging.getLogger("kvpaging")
@@ -141,6 +144,7 @@ class ModelRunner:
             self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.block_table = BlockTable()  # the live block tables, from each step's table_updates
         self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/worker/self_check.py)
         self.graphs = None
         self._config = config
@@ -244,10 +248,15 @@ class ModelRunner:
         finally:
             CURRENT_STEP.reset(step)
 
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's tables applied to the runner's own, then its input tensors (``prepare_step_inputs``)."""
+        self.block_table.apply(out.table_updates)
+        return prepare_step_inputs(out, self.block_table.array, self.device)
+
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
         (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
-        return self.run(prepare_step_inputs(out, self.device), out.blocks_to_copy, all_positions)
+        return self.run(self.prepare_inputs(out), out.blocks_to_copy, all_positions)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, blocks_to_copy: list[tuple[int, int]], all_positions: bool = False) -> torch.Tensor:
@@ -280,15 +289,16 @@ class StepInputs:
     num_decodes: int  # the first num_decodes tokens (and sequences) bring one token each
 
 
-def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu") -> StepInputs:
-    """Build a step's input tensors from the scheduler's output alone: the host work measured by the benchmarks.
+def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray, device: torch.device | str = "cpu") -> StepInputs:
+    """Build a step's input tensors from the scheduler's output and the block tables (``tables``: the runner's
+    ``BlockTable.array``, with the step's updates applied): the host work measured by the benchmarks.
 
     The decodes (one token each) are packed first, the multi-token chunks after
     them, so attention can serve the first part with the decode kernel and the
     rest with the prefill kernel. The decodes' token ids, positions and table rows
     come as lists and arrays in the scheduler's output (gathered while their slots
     were given); their slots, context lengths and block tables are computed for all
-    of them at once with numpy, from the rows of the block manager's table array. A
+    of them at once with numpy, from their rows of ``tables``. A
     step of decodes only takes the shortest path (no packing). The chunks add a
     few numpy operations each (their tokens are copied once, as Python ints into
     one array); slots are ``block * block_size + offset``, as the cache lays them
@@ -302,11 +312,11 @@ def prepare_step_inputs(out: SchedulerOutput, device: torch.device | str = "cpu"
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
     if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
-        return _decode_inputs(out, tensor)
-    return _mixed_inputs(out, tensor)
+        return _decode_inputs(out, tables, tensor)
+    return _mixed_inputs(out, tables, tensor)
 
 
-def _decode_inputs(out: SchedulerOutput, tensor) -> StepInputs:
+def _decode_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInputs:
     """A step of decodes: one token each, at its sequence's last position."""
     pos, rows = out.decode_positions, out.decode_rows
     num_decodes = len(out.decodes)
@@ -316,8 +326,8 @@ def _decode_inputs(out: SchedulerOutput, tensor) -> StepInputs:
     return StepInputs(
         input_ids=tensor(input_ids),
         positions=tensor(pos.reshape(1, -1)),
-        slot_mapping=tensor(_slots(out.table_array, rows, pos, out.block_size)),
-        block_tables=tensor(out.table_array[rows, :width]),
+        slot_mapping=tensor(_slots(tables, rows, pos, out.block_size)),
+        block_tables=tensor(tables[rows, :width]),
         seq_lens=tensor((pos + 1).astype(np.int32)),  # a decode sees every token up to its own
         prefill_cu_seqlens_q=tensor(np.zeros(1, dtype=np.int32)),  # no prefill
         logits_indices=tensor(np.arange(num_decodes)),  # a decode's logits row is its own
@@ -325,7 +335,7 @@ def _decode_inputs(out: SchedulerOutput, tensor) -> StepInputs:
     )
 
 
-def _mixed_inputs(out: SchedulerOutput, tensor) -> StepInputs:
+def _mixed_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInputs:
     """A step with chunks: the decodes' tokens first, then each chunk's tokens ``[start, start + n)``."""
     pos, rows = out.decode_positions, out.decode_rows
     num_decodes = len(out.decodes)
@@ -350,9 +360,9 @@ def _mixed_inputs(out: SchedulerOutput, tensor) -> StepInputs:
     return StepInputs(
         input_ids=tensor(np.array(input_ids, dtype=np.int64).reshape(1, -1)),
         positions=tensor(positions.reshape(1, -1)),
-        slot_mapping=tensor(_slots(out.table_array, token_rows, positions, out.block_size)),
-        # the block manager keeps every table as a row of one array: the step takes its rows in one call
-        block_tables=tensor(out.table_array[np.concatenate([rows, chunk_rows]), :width]),
+        slot_mapping=tensor(_slots(tables, token_rows, positions, out.block_size)),
+        # every table is a row of one array: the step takes its rows in one call
+        block_tables=tensor(tables[np.concatenate([rows, chunk_rows]), :width]),
         seq_lens=tensor(np.concatenate([pos + 1, ends]).astype(np.int32)),
         prefill_cu_seqlens_q=tensor(np.concatenate([[0], ends_in_step]).astype(np.int32)),
         logits_indices=tensor(logits_indices),
@@ -360,7 +370,7 @@ def _mixed_inputs(out: SchedulerOutput, tensor) -> StepInputs:
     )
 
 
-def _slots(table_array: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def _slots(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The cache slot of each token: block ``table[row][pos // block_size]``, offset ``pos % block_size``."""
-    blocks = table_array[rows, positions // block_size].astype(np.int64)
+    blocks = tables[rows, positions // block_size].astype(np.int64)
     return blocks * block_size + positions % block_size

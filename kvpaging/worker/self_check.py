@@ -299,9 +299,7 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     for n in lengths:
         blocks.append(list(range(first, first + -(-n // bs))))
         first += len(blocks[-1])
-    table = np.zeros((len(lengths), max(len(b) for b in blocks)), dtype=np.int32)
-    for row, ids in enumerate(blocks):
-        table[row, : len(ids)] = ids
+    table = [(row, 0, ids) for row, ids in enumerate(blocks)]  # each sequence's whole table, in the runner's rows
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
     probe = AttentionProbe(name, runner.kv_layout, layer_windows(runner.model.config))
@@ -368,7 +366,7 @@ def _rms(errors) -> float:
 
 
 def _step_output(step, seqs, table, bs):
-    out = SchedulerOutput(step=0, table_array=table, block_size=bs)
+    out = SchedulerOutput(step=0, table_updates=table, block_size=bs)
     decodes = [(k, start) for k, start, n in step if n == 1]
     out.decodes = [seqs[k] for k, _ in decodes]
     out.decode_rows = np.array([k for k, _ in decodes], dtype=np.int64)
