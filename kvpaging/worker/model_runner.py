@@ -106,14 +106,12 @@ class ModelRunner:
         if not config.is_resolved:
             raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
         # (LLMEngine has run check_model_supported on the model before sizing the pool for it)
-        self.model = private_copy(model).eval()
-        model = self.model
+        model = self.model = private_copy(model).eval()
         self.block_size = config.block_size
         config_hf = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = config_hf.num_hidden_layers
-        # this rank's KV heads: all of them, or 1/tensor_parallel_size of them (kvpaging/distributed/tensor_parallel.py)
         # each layer's KV heads (this rank's share of them with tensor parallelism) and widths (kvpaging/worker/kv_layout.py)
         self.kv_layout = kv_layout or config_layout(config_hf, self.num_layers, config.tensor_parallel_size)
         if self.kv_layout is None:
