@@ -725,6 +725,29 @@ def test_the_serving_benchmark_gives_transformers_serve_a_copy_of_the_trained_mo
     assert bench.transformers_model_folder("some/hub-model", str(tmp_path / "x")) == "some/hub-model"
 
 
+def test_the_serving_benchmark_gives_vllm_the_tied_embedding_under_both_names(tmp_path):
+    """vLLM's Llama reads a tied embedding from model.embed_tokens.weight, which transformers does not save: the
+    folder for vLLM holds it under both names, the same numbers; the trained model's cache is left as it was."""
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    from kvpaging.models.trained_model import trained_path
+
+    bench = _serving_benchmark()
+    cache = trained_path("smollm2")
+    stat = (cache / "model.safetensors").stat()
+    folder = Path(bench.vllm_model_folder("smollm2", str(tmp_path / "v")))
+    assert not (folder / "model.safetensors").is_symlink()
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), f.get_tensor("lm_head.weight"))
+    with safe_open(cache / "model.safetensors", "pt") as f:
+        assert "model.embed_tokens.weight" not in f.keys()
+    assert (cache / "model.safetensors").stat().st_mtime_ns == stat.st_mtime_ns
+    assert bench.vllm_model_folder("some/hub-model", str(tmp_path / "x")) == "some/hub-model"
+
+
 def test_an_engine_failure_answers_503_to_waiting_and_later_requests_and_health_says_so(one_thread):
     app = create_app(LLM(tiny("qwen3"), num_blocks=32, max_model_len=256), served_model_name="tiny")
     with BackgroundServer(app) as server:
