@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpaging.core.block_manager import BlockManager, default_block_hash
+from kvpaging.core.block_manager import NO_HIT, BlockManager, default_block_hash
 from kvpaging.core.block_pool import BlockPool
 from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
 
@@ -214,10 +214,10 @@ def test_fork_shares_every_block_and_cow_copies_only_the_partial_last_block():
 
 def take_copies(bm):
     """What the scheduler and runner do with the pending copies: read them, copy, report them made."""
-    pairs = bm.blocks_to_copy()
-    assert bm.blocks_to_copy() == pairs, "reading the pending copies changes nothing"
+    pairs, _ = bm.take_step_changes()
+    assert bm.take_step_changes()[0] == pairs, "the pending copies stay pending until step_done"
     bm.step_done()
-    assert bm.blocks_to_copy() == []
+    assert bm.take_step_changes()[0] == []
     return pairs
 
 
@@ -455,7 +455,7 @@ def test_invariant_checks_still_check_under_python_O():
 
 
 class _Seq:
-    """What append_decode_slots and cache_decode_blocks read of a scheduler sequence: its table record and tokens."""
+    """What append_decode_slots reads of a scheduler sequence: its table record and tokens."""
 
     def __init__(self, bm, seq_id, tokens):
         self.seq_id, self.token_ids, self.blocks = seq_id, tokens, bm.get_sequence_blocks(seq_id)
@@ -469,7 +469,7 @@ def _books(bm):
     s = bm.stats()
     return (_tables(bm), refcounts(bm), free_order(bm), [b.num_filled for b in bm.pool.blocks], s.num_tokens_stored,
             s.num_table_blocks, s.num_cow_copies, s.peak_used_blocks, s.peak_table_blocks, s.peak_savings_blocks,
-            bm.blocks_to_copy(), bm.take_table_updates())
+            bm.take_step_changes())
 
 
 def _twin_managers(block_size, num_blocks):
@@ -515,9 +515,10 @@ def test_append_decode_slots_gives_what_append_slots_gives_one_by_one(num_blocks
     fast.check_invariants()
 
 
-def test_cache_decode_blocks_caches_as_cache_full_blocks_does():
-    """A decode that fills its block: offered to the cache in the step's one call, or sequence by sequence. Two
-    sequences that computed the same blocks keep their own (tables only grow), and both copies are findable."""
+def test_a_decode_that_fills_its_block_caches_it_as_cache_full_blocks_does():
+    """A decode that fills its block: offered to the cache by the step's one append_decode_slots call, or by
+    append_slots and cache_full_blocks sequence by sequence. Two sequences that computed the same blocks keep
+    their own (tables only grow), and both copies are findable."""
     made = []
     for one_call in (True, False):
         bm = BlockManager(12, 4)
@@ -527,12 +528,12 @@ def test_cache_decode_blocks_caches_as_cache_full_blocks_does():
             assert bm.allocate_sequence(name, len(tokens))
             bm.cache_full_blocks(name, tokens, len(tokens))
             tokens.append(9)  # the decode's input: position 7, the last slot of block 1
-            assert bm.append_slots(name, 1)
             seqs.append(_Seq(bm, name, tokens))
         if one_call:
-            bm.cache_decode_blocks(seqs)
+            assert bm.append_decode_slots(seqs, 0, 2, [], [], []) == 2
         else:
             for seq in seqs:
+                assert bm.append_slots(seq.seq_id, 1)
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, len(seq.token_ids))
         bm.check_invariants()
         made.append(bm)
@@ -624,3 +625,45 @@ def test_free_queue_against_a_plain_list():
     blocks[0].prev_free = blocks[5]  # a broken back link is caught
     with pytest.raises(InvariantError):
         queue.check_links()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_allocate_slots_is_allocate_or_append_then_cache_full_blocks(caching):
+    """The scheduler's one door against the three steps lesson 04 takes one by one: the same tables, fills,
+    cache and counters after a first chunk with a prefix hit, a second chunk and a decode that fills a block;
+    with no room it returns None and changes nothing."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    made = []
+    for door in (True, False):
+        bm = BlockManager(8, 4, enable_prefix_caching=caching)
+        assert bm.allocate_sequence("warm", 9)
+        bm.cache_full_blocks("warm", prompt, 9)  # blocks 0 and 1 cached
+        hit = bm.lookup_prefix(prompt)
+        assert len(hit.blocks) == (2 if caching else 0)
+        start = len(hit.blocks) * 4
+        tokens = list(prompt)
+        for n, extra in ((10 - start, None), (1, None), (1, 12)):  # to 10 tokens, to 11, then a decode
+            if extra is not None:
+                tokens.append(extra)
+            if door:
+                st = bm.allocate_slots("s", tokens, n, None if bm.has_sequence("s") else hit)
+                assert st is bm.get_sequence_blocks("s")
+            else:
+                if bm.has_sequence("s"):
+                    assert bm.append_slots("s", n)
+                else:
+                    assert bm.allocate_sequence("s", n, hit)
+                bm.cache_full_blocks("s", tokens, bm.get_num_tokens("s"))
+        bm.check_invariants()
+        made.append(bm)
+    assert _books(made[0]) == _books(made[1])
+    bm = made[0]
+    assert bm.get_num_tokens("s") == 12
+    before = _books(bm)
+    assert bm.allocate_slots("big", list(range(100, 130)), 30, NO_HIT) is None  # 8 blocks needed, fewer free
+    assert _books(bm) == before and not bm.has_sequence("big")
+    with pytest.raises(DuplicateSequenceError):  # a hit means a new sequence
+        bm.allocate_slots("s", tokens, 1, NO_HIT)
+    bm.free("warm")
+    with pytest.raises(SequenceNotFoundError):  # no hit means one that holds blocks: not a finished one
+        bm.allocate_slots("warm", prompt, 1)

@@ -39,7 +39,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- helpers replaying the engine's writes on the model ---------------------------
     def _apply_copies(self):
-        for src, dst in self.bm.blocks_to_copy():
+        copies, updates = self.bm.take_step_changes()
+        self.runner_tables.apply(updates)
+        for src, dst in copies:
             assert self.bm.pool.blocks[dst].ref_cnt == 1
             self.content[dst] = self.content[src]
         self.bm.step_done()
@@ -136,7 +138,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert s.num_tokens_stored == sum(bm.pool.blocks[b].num_filled for b in held)
         assert s.num_table_blocks == sum(len(bm.get_block_table(seq)) for seq in self.tokens)
         # the updates, applied in order, rebuild every live table: its row holds the table, then zeros
-        self.runner_tables.apply(bm.take_table_updates())
+        self.runner_tables.apply(bm.take_step_changes()[1])
         for seq in self.tokens:
             st = bm.get_sequence_blocks(seq)
             row = self.runner_tables.array[st.row].tolist()

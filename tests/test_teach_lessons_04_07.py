@@ -116,7 +116,7 @@ def _watch_every_change(bm) -> list[tuple[int, int]]:
         setattr(bm, name, watched)
 
     for name in ("allocate_sequence", "append_slots", "append_decode_slots", "fork", "free", "cache_full_blocks",
-                 "cache_decode_blocks", "step_done"):
+                 "allocate_slots", "step_done"):
         wrap(name)
     return states
 

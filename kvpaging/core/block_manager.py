@@ -8,25 +8,30 @@ worst case, so a sequence wastes at most the unfilled part of its last block.
 
 The life of a sequence, as the scheduler drives it::
 
-    hit = bm.lookup_prefix(token_ids)              # reuse cached leading blocks
-    bm.allocate_sequence(seq_id, n_new, hit)        # waiting -> running
-    bm.cache_full_blocks(seq_id, token_ids, n)      # blocks full once this step is computed: findable now
+    hit = bm.lookup_prefix(token_ids)                    # reuse cached leading blocks
+    bm.allocate_slots(seq_id, token_ids, n_new, hit)     # waiting -> running: its first chunk's slots
+    copies, updates = bm.take_step_changes()             # for the model runner
     ... forward pass ...
-    bm.step_done()                                  # (or step_done(failed=True): forget what it cached)
-    bm.append_slots(seq_id, 1)                      # each decode step
-    bm.fork(seq_id, child_id)                       # n > 1: children share every block
-    bm.free(seq_id)                                 # finished, aborted or preempted
+    bm.step_done()                                       # (or step_done(failed=True): forget what it cached)
+    bm.allocate_slots(seq_id, token_ids, n)              # its next chunk, or one decode token
+    bm.fork(seq_id, child_id)                            # n > 1: children share every block
+    bm.free(seq_id)                                      # finished, aborted or preempted
+
+``allocate_slots`` is the scheduler's one door (vLLM v1's name): it gives the slots and makes the
+blocks that will be full once this step is computed findable in the prefix cache. Underneath are
+the three steps it takes, which lesson 04 calls one by one: ``allocate_sequence`` (a sequence's
+first slots), ``append_slots`` (more), ``cache_full_blocks``. Decodes, most of a busy step, come
+through ``append_decode_slots``: one call for a whole run of them.
 
 Only this class changes block tables; the pool alone changes reference and fill
 counts. Tables only grow: a block, once in a table, stays at its place until the
 sequence is freed (the one exception is copy-on-write, which gives a sequence its
 own copy of a shared, partly filled last block). Every change is also written down
-as a ``(row, column, block_ids)`` triple; the scheduler hands the step's triples
-to the model runner (:meth:`take_table_updates`), which keeps its own copy of the
-tables (``kvpaging/worker/block_table.py``). Copy-on-write copies
-it decides on are queued as ``(src, dst)`` block-id pairs; the scheduler hands
-them to the model runner (:meth:`blocks_to_copy`), which copies the KV data before
-the forward, and reports them done after it (:meth:`step_done`): until then a
+as a ``(row, column, block_ids)`` triple, which the model runner applies to its own copy of the
+tables (``kvpaging/worker/block_table.py``). Copy-on-write copies it decides on are queued as
+``(src, dst)`` block-id pairs, which the runner makes before the forward. The scheduler hands both
+over in its output (:meth:`take_step_changes`), and reports the step done after the forward
+(:meth:`step_done`): until then a
 source block whose last owner let go is held out of the free queue.
 
 A block is findable in the prefix cache from the step that computes it, as in vLLM
@@ -179,12 +184,13 @@ class BlockManager:
         """The sequence's live table record (block ids, token count, row in the runner's block table): read only."""
         return self._state(seq_id)
 
-    def take_table_updates(self) -> list[tuple[int, int, list[int]]]:
-        """Every change to the tables since the last call, in order, as ``(row, column, block_ids)``: ``block_ids``
-        go into ``row`` from ``column`` on; written from column 0 they are the whole table (the model runner's
-        ``BlockTable.apply``)."""
+    def take_step_changes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, list[int]]]]:
+        """What the model runner must do before the step's forward: the copy-on-write ``(src, dst)`` pairs decided
+        since the last :meth:`step_done` (they stay pending until it), and every change to the tables since the
+        last call, in order, as ``(row, column, block_ids)``: ``block_ids`` go into ``row`` from ``column`` on;
+        written from column 0 they are the whole table (the runner's ``BlockTable.apply``)."""
         updates, self._table_updates = self._table_updates, []
-        return updates
+        return list(self._blocks_to_copy), updates
 
     def _take_row(self) -> int:
         if self._free_rows:
@@ -286,15 +292,6 @@ class BlockManager:
             )
         self._cache_blocks(st, token_ids, num_tokens)
 
-    def cache_decode_blocks(self, seqs: list) -> None:
-        """``cache_full_blocks`` for sequences whose decode fills their last block, in one call per step.
-
-        ``seqs`` holds scheduler sequences, read through ``blocks`` and ``token_ids`` as in
-        :meth:`append_decode_slots`, each with its slot for this step."""
-        if self.enable_prefix_caching:
-            for seq in seqs:
-                self._cache_blocks(seq.blocks, seq.token_ids, seq.blocks.num_tokens)
-
     def _cache_blocks(self, st: SequenceBlocks, token_ids: Sequence[int], num_tokens: int) -> None:
         """Hash the full blocks of ``st`` up to ``num_tokens`` and offer the uncached ones."""
         bs = self.block_size
@@ -310,6 +307,23 @@ class BlockManager:
             hashes.append(h)
 
     # -- allocation ------------------------------------------------------------
+    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                       prefix_hit: PrefixHit | None = None) -> SequenceBlocks | None:
+        """Slots for ``num_new_tokens`` more tokens of ``seq_id`` (``token_ids`` are all its tokens), then its blocks
+        that are full once those are computed made findable in the prefix cache. With ``prefix_hit`` (``NO_HIT``
+        for none) it is a new sequence, starting with the hit's cached blocks (:meth:`allocate_sequence`);
+        without, a sequence that holds blocks already (:meth:`append_slots`): either is an error otherwise.
+        Returns its table record, or None, changing nothing, when the pool lacks free blocks right now (the
+        scheduler then preempts someone, or waits)."""
+        if prefix_hit is None:
+            if not self.append_slots(seq_id, num_new_tokens):
+                return None
+        elif not self.allocate_sequence(seq_id, num_new_tokens, prefix_hit):
+            return None
+        st = self._seqs[seq_id]
+        self.cache_full_blocks(seq_id, token_ids, st.num_tokens)
+        return st
+
     def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
         """Give a sequence with no blocks its cached prefix plus slots for ``num_new_tokens``.
 
@@ -389,7 +403,8 @@ class BlockManager:
         but its last has a slot; the run stops at the first one that does not (a prefill chunk is next), or
         that the pool has no block for. For each served sequence it appends its table's row (in
         the runner's block table), the new slot's position and the token that goes there (its last) to ``rows``,
-        ``positions`` and ``input_ids``: the model runner's inputs, gathered in the same pass.
+        ``positions`` and ``input_ids``: the model runner's inputs, gathered in the same pass. A decode that
+        fills its last block makes that block findable in the prefix cache, as :meth:`allocate_slots` does.
 
         Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a full or
         shared last block takes the general path (a new block, or a copy-on-write).
@@ -401,6 +416,8 @@ class BlockManager:
         served = len(rows)
         slow = False  # whether a decode took the general path
         filling = []  # unshared last blocks with room: one more slot each, filled by the pool below
+        full = []  # decodes that fill their last block: cached once filled
+        caching = self.enable_prefix_caching
         for seq in islice(seqs, start, stop):
             st = seq.blocks
             n = st.num_tokens
@@ -423,7 +440,11 @@ class BlockManager:
             rows.append(st.row)
             positions.append(n)
             input_ids.append(tokens[n])
+            if caching and (n + 1) % bs == 0:
+                full.append(seq)
         pool.fill_one_each(filling)
+        for seq in full:
+            self._cache_blocks(seq.blocks, seq.token_ids, seq.blocks.num_tokens)
         if slow:
             self._note_peak()
         return len(rows) - served
@@ -469,8 +490,9 @@ class BlockManager:
             self._num_table_blocks += count
         st.num_tokens += num_new_tokens
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Give ``child_id`` the parent's whole block table, sharing every block (no data is copied)."""
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> SequenceBlocks:
+        """Give ``child_id`` the parent's whole block table, sharing every block (no data is copied); returns the
+        child's table record."""
         parent = self._state(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequenceError(f"cannot fork into sequence {child_id!r}: it already holds blocks")
@@ -484,6 +506,7 @@ class BlockManager:
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks)
         self._note_peak()
+        return child
 
     def free(self, seq_id: Hashable) -> None:
         """Return a finished, aborted or preempted sequence's blocks to the pool.
@@ -499,12 +522,6 @@ class BlockManager:
         self.pool.free_blocks(reversed(st.blocks))
         self._num_table_blocks -= len(st.blocks)
         self._free_rows.append(st.row)  # the next owner's first update rewrites the whole row
-
-    def blocks_to_copy(self) -> list[tuple[int, int]]:
-        """The copy-on-write (src, dst) pairs decided since the last ``step_done()``; changes nothing.
-
-        The model runner copies them before the forward pass that writes into the copies."""
-        return list(self._blocks_to_copy)
 
     def step_done(self, failed: bool = False) -> None:
         """The step's forward is over: its copies are made, so the sources held back for them go to the free

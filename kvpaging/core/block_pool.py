@@ -87,27 +87,15 @@ class FreeBlockQueue:
 
     def extend(self, blocks: list[KVBlock]) -> None:
         """``append`` each of ``blocks``, in order (a whole freed table at once)."""
-        tail = self._tail
-        last = tail.prev_free
         for block in blocks:
-            last.next_free = block
-            block.prev_free = last
-            last = block
-        last.next_free = tail
-        tail.prev_free = last
-        self.num_free_blocks += len(blocks)
+            self.append(block)
 
     def popleft(self) -> KVBlock:
         """Take the block that has been free the longest."""
-        head = self._head
-        block = head.next_free
-        if block is self._tail or block is None:
+        block = self._head.next_free
+        if block is self._tail:
             raise IndexError("no free block")
-        after = block.next_free  # (remove(block), for the head: one call fewer on every allocation)
-        head.next_free = after
-        after.prev_free = head
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
+        self.remove(block)
         return block
 
     def remove(self, block: KVBlock) -> None:

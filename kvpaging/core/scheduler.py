@@ -35,7 +35,7 @@ import numpy as np
 
 from kvpaging.checks import check_choice
 from kvpaging.config import SCHEDULING
-from kvpaging.core.block_manager import NO_HIT, BlockManager
+from kvpaging.core.block_manager import NO_HIT, BlockManager, SequenceBlocks
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput, UpdateResult
 from kvpaging.core.sequence import Request, Sequence, SequenceStatus
 from kvpaging.errors import InvariantError
@@ -146,7 +146,6 @@ class Scheduler:
         if not (batch.decodes or batch.chunks):
             return SchedulerOutput(step=self.num_steps, preempted=batch.preempted)
         self.num_steps += 1
-        bm = self.bm
         out = SchedulerOutput(
             step=self.num_steps,
             decodes=batch.decodes,
@@ -154,19 +153,14 @@ class Scheduler:
             decode_positions=np.fromiter(batch.positions, np.int64, len(batch.positions)),
             decode_token_ids=batch.token_ids,
             chunks=batch.chunks,
-            blocks_to_copy=bm.blocks_to_copy(),
             preempted=batch.preempted,
             num_batched_tokens=self.max_num_batched_tokens - batch.budget,
-            block_size=bm.block_size,
+            block_size=self.bm.block_size,
         )
-        if bm.enable_prefix_caching:  # a decode fills a block when its position is a block's last slot
-            full = np.flatnonzero(out.decode_positions % bm.block_size == bm.block_size - 1).tolist()
-            if full:
-                bm.cache_decode_blocks([batch.decodes[k] for k in full])
         if batch.chunks and self._prompt_logprob_requests:
             out.prompt_logprob_chunks = [k for k, c in enumerate(batch.chunks) if c.seq.request.needs_prompt_logprobs]
         self._plan_samples(out)
-        out.table_updates = bm.take_table_updates()  # the forks' tables too
+        out.blocks_to_copy, out.table_updates = self.bm.take_step_changes()  # the forks' tables too
         return out
 
     def _schedule_running(self, batch: _Batch) -> None:
@@ -190,14 +184,13 @@ class Scheduler:
                     continue
                 # the pool had no block for it: preempt as for any other sequence
             n = min(n, batch.budget)
-            while not bm.append_slots(seq.seq_id, n):
+            while bm.allocate_slots(seq.seq_id, seq.token_ids, n) is None:
                 victim = running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                bm.cache_full_blocks(seq.seq_id, seq.token_ids, start + n)
                 batch.add(seq, start, n)
                 i += 1
 
@@ -223,18 +216,18 @@ class Scheduler:
             hit = NO_HIT if seq.request.needs_prompt_logprobs else bm.lookup_prefix(seq.token_ids)
             start = len(hit.blocks) * bm.block_size
             n = min(len(seq.token_ids) - start, batch.budget)
-            if not bm.allocate_sequence(seq.seq_id, n, hit):
+            blocks = bm.allocate_slots(seq.seq_id, seq.token_ids, n, hit)  # its full blocks findable from now on
+            if blocks is None:
                 return
-            bm.cache_full_blocks(seq.seq_id, seq.token_ids, start + n)  # findable for the next admissions
             self.waiting.popleft()
-            self._admit(seq, start, now)
+            self._admit(seq, blocks, start, now)
             seats += need
             self._unforked_extra_seats += need - 1
             batch.add(seq, start, n)
 
-    def _admit(self, seq: Sequence, start: int, now: float | None) -> None:
+    def _admit(self, seq: Sequence, blocks: SequenceBlocks, start: int, now: float | None) -> None:
         """A waiting sequence that got its blocks starts running, its first ``start`` tokens served by the cache."""
-        seq.blocks = self.bm.get_sequence_blocks(seq.seq_id)
+        seq.blocks = blocks
         seq.num_computed_tokens = start
         if seq.index == 0 and seq.num_preemptions == 0:  # the request's first admission
             seq.request.num_cached_tokens = start  # prompt tokens served by the prefix cache (vLLM's name)
@@ -263,8 +256,7 @@ class Scheduler:
             self._unforked_extra_seats -= request.params.n - 1
             for index in range(1, request.params.n):
                 child = self.new_sequence(request, index, list(seq.token_ids))
-                self.bm.fork(seq.seq_id, child.seq_id)
-                child.blocks = self.bm.get_sequence_blocks(child.seq_id)
+                child.blocks = self.bm.fork(seq.seq_id, child.seq_id)
                 child.num_computed_tokens = len(seq.token_ids)  # true once this step's forward is done
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
@@ -363,7 +355,7 @@ class Scheduler:
 
     def _finish_now(self, seq: Sequence, status: SequenceStatus, result: UpdateResult, keep_tables: bool) -> None:
         if keep_tables:
-            result.released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
+            result.released_tables[seq.seq_id] = tuple(seq.blocks.block_ids)
         self._finish(seq, status, remove=False)
         result.finished.append(seq)
 
@@ -406,8 +398,8 @@ class Scheduler:
         request.error = error
         for seq in request.seqs:
             if not seq.status.is_finished:
-                if released_tables is not None and self.bm.has_sequence(seq.seq_id):
-                    released_tables[seq.seq_id] = tuple(self.bm.get_block_table(seq.seq_id))
+                if released_tables is not None and seq.blocks is not None:
+                    released_tables[seq.seq_id] = tuple(seq.blocks.block_ids)
                 self._finish(seq, SequenceStatus.FINISHED_ERROR, remove=True)
                 failed.append(seq)
 
@@ -425,7 +417,7 @@ class Scheduler:
             return
         was = seq.status
         seq.status = status
-        if self.bm.has_sequence(seq.seq_id):
+        if seq.blocks is not None:  # it holds blocks
             self.bm.free(seq.seq_id)
             seq.blocks = None
         if was is SequenceStatus.RUNNING:

@@ -28,7 +28,20 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.grammars = GrammarCompiler(tokenizer, vocab_size)  # structured outputs; its tokenizer view is lazy
 
-    def check(self, prompt, params) -> tuple[str | None, list[int]]:
+    def process(self, request_id: str, prompt, params, arrival_time: float | None) -> Request:
+        """Check one request and make it, ready to queue; raises on anything wrong, having changed nothing."""
+        text, token_ids = self._check(prompt, params)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        request = Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
+        if params.bad_words:
+            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.compile(params.structured_outputs)  # a bad grammar raises here
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token: nothing before it predicts it
+        return request
+
+    def _check(self, prompt, params) -> tuple[str | None, list[int]]:
         """Validate one request without changing anything; returns its text and token ids."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -51,27 +64,13 @@ class InputProcessor:
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words={params.bad_words!r} needs a tokenizer to spell them in tokens, and this "
                              "engine has none: use logit_bias with -100 on their token ids")
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs a tokenizer (the grammar is over text), and this engine "
-                                 "has none")
-            self.grammars.compile(params.structured_outputs)  # refuses a bad grammar before anything is queued
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (the grammar is over text), and this engine has none")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"{name} has token id {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
         return text, token_ids
-
-    def make_request(self, request_id: str, text, token_ids, params, arrival_time: float | None) -> Request:
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        request = Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
-        if params.bad_words:
-            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
-        if params.structured_outputs is not None:
-            request.grammar = self.grammars.compile(params.structured_outputs)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]  # the first prompt token: nothing before it predicts it
-        return request
 
     def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's spellings in tokens: as given (its leading spaces dropped) and after a space,

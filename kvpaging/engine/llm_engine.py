@@ -32,7 +32,7 @@ import torch
 from kvpaging.config import EngineConfig
 from kvpaging.core.block_manager import BlockManager
 from kvpaging.core.scheduler import Scheduler, SchedulerOutput
-from kvpaging.core.sequence import Sequence
+from kvpaging.core.sequence import Request, Sequence
 from kvpaging.engine.input_processor import InputProcessor, normalize_batch
 from kvpaging.engine.outputs import RequestOutput, request_output
 from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
@@ -143,25 +143,25 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.scheduler.requests:
             raise DuplicateSequenceError(f"request_id {request_id!r} is already in use by an unfinished request")
-        text, token_ids = self.inputs.check(prompt, params)
-        self.scheduler.add_request(self.inputs.make_request(request_id, text, token_ids, params, arrival_time))
-        if params.output_kind != RequestOutputKind.FINAL_ONLY:
-            self._streaming.add(request_id)
+        self._queue(self.inputs.process(request_id, prompt, params, arrival_time))
+
+    def _queue(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        if request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            self._streaming.add(request.request_id)
 
     def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-") -> list[str]:
         """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued."""
         self._check_thread()
-        checked = [self.inputs.check(p, sp) for p, sp in zip(prompts, params)]
-        ids = []
-        for (text, token_ids), sp in zip(checked, params):
+        requests = []
+        for prompt, sp in zip(prompts, params):
             request_id = f"{prefix}{next(self._batch_ids)}"
             while request_id in self.scheduler.requests:
                 request_id = f"{prefix}{next(self._batch_ids)}"
-            self.scheduler.add_request(self.inputs.make_request(request_id, text, token_ids, sp, None))
-            if sp.output_kind != RequestOutputKind.FINAL_ONLY:
-                self._streaming.add(request_id)
-            ids.append(request_id)
-        return ids
+            requests.append(self.inputs.process(request_id, prompt, sp, None))
+        for request in requests:
+            self._queue(request)
+        return [request.request_id for request in requests]
 
     def run_batch(self, prompts: list, params: list[SamplingParams], prefix: str = "req-", on_step=None,
                   on_finish=None, on_added=None) -> list[RequestOutput]:

@@ -108,8 +108,8 @@ def _record(out, start: float, scheduler, finished, sampled, released: dict | No
         num_tokens_stored=stats.num_tokens_stored,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
-        block_tables={s.seq_id: tuple(bm.get_block_table(s.seq_id)) for s in scheduler.running},
-        seq_num_tokens={s.seq_id: bm.get_num_tokens(s.seq_id) for s in scheduler.running},
+        block_tables={s.seq_id: tuple(s.blocks.block_ids) for s in scheduler.running},
+        seq_num_tokens={s.seq_id: s.blocks.num_tokens for s in scheduler.running},
         forked=tuple(out.forked),
         sampled=tuple(s.seq_id for s in sampled),
         arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
