@@ -493,16 +493,16 @@ def _twin_managers(block_size, num_blocks):
 @pytest.mark.parametrize(("num_blocks", "served"), [(10, 4), (9, 2), (8, 1)])
 def test_append_decode_slots_gives_what_append_slots_gives_one_by_one(num_blocks, served):
     """One call for a run of decodes against append_slots(seq, 1) for each: the same tables, fills, copies,
-    counters and high-water marks; it stops at the first sequence that is not decoding (p) and, with fewer
-    free blocks, at the first one the pool has no block for."""
-    (fast, fseqs), (slow, sseqs) = _twin_managers(4, num_blocks)
+    counters and high-water marks, over the run of decodes the scheduler would find (up to p, mid-prompt); with
+    fewer free blocks it stops at the first one the pool has no block for."""
+    (fast, fseqs), (slow, _) = _twin_managers(4, num_blocks)
     order = ["a", "b", "c", "c2", "p", "a"]
     rows, positions, ids = [], [], []
-    done = fast.append_decode_slots([fseqs[k] for k in order], 0, len(order), rows, positions, ids)
+    decodes = order[: order.index("p")]  # the scheduler's run of decodes ends where p, mid-prompt, is
+    done = fast.append_decode_slots([fseqs[k] for k in decodes], rows, positions, ids)
     expected = 0
-    for name in order:
-        seq = sseqs[name]
-        if len(seq.token_ids) != slow.get_num_tokens(name) + 1 or not slow.append_slots(name, 1):
+    for name in decodes:
+        if not slow.append_slots(name, 1):
             break
         expected += 1
     assert done == expected == served  # 10 blocks: b takes a new block and c a copy; fewer: it stops short
@@ -530,7 +530,7 @@ def test_a_decode_that_fills_its_block_caches_it_as_cache_full_blocks_does():
             tokens.append(9)  # the decode's input: position 7, the last slot of block 1
             seqs.append(_Seq(bm, name, tokens))
         if one_call:
-            assert bm.append_decode_slots(seqs, 0, 2, [], [], []) == 2
+            assert bm.append_decode_slots(seqs, [], [], []) == 2
         else:
             for seq in seqs:
                 assert bm.append_slots(seq.seq_id, 1)

@@ -45,7 +45,6 @@ cached for it out of the cache again: their data was never written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Callable, Hashable, Sequence
 
 from kvpaging.checks import check_bool, check_int
@@ -392,19 +391,17 @@ class BlockManager:
         self._note_peak()
         return True
 
-    def append_decode_slots(self, seqs: list, start: int, stop: int, rows: list[int], positions: list[int],
-                            input_ids: list[int]) -> int:
-        """One more slot for each of ``seqs[start:stop]`` that decodes, in order, as ``append_slots(seq_id, 1)``
-        would give it; returns how many got theirs.
+    def append_decode_slots(self, seqs: list, rows: list[int], positions: list[int], input_ids: list[int]) -> int:
+        """One more slot for each of ``seqs``, decodes the scheduler found (each has one token to compute, its
+        last), in order, as ``append_slots(seq_id, 1)`` would give it; returns how many got theirs.
 
-        The scheduler's every-step call for its running sequences: one call per step, not one per sequence.
+        The scheduler's every-step call for its decoding sequences: one call per step, not one per sequence.
         ``seqs`` holds scheduler sequences, read through two attributes: ``blocks`` (the table record this
-        manager gave them, :meth:`get_sequence_blocks`) and ``token_ids``. A sequence decodes when every token
-        but its last has a slot; the run stops at the first one that does not (a prefill chunk is next), or
-        that the pool has no block for. For each served sequence it appends its table's row (in
-        the runner's block table), the new slot's position and the token that goes there (its last) to ``rows``,
-        ``positions`` and ``input_ids``: the model runner's inputs, gathered in the same pass. A decode that
-        fills its last block makes that block findable in the prefix cache, as :meth:`allocate_slots` does.
+        manager gave them) and ``token_ids``. The run stops at the first one the pool has no block for. For
+        each served sequence it appends its table's row (in the runner's block table), the new slot's position
+        and the token that goes there (its last) to ``rows``, ``positions`` and ``input_ids``: the model
+        runner's inputs, gathered in the same pass. A decode that fills its last block makes that block
+        findable in the prefix cache, as :meth:`allocate_slots` does.
 
         Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a full or
         shared last block takes the general path (a new block, or a copy-on-write).
@@ -418,12 +415,9 @@ class BlockManager:
         filling = []  # unshared last blocks with room: one more slot each, filled by the pool below
         full = []  # decodes that fill their last block: cached once filled
         caching = self.enable_prefix_caching
-        for seq in islice(seqs, start, stop):
+        for seq in seqs:
             st = seq.blocks
             n = st.num_tokens
-            tokens = seq.token_ids
-            if len(tokens) != n + 1:
-                break  # more than one token to compute: a prefill chunk, not a decode
             last = st.last
             if n % bs and last.ref_cnt == 1:  # room in an unshared last block: the common case
                 filling.append(last)
@@ -439,7 +433,7 @@ class BlockManager:
                 slow = True
             rows.append(st.row)
             positions.append(n)
-            input_ids.append(tokens[n])
+            input_ids.append(seq.token_ids[n])
             if caching and (n + 1) % bs == 0:
                 full.append(seq)
         pool.fill_one_each(filling)

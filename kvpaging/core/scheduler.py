@@ -173,10 +173,12 @@ class Scheduler:
             start = seq.num_computed_tokens
             n = len(seq.token_ids) - start
             if n == 1:
-                # A run of decoding sequences (most of a busy step) gets its slots in one call, which stops at
-                # the first sequence that is not decoding or that the pool has no block for.
-                done = bm.append_decode_slots(running, i, min(len(running), i + batch.budget), batch.rows,
-                                              batch.positions, batch.token_ids)
+                # A decode: it and the decodes right after it (most of a busy step) get their slots in one
+                # call, which stops at the first one the pool has no block for.
+                end, stop = i + 1, min(len(running), i + batch.budget)
+                while end < stop and len(running[end].token_ids) - running[end].num_computed_tokens == 1:
+                    end += 1
+                done = bm.append_decode_slots(running[i:end], batch.rows, batch.positions, batch.token_ids)
                 batch.decodes += running[i : i + done]
                 batch.budget -= done
                 i += done
