@@ -300,31 +300,35 @@ class Scheduler:
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
         self.bm.step_done()
         result = UpdateResult(out.samples, [])
-        samples, decodes = out.samples, out.decodes
         if failed_rows:
-            num_decodes, token_ids, logprobs, top_logprobs = self._drop_failed(
-                out, failed_rows, token_ids, logprobs, top_logprobs, result, keep_tables)
-            samples, decodes = result.sampled, result.sampled[:num_decodes]  # the decodes stay the first samples
+            token_ids, logprobs, top_logprobs = self._drop_failed(out, failed_rows, token_ids, logprobs, top_logprobs,
+                                                                  result, keep_tables)
+        samples = result.sampled
         if logprobs is not None:
             for seq, logprob in zip(samples, logprobs):
                 seq.output_logprobs.append(logprob)
             if top_logprobs is not None:
                 for seq, top in zip(samples, top_logprobs):
                     seq.output_top_logprobs.append(top)
-        for seq in decodes:  # each decode has computed its last token (a chunk's count was set above)
-            seq.num_computed_tokens += 1
-        # Every sampled sequence gets its token; one whose token may end it (a stop token, stop strings to look
-        # for, its last allowed length) is looked at closely.
+        now = time.perf_counter() if now is None else now
+        # Every sampled sequence has computed all its tokens (a decode its last, a chunk its prompt's end, a
+        # fork its parent's), and gets its token; completion 0 notes the time for its request; one whose
+        # token may end it (a stop token, stop strings to look for, its last allowed length) is looked at closely.
         for seq, token in zip(samples, token_ids):
             tokens = seq.token_ids
+            seq.num_computed_tokens = len(tokens)
             tokens.append(token)
+            if seq.index == 0:
+                seq.request.token_times.append(now)
             if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
                 self._check_stop(seq, token, result, keep_tables)
         if result.finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        for seq in chain(result.finished, result.failed):
+            if seq.request.is_finished:
+                seq.request.finished_time = now
         if out.samples and self.scheduling == "static":
             self._static_admitting = False
-        _stamp_times(result, time.perf_counter() if now is None else now)
         return result
 
     def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:
@@ -383,8 +387,7 @@ class Scheduler:
                                result.released_tables if keep_tables else None)
         keep = [k for k, seq in enumerate(samples) if not seq.status.is_finished]
         result.sampled = [samples[k] for k in keep]
-        num_decodes = sum(1 for k in keep if k < len(out.decodes))
-        return (num_decodes, [token_ids[k] for k in keep],
+        return ([token_ids[k] for k in keep],
                 None if logprobs is None else [logprobs[k] for k in keep],
                 None if top_logprobs is None else [top_logprobs[k] for k in keep])
 
@@ -449,19 +452,6 @@ class Scheduler:
         for seq in self.waiting:
             _check(seq.status is SequenceStatus.WAITING, f"waiting sequence {seq.seq_id} is {seq.status}")
             _check(not self.bm.has_sequence(seq.seq_id), f"waiting sequence {seq.seq_id} holds blocks")
-
-
-def _stamp_times(result: UpdateResult, now: float) -> None:
-    """Each request's token times (completion 0's: time to first token, inter-token latency) and when it finished."""
-    for seq in result.sampled:
-        if seq.index == 0:
-            request = seq.request
-            if not request.token_times:
-                request.first_token_time = now
-            request.token_times.append(now)
-    for seq in chain(result.finished, result.failed):
-        if seq.request.is_finished:
-            seq.request.finished_time = now
 
 
 def _check(condition: bool, message: str) -> None:

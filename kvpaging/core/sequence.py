@@ -126,7 +126,6 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once the n completions exist
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output step of completion 0 ended
     error: BaseException | None = None
@@ -137,6 +136,11 @@ class Request:
     # there (None for the first, which nothing predicts); filled as the prompt's chunks are computed
     prompt_logprobs: list[dict[int, float] | None] | None = None
     grammar: str | None = None  # with structured outputs: llguidance's grammar, checked at intake
+
+    @property
+    def first_token_time(self) -> float | None:
+        """When completion 0's first token came (None before it)."""
+        return self.token_times[0] if self.token_times else None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
