@@ -9,7 +9,7 @@ import pytest
 
 from kvpaging.teach.batching import PolicyRun, blocks_freed, mean_blocks_used, memory_figure, throughput_figure
 from kvpaging.teach.fragmentation import (WorkloadRequest, contiguous_served, make_workload, run_contiguous,
-                                          serve_paged, served_summary, tokens_to_compute)
+                                          serve_paged, serve_paged_on_engine, served_summary, tokens_to_compute)
 
 
 def _requests(specs):
@@ -53,6 +53,19 @@ def test_paging_sustains_more_streams_on_lesson_03s_workload():
     assert paged.steps < contiguous.steps
     assert paged.peak_running > contiguous.peak_running
     assert paged.tokens_per_step > contiguous.tokens_per_step
+
+
+def test_the_whole_engine_takes_the_steps_the_plan_takes():
+    """serve_paged plans with the scheduler and block manager alone; serve_paged_on_engine runs the same requests
+    through LLMEngine on a model: the same steps, streams, tokens, preemptions and computed tokens, step by step."""
+    from kvpaging.models import tiny
+
+    reqs = make_workload(10, seed=3)
+    plan = serve_paged(320, reqs, block_size=16)  # 20 blocks: tight enough to preempt
+    run = serve_paged_on_engine(tiny("qwen3"), 320, reqs, block_size=16)
+    assert served_summary(plan).preemptions > 0
+    assert [(r.running, r.tokens, r.preempted, r.computed) for r in run] == \
+        [(r.running, r.tokens, r.preempted, r.computed) for r in plan]
 
 
 def test_computed_tokens_count_recomputation_and_respect_the_budget():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvpaging.core.contiguous import ContiguousAllocator, ContiguousStep, OutOfMemory, Reservation
 
 __all__ = ["WorkloadRequest", "make_workload", "run_contiguous", "refusal_table", "paged_blocks_needed", "ServedStep",
-           "contiguous_served", "serve_paged", "ServedSummary", "served_summary", "served_figure", "tokens_to_compute"]
+           "contiguous_served", "serve_paged", "serve_paged_on_engine", "ServedSummary", "served_summary", "served_figure", "tokens_to_compute"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,40 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
         rows.append(ServedStep(t, out.num_seqs, len(out.samples), used, len(sched.waiting), len(out.preempted),
                                out.num_batched_tokens))
         sched.update(out, [7] * len(out.samples))
+        t += 1
+    return rows
+
+
+def serve_paged_on_engine(model, num_slots: int, requests: list[WorkloadRequest], block_size: int = 16) -> list[ServedStep]:
+    """:func:`serve_paged`, through the whole engine on ``model``: the same requests arriving at the same steps,
+    each generating its ``output_len`` tokens (greedy, ``ignore_eos``), in an ``LLM`` whose pool is the same
+    ``num_slots`` cut into blocks of ``block_size``, with the same step budget and no prefix caching. The model
+    runs every step; one row per step, as :func:`serve_paged` gives them (``used_slots`` and ``waiting`` are read
+    after the step rather than after its planning)."""
+    from kvpaging import LLM
+    from kvpaging.sampling_params import SamplingParams
+
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    llm = LLM(model, block_size=block_size, num_blocks=num_slots // block_size, max_model_len=longest,
+              max_num_seqs=len(requests), max_num_batched_tokens=num_slots, enable_prefix_caching=False, seed=0)
+    engine = llm.engine
+    engine.keep_trace, engine.trace = True, []
+    by_arrival = sorted(requests, key=lambda r: r.arrival)
+    rows: list[ServedStep] = []
+    t = 0
+    while by_arrival or engine.has_unfinished_requests():
+        while by_arrival and by_arrival[0].arrival <= t:
+            r = by_arrival.pop(0)
+            engine.add_request(r.request_id, [7] * r.prompt_len,
+                               SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+        before = len(engine.trace)
+        engine.step()
+        if len(engine.trace) > before:
+            rec = engine.trace[-1]
+            rows.append(ServedStep(t, len(rec.scheduled), len(rec.sampled), rec.num_used_blocks * block_size,
+                                   rec.num_waiting, len(rec.preempted), rec.num_batched_tokens))
+        else:  # nothing to run at this step (the next request has not arrived)
+            rows.append(ServedStep(t, 0, 0, 0, 0))
         t += 1
     return rows
 
