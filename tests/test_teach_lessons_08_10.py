@@ -252,6 +252,31 @@ def test_time_breakdown_profiles_a_full_recomputation():
     assert len(bd.markdown().splitlines()) == 2 + len(bd.rows()) == 6
 
 
+def test_static_breakdown_and_where_the_positions_come_from():
+    """generate()'s profiled run split the same four ways, and each engine's positions traced to their causes: the
+    rows add up to static's padded count and to what kvpaging's step records say it computed."""
+    shared = list(range(40, 56))  # one 16-token prefix, then each request's own tokens
+    work = serving.Workload([(shared + [60 + i] * (2 + i), n) for i, n in enumerate((2, 5, 3))], stop_at_eos=False)
+    paged = serving.time_breakdown(LLM(tiny("qwen3", **SMALL), max_model_len=64, block_size=4,
+                                       kv_cache_memory_bytes=1 << 20), work)
+    static = serving.time_breakdown_static(tiny("qwen3", **SMALL), work, batch_size=2)
+    assert static.output_lengths == paged.output_lengths == (2, 5, 3)
+    assert static.positions == serving.token_positions(work, 2, static.output_lengths)[1]
+    assert static.steps == 5 + 3 and static.linear_s > 0 and static.attention_s > 0 and static.python_s >= 0
+    assert static.profiled_wall_s >= static.linear_s + static.attention_s + static.other_ops_s
+    causes = serving.position_causes(work, 2, paged.output_lengths, paged.positions)
+    assert causes[-1] == ("token positions through the layers", static.positions, paged.positions)
+    assert sum(a for _, a, _ in causes[:-1]) == static.positions and sum(b for _, _, b in causes[:-1]) == paged.positions
+    # by hand: prompts 18, 19, 20 (57 tokens); batch 1 pads 18 -> 19, batch 2 alone; decodes 1 + 4 + 2; the first
+    # batch's short row idles 3 steps; kvpaging finds 4 full blocks of the shared prefix for each later request
+    assert causes[:5] == [("prompt tokens", 57, 57), ("padding: each prompt to its batch's longest", 1, 0),
+                          ("decode positions: each answer's tokens but its last", 7, 7),
+                          ("rows kept running after their answer ended", 3, 0),
+                          ("prompt tokens found in the prefix cache", 0, -32)]
+    table = serving.breakdown_comparison_markdown(static, paged)
+    assert f"| {static.positions:,} | {paged.positions:,} |" in table and "forward passes" in table
+
+
 def test_reset_prefix_cache_forgets_cached_prompts():
     llm = LLM(tiny("qwen3", **SMALL), max_model_len=64, block_size=4, kv_cache_memory_bytes=1 << 20)
     prompt = list(range(10, 27))  # 17 tokens: 4 full blocks

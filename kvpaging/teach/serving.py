@@ -35,6 +35,9 @@ __all__ = [
     "run_summary",
     "answers_table",
     "step_limits",
+    "time_breakdown_static",
+    "position_causes",
+    "breakdown_comparison_markdown",
     "Workload",
     "make_workload",
     "make_chat_workload",
@@ -296,15 +299,19 @@ _ATTENTION_OPS = frozenset({
 
 @dataclass(frozen=True)
 class TimeBreakdown:
-    """A run's wall time split by what it went to: tensor ops as timed by torch.profiler in a second,
-    identical run; Python and dispatch as what the ops leave of the plain run's wall time."""
+    """A run's time split by what it went to, in a second, identical run under torch.profiler: tensor ops as the
+    profiler timed them, and Python and dispatch as what they leave of that run's wall time (the profiler's own
+    overhead lands there too). ``wall_s`` is the first, unprofiled run's wall time: what the run costs."""
 
     wall_s: float  # the plain (unprofiled) run's wall time
     steps: int
     linear_s: float  # the model's matrix products (aten::mm / addmm, oneDNN's linear): the same work for every engine
     attention_s: float  # paged attention: block gathers, fused SDPA or the C decode kernel, KV stores
     other_ops_s: float  # every other tensor op: norms, RoPE, activations, sampling
-    python_s: float  # what no tensor op accounts for: Python and dispatch
+    python_s: float  # what no tensor op accounts for in the profiled run: Python and dispatch (and the profiler)
+    profiled_wall_s: float = 0.0  # the profiled run's wall time: the four parts add up to it
+    positions: int = 0  # token positions the run pushed through the layers (padding included; prefix hits not)
+    output_lengths: tuple[int, ...] = ()  # each request's useful tokens in the profiled run
 
     def rows(self) -> list[tuple[str, float]]:
         return [("the model's linear layers (matrix products)", self.linear_s),
@@ -313,8 +320,9 @@ class TimeBreakdown:
                 ("Python and dispatch (the rest of the wall time)", self.python_s)]
 
     def markdown(self) -> str:
-        lines = ["| where the time went | seconds | share |", "|---|---|---|"]
-        lines += [f"| {name} | {sec:.3f} | {sec / self.wall_s:.0%} |" for name, sec in self.rows()]
+        total = self.profiled_wall_s or self.wall_s
+        lines = ["| where the time went (the profiled run) | seconds | share |", "|---|---|---|"]
+        lines += [f"| {name} | {sec:.3f} | {sec / total:.0%} |" for name, sec in self.rows()]
         return "\n".join(lines)
 
 
@@ -380,9 +388,35 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
     llm.reset_prefix_cache()  # the profiled run computes the same prompts again, from nothing
-    steps0 = llm.engine.num_steps
+    engine = llm.engine
+    kept = engine.keep_trace, engine.trace
+    engine.keep_trace, engine.trace = True, []  # the step records count the positions computed
+    try:
+        with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            profiled = time.perf_counter() - t0
+        records = engine.trace
+    finally:
+        engine.keep_trace, engine.trace = kept
+    lengths = tuple(min(len(o.outputs[0].token_ids), n) for o, (_, n) in zip(outs, work.requests))
+    return _split(prof, wall, profiled, len(records), sum(r.num_batched_tokens for r in records), lengths)
+
+
+def time_breakdown_static(model, work: Workload, batch_size: int = 8) -> TimeBreakdown:
+    """:func:`time_breakdown` for transformers' static ``generate()`` on ``work`` (the race's runner, fixed batches
+    of ``batch_size``, left-padded): its wall time, then the same run under the profiler, split the same four ways.
+    Its attention is SDPA over the padded batch and its growing cache; its KV cache's concatenations count among
+    the other tensor ops. ``steps`` is the forward passes: each batch's longest output, summed."""
+    wall = _run_static_generate(model, work, batch_size).seconds  # warms up first
     with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        run = _run_static_generate(model, work, batch_size)  # its own warm-up runs first, untimed
+    steps = sum(max(run.output_lengths[i : i + batch_size]) for i in range(0, len(work.requests), batch_size))
+    positions = token_positions(work, batch_size, run.output_lengths)[1]
+    return _split(prof, wall, run.seconds, steps, positions, run.output_lengths)
+
+
+def _split(prof, wall: float, profiled_wall: float, steps: int, positions: int, lengths) -> TimeBreakdown:
     linear = attention = other = 0.0
     for key, seconds in _self_seconds(prof).items():
         if key in _LINEAR_OPS:
@@ -391,8 +425,47 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
             attention += seconds
         elif key.startswith("aten::") or key == cpu_backend.RMS_NORM_PROFILER_NAME:  # cpu_fast_layers
             other += seconds
-    return TimeBreakdown(wall, llm.engine.num_steps - steps0, linear, attention, other,
-                         max(0.0, wall - linear - attention - other))
+    return TimeBreakdown(wall, steps, linear, attention, other, max(0.0, profiled_wall - linear - attention - other),
+                         profiled_wall, positions, tuple(lengths))
+
+
+def position_causes(work: Workload, batch_size: int, output_lengths, kvpaging_positions: int) -> list[tuple[str, int, int]]:
+    """Where each engine's token positions come from, for ``work`` answered with ``output_lengths`` tokens each:
+    (cause, static ``generate()``'s count in batches of ``batch_size``, kvpaging's). kvpaging's prefix-cache row is
+    what its run computed less than every prompt and decode position (``kvpaging_positions``, from its step records):
+    prompt tokens found in the cache, net of any recomputation after preemption."""
+    lengths = list(output_lengths)
+    prompts = work.num_prompt_tokens
+    decodes = sum(n - 1 for n in lengths)
+    padding = idle = 0
+    for i in range(0, len(work.requests), batch_size):
+        batch, outs = work.requests[i : i + batch_size], lengths[i : i + batch_size]
+        padding += len(batch) * max(len(p) for p, _ in batch) - sum(len(p) for p, _ in batch)
+        idle += len(batch) * (max(outs) - 1) - sum(n - 1 for n in outs)
+    cached = prompts + decodes - kvpaging_positions
+    return [("prompt tokens", prompts, prompts),
+            ("padding: each prompt to its batch's longest", padding, 0),
+            ("decode positions: each answer's tokens but its last", decodes, decodes),
+            ("rows kept running after their answer ended", idle, 0),
+            ("prompt tokens found in the prefix cache", 0, -cached),
+            ("token positions through the layers", prompts + padding + decodes + idle, kvpaging_positions)]
+
+
+def breakdown_comparison_markdown(static: TimeBreakdown, paged: TimeBreakdown) -> str:
+    """The two engines' profiled runs, kind by kind, side by side: seconds each, and how many times static's is
+    kvpaging's; the first rows are the work each pushed through the layers (token positions: static's padded count,
+    kvpaging's computed ones) and its forward passes."""
+    lines = ["| | static generate() | kvpaging | static / kvpaging |", "|---|---|---|---|",
+             f"| token positions through the layers | {static.positions:,} | {paged.positions:,} | "
+             f"{static.positions / paged.positions:.2f}x |",
+             f"| forward passes (steps) | {static.steps} | {paged.steps} | {static.steps / paged.steps:.2f}x |"]
+    for (name, a), (_, b) in zip(static.rows(), paged.rows()):
+        name = name.replace("paged attention (C kernel or gathers + SDPA, KV stores)", "attention and KV stores")
+        lines.append(f"| {name} | {a:.3f} s | {b:.3f} s | {a / b:.2f}x |" if b > 0 else f"| {name} | {a:.3f} s | 0 | |")
+    lines.append(f"| the profiled run (wall) | {static.profiled_wall_s:.3f} s | {paged.profiled_wall_s:.3f} s | "
+                 f"{static.profiled_wall_s / paged.profiled_wall_s:.2f}x |")
+    lines.append(f"| the plain run (wall) | {static.wall_s:.3f} s | {paged.wall_s:.3f} s | **{static.wall_s / paged.wall_s:.2f}x** |")
+    return "\n".join(lines)
 
 
 def token_positions(work: Workload, batch_size: int, output_lengths: list[int] | None = None) -> tuple[int, int]:
