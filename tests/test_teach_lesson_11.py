@@ -113,6 +113,25 @@ def test_a_static_batch_keeps_arrivals_waiting_beside_idle_slots(scheduling, idl
         assert (wasted, waiting) == (0, 0)  # b never waited a step
 
 
+def test_token_requests_stream_token_ids_of_exactly_their_lengths():
+    """Section 3's load: completions of token ids on a model with no tokenizer, each generating exactly its drawn
+    length (ignore_eos); every token streamed counts, with its id as the text the client keeps."""
+    llm = LLM(tiny("qwen3", num_hidden_layers=2, vocab_size=512), max_model_len=64, max_num_seqs=4,
+              kv_cache_memory_bytes=1 << 20)
+    requests = load.token_requests([[5, 6, 7], [8, 9], [10] * 12], [3, 1, 6])
+    assert requests[0] == {"prompt": [5, 6, 7], "max_tokens": 3, "kind": "chat",
+                           "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    server = load.serve(llm, name="tiny")
+    try:
+        run = load.run_load(server, requests, 50.0, seed=2)
+    finally:
+        server.stop()
+    assert run.failed == 0 and [t.output_tokens for t in run.requests] == [3, 1, 6]
+    assert [len(t.itl) for t in run.requests] == [2, 0, 5] and all(0 < t.ttft <= t.latency for t in run.requests)
+    assert [len(t.text.split()) for t in run.requests] == [3, 1, 6]  # one id per token
+    assert all(int(i) < 512 for t in run.requests for i in t.text.split())
+
+
 # ------------------------------------------------------------------ a served engine under load (trained model)
 
 

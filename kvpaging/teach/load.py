@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvpaging.teach import text_table
 
-__all__ = ["RequestTiming", "LoadRun", "percentile", "arrival_offsets", "chat_requests", "document_request",
+__all__ = ["RequestTiming", "LoadRun", "percentile", "arrival_offsets", "chat_requests", "token_requests", "document_request",
            "serve", "run_load", "latency_throughput_figure", "idle_slots_while_waiting", "sweep_table",
            "request_timeline_figure", "itl_figure", "cache_prompts", "policy_ratios", "PrefillSpread",
            "prefill_spread", "prefill_table"]
@@ -65,6 +65,14 @@ def chat_requests(questions, max_tokens: int, system: str | None = None) -> list
     head = [{"role": "system", "content": system}] if system else []
     return [{"messages": head + [{"role": "user", "content": q}], "max_tokens": max_tokens, "kind": "chat"}
             for q in questions]
+
+
+def token_requests(prompts: list[list[int]], lengths: list[int]) -> list[dict]:
+    """One completion request per prompt of token ids, each generating exactly its ``lengths`` tokens (``ignore_eos``):
+    for a model without a tokenizer, or a load whose answer lengths are chosen (``batching.request_stream``). The
+    server streams each token's id (``return_token_ids``), which is what the timing counts."""
+    return [{"prompt": list(p), "max_tokens": n, "kind": "chat", "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+            for p, n in zip(prompts, lengths)]
 
 
 def document_request(tokenizer, doc_tokens: int, max_tokens: int,
@@ -200,22 +208,31 @@ async def _one(client, model: str, request: dict, start: float, delay: float) ->
     sent = time.perf_counter()
     last = None
     pieces = []
+    chat = "prompt" not in body  # a chat (messages), or a completion of token ids (token_requests)
     try:
-        stream = await client.chat.completions.create(model=model, stream=True, temperature=0.0,
-                                                      stream_options={"include_usage": True}, **body)
+        api = client.chat.completions if chat else client.completions
+        stream = await api.create(model=model, stream=True, temperature=0.0, stream_options={"include_usage": True},
+                                  **body)
         async for chunk in stream:
             if chunk.usage is not None:
                 timing.output_tokens = chunk.usage.completion_tokens
                 timing.prompt_tokens = chunk.usage.prompt_tokens
-            if not chunk.choices or not chunk.choices[0].delta.content:
-                continue  # the role chunk, the closing chunk and the usage chunk carry no text
+            if not chunk.choices:
+                continue  # the usage chunk
+            if chat:
+                piece = chunk.choices[0].delta.content
+            else:
+                ids = getattr(chunk.choices[0], "token_ids", None) or []
+                piece = chunk.choices[0].text or ("" if not ids else " ".join(map(str, ids)) + " ")
+            if not piece:
+                continue  # the role chunk and the closing chunk carry no text
             now = time.perf_counter()
             if last is None:
                 timing.ttft = now - sent
             else:
                 timing.itl.append(now - last)
             last = now
-            pieces.append(chunk.choices[0].delta.content)
+            pieces.append(piece)
         timing.latency = time.perf_counter() - sent
     except Exception as error:  # noqa: BLE001 - a failed request is counted, not raised, as a benchmark does
         timing.error = f"{type(error).__name__}: {error}"
