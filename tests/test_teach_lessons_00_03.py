@@ -25,6 +25,31 @@ def test_engine_greedy_equals_transformers():
     assert model.generation_config.eos_token_id == 2  # restored
 
 
+def test_all_agree_allows_ties_only():
+    """Lessons 00 and 07's check: the same greedy tokens, or a first difference where the two best logits tie; a
+    different token where one logit clearly leads is a disagreement."""
+    import pytest
+    import torch
+
+    from kvpaging.models import tiny
+
+    model = tiny("llama")
+    prompts = [[5, 6, 7], [9, 10]]
+    reference = [setup_check.transformers_greedy(model, p, 4) for p in prompts]
+    assert setup_check.all_agree(model, prompts, reference, reference)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0]])).logits[0, -1]
+    second = int(torch.topk(logits, 2).indices[1])  # the runner-up: a real gap to the top here, not a tie
+    changed = [[second] + reference[0][1:], reference[1]]
+    assert not setup_check.all_agree(model, prompts, changed, reference)
+    # a tolerance wider than that gap makes it a tie: the rule, not the data, decides
+    assert setup_check.greedy_agreement(model, prompts[0], changed[0], reference[0], tolerance=1e9).agrees
+    worst = int(logits.argmin())  # never a tie: not among the two best
+    assert not setup_check.greedy_agreement(model, prompts[0], [worst], reference[0][:1], tolerance=1e9).agrees
+    with pytest.raises(ValueError):
+        setup_check.all_agree(model, prompts, reference[:1], reference)
+
+
 def test_matmul_params_match_the_model():
     model = tiny("llama", num_hidden_layers=2)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

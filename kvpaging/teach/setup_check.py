@@ -14,7 +14,7 @@ import torch
 from kvpaging.config import auto_attention_backend
 
 __all__ = ["environment", "format_environment", "transformers_greedy", "engine_greedy", "GreedyAgreement",
-           "greedy_agreement"]
+           "greedy_agreement", "all_agree"]
 
 
 def _version(package: str) -> str | None:
@@ -135,3 +135,10 @@ def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference
         tolerance = 1e-4 if torch.finfo(dtype).bits >= 32 else 0.01 * max(1.0, abs(top2.values[0].item()))
     chosen_in_top2 = position < len(got) and got[position] in top2.indices.tolist()
     return GreedyAgreement(False, position, gap, tolerance, chosen_in_top2)
+
+
+def all_agree(model, prompts, got, reference) -> bool:
+    """Whether each of ``got`` is ``reference``'s greedy continuation of its prompt, or differs from it only
+    where the two best logits tie up to the dtype's rounding (:func:`greedy_agreement`): the check for two runs of
+    one model that must give the same greedy tokens (batched differently, chunked, preempted and recomputed)."""
+    return all(greedy_agreement(model, p, a, b).agrees for p, a, b in zip(prompts, got, reference, strict=True))
