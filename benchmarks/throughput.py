@@ -272,6 +272,12 @@ def main() -> None:
             if peer is not None:
                 peer.close()
     results = {name: statistics.median(r) for name, r in rates.items()}
+    fast = None
+    if args.cpu_fast_layers:  # what the fast path covered on this model and dtype, counted on a private copy
+        from kvpaging.kernels.cpu.layers import enable_fast_layers
+        from kvpaging.models import private_copy
+
+        fast = enable_fast_layers(private_copy(models["kvpaging"]))
     del models
 
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | transformers "
@@ -283,7 +289,8 @@ def main() -> None:
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
     layers = "the model's own"
     if args.cpu_fast_layers:
-        layers = f"oneDNN linears: {onednn_usable()}, one-pass C RMSNorms: {cpu_backend.available()}"
+        layers = (f"fast linears (oneDNN, or packed bf16): {fast.linears}, one-pass C RMSNorms: {fast.rms_norms} "
+                  f"(oneDNN usable: {onednn_usable()}, C kernels built: {cpu_backend.available()})")
     print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")
     if work.stop_at_eos:
         print(f"workload: {args.requests} chat requests of the trained model, prompts "
