@@ -306,13 +306,19 @@ def launch_transformers(serve_args: str, folder: str) -> tuple[subprocess.Popen,
                "serve", model, *options,
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     # it logs a line per request even at --log-level warning: into a file beside the model folder
-    log = open(os.path.join(os.path.dirname(folder), f"transformers-serve-{port}.log"), "w")
-    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
-                               stderr=subprocess.STDOUT)
+    return _start_logged("transformers serve", command, {**os.environ, "HF_HUB_OFFLINE": "1"}, folder, port)
+
+
+def _start_logged(what: str, command: list[str], env: dict, folder: str, port: int,
+                  cwd: str | None = None) -> tuple[subprocess.Popen, str, str]:
+    """Start a peer's server with its output in a log file beside the model ``folder``; once it answers, (process,
+    url, served model name). If it never comes up, the error carries the end of its log."""
+    log = open(os.path.join(os.path.dirname(folder), f"{what.replace(' ', '-')}-{port}.log"), "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     log.close()  # the child holds its own handle
     url = f"http://127.0.0.1:{port}"
     try:
-        return process, url, wait_until_up(process, url, "transformers serve")
+        return process, url, wait_until_up(process, url, what)
     except RuntimeError as error:
         with open(log.name) as f:
             raise RuntimeError(f"{error}; its log ends:\n{f.read()[-2000:]}") from None
@@ -371,15 +377,7 @@ def launch_vllm(serve_args: str, folder: str) -> tuple[subprocess.Popen, str, st
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_folder(name, folder),
                "--served-model-name", name, *options, "--host", "127.0.0.1", "--port", str(port),
                "--uvicorn-log-level", "warning"]
-    log = open(os.path.join(os.path.dirname(folder), f"vllm-serve-{port}.log"), "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(folder))
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        return process, url, wait_until_up(process, url, "vllm serve")
-    except RuntimeError as error:
-        with open(log.name) as f:
-            raise RuntimeError(f"{error}; its log ends:\n{f.read()[-2000:]}") from None
+    return _start_logged("vllm serve", command, env, folder, port, cwd=os.path.dirname(folder))
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -161,21 +161,20 @@ def serve_paged(num_slots: int, requests: list[WorkloadRequest], block_size: int
     bm = BlockManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
     budget = num_slots if max_num_batched_tokens is None else max_num_batched_tokens
     sched = Scheduler(bm, max_num_seqs=len(requests), max_num_batched_tokens=budget, max_model_len=longest)
-    by_arrival = sorted(requests, key=lambda r: r.arrival)
-    rows: list[ServedStep] = []
-    t = 0
-    while by_arrival or sched.has_unfinished():
-        while by_arrival and by_arrival[0].arrival <= t:
-            r = by_arrival.pop(0)
-            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-            sched.add_request(Request(r.request_id, [7] * r.prompt_len, params, float(t)))
+
+    def add(r: WorkloadRequest, t: int) -> None:
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        sched.add_request(Request(r.request_id, [7] * r.prompt_len, params, float(t)))
+
+    def step(t: int) -> ServedStep:
         out = sched.schedule(now=float(t))
         used = (num_blocks - bm.num_free_blocks) * block_size
-        rows.append(ServedStep(t, out.num_seqs, len(out.samples), used, len(sched.waiting), len(out.preempted),
-                               out.num_batched_tokens))
+        row = ServedStep(t, out.num_seqs, len(out.samples), used, len(sched.waiting), len(out.preempted),
+                         out.num_batched_tokens)
         sched.update(out, [7] * len(out.samples))
-        t += 1
-    return rows
+        return row
+
+    return _serve_by_step(requests, add, step, sched.has_unfinished)
 
 
 def serve_paged_on_engine(model, num_slots: int, requests: list[WorkloadRequest], block_size: int = 16) -> list[ServedStep]:
@@ -192,22 +191,33 @@ def serve_paged_on_engine(model, num_slots: int, requests: list[WorkloadRequest]
               max_num_seqs=len(requests), max_num_batched_tokens=num_slots, enable_prefix_caching=False, seed=0)
     engine = llm.engine
     engine.keep_trace, engine.trace = True, []
+
+    def add(r: WorkloadRequest, t: int) -> None:
+        engine.add_request(r.request_id, [7] * r.prompt_len,
+                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+
+    def step(t: int) -> ServedStep:
+        before = len(engine.trace)
+        engine.step()
+        if len(engine.trace) == before:  # nothing to run at this step (the next request has not arrived)
+            return ServedStep(t, 0, 0, 0, 0)
+        rec = engine.trace[-1]
+        return ServedStep(t, len(rec.scheduled), len(rec.sampled), rec.num_used_blocks * block_size, rec.num_waiting,
+                          len(rec.preempted), rec.num_batched_tokens)
+
+    return _serve_by_step(requests, add, step, engine.has_unfinished_requests)
+
+
+def _serve_by_step(requests: list[WorkloadRequest], add, step, busy) -> list[ServedStep]:
+    """Step ``t`` = 0, 1, ...: first ``add(request, t)`` for each request arriving by then, then ``step(t)``'s row;
+    until every request has arrived and ``busy()`` is false."""
     by_arrival = sorted(requests, key=lambda r: r.arrival)
     rows: list[ServedStep] = []
     t = 0
-    while by_arrival or engine.has_unfinished_requests():
+    while by_arrival or busy():
         while by_arrival and by_arrival[0].arrival <= t:
-            r = by_arrival.pop(0)
-            engine.add_request(r.request_id, [7] * r.prompt_len,
-                               SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-        before = len(engine.trace)
-        engine.step()
-        if len(engine.trace) > before:
-            rec = engine.trace[-1]
-            rows.append(ServedStep(t, len(rec.scheduled), len(rec.sampled), rec.num_used_blocks * block_size,
-                                   rec.num_waiting, len(rec.preempted), rec.num_batched_tokens))
-        else:  # nothing to run at this step (the next request has not arrived)
-            rows.append(ServedStep(t, 0, 0, 0, 0))
+            add(by_arrival.pop(0), t)
+        rows.append(step(t))
         t += 1
     return rows
 

@@ -315,7 +315,7 @@ class TimeBreakdown:
 
     def rows(self) -> list[tuple[str, float]]:
         return [("the model's linear layers (matrix products)", self.linear_s),
-                ("paged attention (C kernel or gathers + SDPA, KV stores)", self.attention_s),
+                ("attention and its KV stores (kvpaging: C kernel or gathers + SDPA)", self.attention_s),
                 ("other tensor ops (norms, RoPE, activations, sampling)", self.other_ops_s),
                 ("Python and dispatch (the rest of the wall time)", self.python_s)]
 
@@ -460,7 +460,6 @@ def breakdown_comparison_markdown(static: TimeBreakdown, paged: TimeBreakdown) -
              f"{static.positions / paged.positions:.2f}x |",
              f"| forward passes (steps) | {static.steps} | {paged.steps} | {static.steps / paged.steps:.2f}x |"]
     for (name, a), (_, b) in zip(static.rows(), paged.rows()):
-        name = name.replace("paged attention (C kernel or gathers + SDPA, KV stores)", "attention and KV stores")
         lines.append(f"| {name} | {a:.3f} s | {b:.3f} s | {a / b:.2f}x |" if b > 0 else f"| {name} | {a:.3f} s | 0 | |")
     lines.append(f"| the profiled run (wall) | {static.profiled_wall_s:.3f} s | {paged.profiled_wall_s:.3f} s | "
                  f"{static.profiled_wall_s / paged.profiled_wall_s:.2f}x |")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpaging.teach import text_table
 from kvpaging.teach.roofline import decode_cost, time_prefill_and_decode
 
 __all__ = ["GPU", "GPUS", "StepCurve", "bf16_matrix_units", "measure_step_curve", "gpu_step_curve",
@@ -146,11 +147,7 @@ def step_curve_table(curves: Sequence[StepCurve]) -> str:
     """Milliseconds per decode step, and the growth over the smallest batch, as an aligned text table."""
     batches = curves[0].batches
     header = ["", *[f"batch {b}" for b in batches], f"x at {batches[-1]}"]
-    rows = [[c.label, *[_ms(s) for s in c.seconds], f"{c.growth(batches[-1]):.1f}x"] for c in curves]
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(v).rjust(w) if i else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
-             for r in [header, *rows]]
-    return "\n".join(lines)
+    return text_table(header, [[c.label, *[_ms(s) for s in c.seconds], f"{c.growth(batches[-1]):.1f}x"] for c in curves])
 
 
 def _ms(seconds: float) -> str:
