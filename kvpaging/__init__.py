@@ -33,6 +33,7 @@ from kvpaging.errors import (DuplicateSequenceError, RequestFailedError, Sequenc
                      TensorParallelError, UnsupportedModelError)
 from kvpaging.core.kv_math import (
     KV_CACHE_DTYPES,
+    blocks_held,
     dtype_nbytes,
     format_bytes,
     kv_bytes_per_token,
@@ -85,6 +86,7 @@ __all__ = [
     "format_bytes",
     "kv_bytes_per_token",
     "kv_cache_bytes",
+    "blocks_held",
     "num_kv_cache_layers",
     "simulate_contiguous",
 ]

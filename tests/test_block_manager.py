@@ -562,7 +562,7 @@ def test_free_blocks_is_free_block_in_order():
         blocks = [pool.get_new_block() for _ in range(6)]
         for b in blocks:
             pool.fill(b, 4)
-        pool.cache_block(blocks[0], 123, (1, 2, 3, 4), None)
+        pool.cache_block(blocks[0], 123, (1, 2, 3, 4))
         pool.touch(blocks[1])  # shared
         pool.hold_until_copied(blocks[2])  # a pending copy's source
         table = [blocks[k] for k in (5, 4, 2, 1, 0)]

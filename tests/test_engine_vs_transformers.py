@@ -142,6 +142,10 @@ def test_preemption_gives_the_same_tokens(ref, prefix_caching):
     # 13 blocks of 4 hold one 40-token prompt plus its 12 tokens, nowhere near the whole batch
     llm = build_llm(ref.engine_model(), block_size=4, num_blocks=13, max_model_len=40 + NUM_TOKENS,
                     enable_prefix_caching=prefix_caching)
+    if llm.engine.block_manager.sliding_window:
+        # a window on every layer: the blocks it passes go back to the pool, so a sequence holds at most 3 blocks
+        # once it decodes; eight more short prompts, admitted with a block or two each, run out as they grow
+        prompts += [random_prompt(n, seed=200 + i) for i, n in enumerate((1, 2, 3, 5) * 2)]
     outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
     check_outputs(ref, prompts, outputs, what="preempted")
     assert llm.engine.scheduler.num_preemptions > 0

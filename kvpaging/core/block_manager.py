@@ -40,6 +40,15 @@ and values that step writes there (every layer stores the step's keys and values
 before it attends). So requests that arrive together with one system prompt
 compute it once. Should the step fail, ``step_done(failed=True)`` takes the blocks
 cached for it out of the cache again: their data was never written.
+
+With a sliding window on every layer (``sliding_window``: Mistral, Phi-3, Starcoder2), a query at
+position ``p`` reads only the keys after ``p - sliding_window``, so a block whose last token lies at or
+before ``q - sliding_window``, where ``q`` is the first position a sequence still has to compute, will
+never be read by that sequence again: ``allocate_slots`` and ``append_decode_slots`` give such blocks
+back to the pool as the window passes them (vLLM does the same). The table keeps its length; a passed
+entry holds -1 (no block), and the attention kernels never read it (they start at the window, or mask
+it). A sequence then holds about ``sliding_window / block_size + 1`` blocks however long it grows. The
+passed blocks stay findable in the prefix cache until they are evicted, like any freed block.
 """
 
 from __future__ import annotations
@@ -102,6 +111,7 @@ class KVCacheStats:
     table_blocks_at_peak: int = 0  # what the tables pointed at, at that same moment
     peak_table_blocks: int = 0  # the most blocks the tables pointed at (possibly at another moment)
     peak_savings_blocks: int = 0  # the most blocks sharing saved at once (table blocks minus used blocks)
+    num_passed_blocks: int = 0  # table entries given back as a sliding window passed them (all sequences, ever)
 
     @property
     def internal_fragmentation(self) -> float:
@@ -136,6 +146,10 @@ class SequenceBlocks:
     row: int = -1  # this table's row in the model runner's BlockTable (kvpaging/worker/block_table.py)
     seq_id: Hashable = None  # whose table it is
     last: KVBlock | None = None  # blocks[-1] (None while empty): read at every decode, so kept at hand
+    # with a sliding window: the leading entries given back to the pool (None in ``blocks``, -1 in ``block_ids``),
+    # and the identity of the last of them as the prefix cache knew it (its cache_id; None: it was not cached)
+    num_passed: int = 0
+    passed_cache_id: int | None = -1
 
 
 class BlockManager:
@@ -147,8 +161,10 @@ class BlockManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_fn: Callable[[int | None, tuple[int, ...]], int] = default_block_hash,
+        sliding_window: int = 0,
     ) -> None:
         check_bool("enable_prefix_caching", enable_prefix_caching)
+        self.sliding_window = check_int("sliding_window", sliding_window, 0)  # 0: keep every block
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.num_blocks = num_blocks
@@ -165,6 +181,7 @@ class BlockManager:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_cow_copies = 0
+        self._num_passed_blocks = 0
         self.reset_peak_stats()
 
     # -- queries -------------------------------------------------------------
@@ -224,6 +241,7 @@ class BlockManager:
             table_blocks_at_peak=self._table_blocks_at_peak,
             peak_table_blocks=self._peak_table_blocks,
             peak_savings_blocks=self._peak_savings_blocks,
+            num_passed_blocks=self._num_passed_blocks,
         )
 
     def reset_peak_stats(self) -> None:
@@ -301,9 +319,21 @@ class BlockManager:
             h = self.hash_fn(hashes[-1] if i else None, toks)
             block = blocks[i]
             # a prefix hit, or a block shared with a parent that cached it, is cached already
-            if block.block_hash is None and self.pool.cache_block(block, h, toks, blocks[i - 1] if i else None):
+            if block.block_hash is None and self.pool.cache_block(block, h, toks, self._parent_cache_id(st, i)):
                 self._cached_in_step.append(block)
             hashes.append(h)
+
+    @staticmethod
+    def _parent_cache_id(st: SequenceBlocks, i: int) -> int | None:
+        """The prefix-cache identity of block ``i - 1`` of ``st`` (-1 before block 0; None if not cached). A block
+        the window passed is gone from the table: it is the last one passed (blocks are offered to the cache in
+        the step that fills them, before the window can pass the next one), whose identity the table kept."""
+        if i == 0:
+            return -1
+        parent = st.blocks[i - 1]
+        if parent is None:
+            return st.passed_cache_id
+        return parent.cache_id if parent.block_hash is not None else None
 
     # -- allocation ------------------------------------------------------------
     def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
@@ -315,12 +345,16 @@ class BlockManager:
         Returns its table record, or None, changing nothing, when the pool lacks free blocks right now (the
         scheduler then preempts someone, or waits)."""
         if prefix_hit is None:
+            if self.sliding_window:  # first, whatever follows: no query of this sequence reads them again
+                self._give_back_passed(self._state(seq_id), self._seqs[seq_id].num_tokens)
             if not self.append_slots(seq_id, num_new_tokens):
                 return None
         elif not self.allocate_sequence(seq_id, num_new_tokens, prefix_hit):
             return None
         st = self._seqs[seq_id]
         self.cache_full_blocks(seq_id, token_ids, st.num_tokens)
+        if self.sliding_window and prefix_hit is not None:  # a prefix hit longer than the window
+            self._give_back_passed(st, st.num_tokens - num_new_tokens)
         return st
 
     def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
@@ -415,6 +449,9 @@ class BlockManager:
         filling = []  # unshared last blocks with room: one more slot each, filled by the pool below
         full = []  # decodes that fill their last block: cached once filled
         caching = self.enable_prefix_caching
+        if self.sliding_window:  # first, whatever follows: no query of these sequences reads them again
+            for seq in seqs:
+                self._give_back_passed(seq.blocks, seq.blocks.num_tokens)
         for seq in seqs:
             st = seq.blocks
             n = st.num_tokens
@@ -442,6 +479,27 @@ class BlockManager:
         if slow:
             self._note_peak()
         return len(rows) - served
+
+    def _give_back_passed(self, st: SequenceBlocks, first_query: int) -> None:
+        """Free the blocks the sliding window has passed: every token of block ``j`` lies at or before
+        ``first_query - sliding_window`` (no query from ``first_query`` on reads it), that is
+        ``(j + 1) * block_size <= first_query - sliding_window + 1``. (A full last block goes too when the window
+        is 1: the sequence's next token then opens a new one.)"""
+        passed = (first_query - self.sliding_window + 1) // self.block_size  # at most len(st.blocks)
+        if passed <= st.num_passed:
+            return  # (most calls: the window crosses a block boundary once every block_size tokens)
+        for j in range(st.num_passed, passed):
+            block = st.blocks[j]
+            st.passed_cache_id = block.cache_id if block.block_hash is not None else None
+            self.pool.free_block(block)  # one owner fewer: a forked sibling may still hold it
+            st.blocks[j] = None
+            st.block_ids[j] = -1
+        self._num_table_blocks -= passed - st.num_passed
+        self._num_passed_blocks += passed - st.num_passed
+        st.num_passed = passed
+        if passed == len(st.blocks):
+            st.last = None
+        self._table_updates.append((st.row, 0, list(st.block_ids)))  # (from column 0: the whole table)
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
@@ -490,15 +548,16 @@ class BlockManager:
         parent = self._state(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequenceError(f"cannot fork into sequence {child_id!r}: it already holds blocks")
-        for block in parent.blocks:
+        for block in parent.blocks[parent.num_passed:]:
             self.pool.touch(block)
         child = SequenceBlocks(list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes))
         child.row = self._take_row()
         child.seq_id = child_id
         child.last = parent.last
+        child.num_passed, child.passed_cache_id = parent.num_passed, parent.passed_cache_id
         self._table_updates.append((child.row, 0, list(child.block_ids)))
         self._seqs[child_id] = child
-        self._num_table_blocks += len(parent.blocks)
+        self._num_table_blocks += len(parent.blocks) - parent.num_passed
         self._note_peak()
         return child
 
@@ -513,8 +572,8 @@ class BlockManager:
             raise SequenceNotFoundError(
                 f"cannot free sequence {seq_id!r}: it holds no blocks (never allocated, or already freed)"
             )
-        self.pool.free_blocks(reversed(st.blocks))
-        self._num_table_blocks -= len(st.blocks)
+        self.pool.free_blocks(reversed(st.blocks[st.num_passed:] if st.num_passed else st.blocks))
+        self._num_table_blocks -= len(st.blocks) - st.num_passed
         self._free_rows.append(st.row)  # the next owner's first update rewrites the whole row
 
     def step_done(self, failed: bool = False) -> None:
@@ -556,11 +615,13 @@ class BlockManager:
         pool.check_invariants()
         owners: dict[int, int] = {}
         for seq_id, st in self._seqs.items():
-            _check(st.block_ids == [b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
+            _check(st.block_ids == [-1 if b is None else b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
+            _check(all(b is None for b in st.blocks[:st.num_passed]) and None not in st.blocks[st.num_passed:],
+                   f"{seq_id!r}: the entries passed by the window are not the leading {st.num_passed}")
             _check(st.last is (st.blocks[-1] if st.blocks else None), f"{seq_id!r}: last block out of sync")
             _check(len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks")
             _check(len(st.block_hashes) <= st.num_tokens // self.block_size, f"{seq_id!r}: hashes of unfilled blocks")
-            for i, block in enumerate(st.blocks):
+            for i, block in enumerate(st.blocks[st.num_passed:], st.num_passed):
                 _check(pool.blocks[block.block_id] is block, f"{seq_id!r} block {i} is not the pool's")
                 owners[block.block_id] = owners.get(block.block_id, 0) + 1
                 expected_fill = min(self.block_size, st.num_tokens - i * self.block_size)
@@ -569,11 +630,12 @@ class BlockManager:
             if self.enable_prefix_caching:
                 for i, h in enumerate(st.block_hashes):
                     b = st.blocks[i]
-                    _check(b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch")
+                    _check(b is None or b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch")
         for block in pool.blocks:
             _check(block.ref_cnt == owners.get(block.block_id, 0),
                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
-        _check(self._num_table_blocks == sum(len(st.blocks) for st in self._seqs.values()), "table block count")
+        _check(self._num_table_blocks == sum(len(st.blocks) - st.num_passed for st in self._seqs.values()),
+               "table block count")
         used = self.pool.num_used_blocks
         _check(self._peak_used_blocks >= used, "high-water mark of used blocks below the present")
         _check(self._peak_table_blocks >= self._num_table_blocks, "high-water mark of table blocks below the present")

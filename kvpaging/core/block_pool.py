@@ -275,16 +275,17 @@ class BlockPool:
                 return block
         return None
 
-    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> bool:
+    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
+                    parent_cache_id: int | None = -1) -> bool:
         """Make a full, computed block findable under ``block_hash``; False when it stays uncached.
 
-        A block is cached only after a cached parent, so a chain is cached from
-        its start. Blocks already cached under the same hash stay (see the
+        ``parent_cache_id`` is the identity (``cache_id``) of the block before it in its sequence, -1 for a
+        sequence's first block, None when that block is not cached: a block is cached only after a cached
+        parent, so a chain is cached from its start. Blocks already cached under the same hash stay (see the
         module docstring on twins).
         """
-        if parent is not None and parent.block_hash is None:
+        if parent_cache_id is None:
             return False
-        parent_cache_id = -1 if parent is None else parent.cache_id
         twin = self._find(block_hash, token_ids, parent_cache_id)
         if twin is not None:  # the same content: one identity, so a chain may pass through either copy
             block.cache_id = twin.cache_id

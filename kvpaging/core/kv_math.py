@@ -116,8 +116,11 @@ def paged_kv_bytes_per_token(config: Any, dtype: torch.dtype | str = torch.bfloa
     """Bytes of keys and values per token in kvpaging's paged cache, which has a store for every layer.
 
     The same as `kv_bytes_per_token` for a model of full-attention layers. A sliding-window
-    layer needs only its window, but the engine keeps its blocks as a full layer's (every
-    layer of a sequence shares one block table), so here it counts as one.
+    layer needs only its window, but every layer of a sequence shares one block table, so a
+    block is kept while any layer still reads it: here a sliding layer counts as a full one.
+    When *every* layer slides, the blocks the window has passed go back to the pool, and a
+    sequence holds only `blocks_held(num_tokens, block_size, window)` blocks of this many bytes
+    per slot.
     """
     num_layers = _required_positive_int(_language_model_config(config), "num_hidden_layers")
     return num_layers * _layer_kv_bytes_per_token(config, dtype)
@@ -131,6 +134,25 @@ def kv_cache_bytes(config: Any, num_tokens: int, dtype: torch.dtype | str = torc
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got num_tokens={num_tokens}")
     return kv_bytes_per_token(config, dtype) * int(num_tokens)
+
+
+def blocks_held(num_tokens: int, block_size: int, window: int = 0) -> int:
+    """Blocks one sequence of ``num_tokens`` tokens holds in kvpaging's paged cache while its last token is
+    computed: every block, ``ceil(num_tokens / block_size)``, without a window. With a window of ``window``
+    tokens on every layer (``kvpaging.worker.model_runner.passing_window``), that last query reads positions
+    ``num_tokens - window`` to ``num_tokens - 1`` only, and the blocks before the one holding the first of
+    them have gone back to the pool, so the count stops growing at about ``window / block_size + 1``.
+
+        >>> blocks_held(32768, 16), blocks_held(32768, 16, window=4096)
+        (2048, 256)
+    """
+    for name, value in (("num_tokens", num_tokens), ("block_size", block_size), ("window", window)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < (name == "block_size"):
+            raise ValueError(f"{name} must be an integer >= {int(name == 'block_size')}, got {name}={value!r}")
+    every = -(-num_tokens // block_size)
+    if not window or num_tokens <= window:
+        return every
+    return every - (num_tokens - window) // block_size
 
 
 def format_bytes(num_bytes: int) -> str:

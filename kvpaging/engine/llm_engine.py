@@ -38,7 +38,7 @@ from kvpaging.engine.outputs import RequestOutput, request_output
 from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
 from kvpaging.errors import DuplicateSequenceError, RequestFailedError
 from kvpaging.sampling_params import RequestOutputKind, SamplingParams
-from kvpaging.worker.model_runner import ModelRunner, check_model_supported
+from kvpaging.worker.model_runner import ModelRunner, check_model_supported, passing_window
 from kvpaging.worker.sampler import RowHistory, Sampler, SamplerOutput, make_generator
 from kvpaging.worker.self_check import CHECKED, SelfCheckResult, measure_kv_layout, model_fingerprint, run_self_check
 
@@ -70,7 +70,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
         self.scheduler = Scheduler(
-            BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching),
+            # with a window on every layer, blocks the window has passed go back to the pool
+            BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                         sliding_window=passing_window(model.config)),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,

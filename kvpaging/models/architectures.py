@@ -349,7 +349,10 @@ def _check_mode(model, prompt: list[int], expected: list[int], mode: str) -> Ver
                                f"{expected}", position=position, expected=expected, got=got)
             details.append(f"run {run + 1}: {tie}")
     if mode == "chunked_prefix":
-        details.append(f"prefix hits {llm.engine.block_manager.stats().prefix_hit_tokens} tokens")
+        stats = llm.engine.block_manager.stats()
+        details.append(f"prefix hits {stats.prefix_hit_tokens} tokens")
+        if stats.num_passed_blocks:  # a window on every layer: blocks it passed went back to the pool
+            details.append(f"{stats.num_passed_blocks} blocks passed by the window")
     return Verdict(EXACT, "; ".join(details), expected=expected, got=expected)
 
 

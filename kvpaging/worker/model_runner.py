@@ -59,6 +59,14 @@ def layer_windows(config) -> list:
     return [window] * getattr(config, "num_hidden_layers", 0)
 
 
+def passing_window(config) -> int:
+    """The window after which no layer reads a key again, so a sequence's older blocks can go back to the pool
+    (``BlockManager(sliding_window=...)``): the widest window when every layer slides (Mistral, Phi-3,
+    Starcoder2), 0 when some layer attends to everything (Gemma 2 and 3's global layers keep every block)."""
+    windows = layer_windows(config)
+    return max(windows) if windows and all(windows) else 0
+
+
 def check_model_supported(model) -> None:
     """Refuse models whose config declares what kvpaging cannot serve, saying which feature is the problem.
 
