@@ -1,0 +1,354 @@
+"""Lesson 12: a paged engine the learner puts together from pieces they write, serving the trained model.
+
+The pieces, each a few lines, each with a reference answer here of the same signature:
+
+- an **allocator** (lesson 04's ``MyAllocator``): ``allocate(seq_id, num_tokens) -> bool``,
+  ``append(seq_id) -> bool``, ``free(seq_id)``, ``table(seq_id) -> list[int]``, ``num_free_blocks``;
+- ``slot_mapping(table, start, num_tokens, block_size) -> list[int]``: the cache slot of each of a
+  sequence's positions ``start .. start + num_tokens - 1`` (block ``table[p // block_size]``, offset
+  ``p % block_size``);
+- ``store_kv(k_cache, v_cache, keys, values, slots)``: this step's keys and values written at their slots
+  (caches ``[num_blocks, block_size, kv_heads, head_dim]``, keys ``[tokens, kv_heads, head_dim]``);
+- ``attend(queries, k_cache, v_cache, table, seq_len, scale) -> [tokens, heads, head_dim]``: one sequence's
+  new queries (its last ``tokens`` positions) over its ``seq_len`` cached keys and values, causal, with
+  grouped-query heads;
+- ``sample(logits) -> int``: the next token from one row of logits (greedy here).
+
+:func:`use` takes the learner's piece when it is written and agrees with the reference on random cases,
+and says which it took (the reference, when the piece raises ``NotImplementedError`` or differs, with
+the first case where it differs), so the lesson runs from top to bottom before anything is written.
+:class:`MiniEngine` then runs a transformers model with those pieces as its attention (registered through
+``AttentionInterface``, as the engine does) and a continuous-batching loop of a screen's length.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "use", "MiniEngine"]
+
+
+# -- the reference pieces -------------------------------------------------------------------------------------
+class ReferenceAllocator:
+    """Lesson 04's allocator: a free list and a table per sequence; a block is taken only when one is full."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.free_list = list(range(num_blocks))
+        self.tables: dict = {}
+        self.lengths: dict = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_list)
+
+    def allocate(self, seq_id, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.block_size)
+        if needed > len(self.free_list):
+            return False
+        self.tables[seq_id] = [self.free_list.pop() for _ in range(needed)]
+        self.lengths[seq_id] = num_tokens
+        return True
+
+    def append(self, seq_id) -> bool:
+        if self.lengths[seq_id] % self.block_size == 0:  # the last block is full: one more
+            if not self.free_list:
+                return False
+            self.tables[seq_id].append(self.free_list.pop())
+        self.lengths[seq_id] += 1
+        return True
+
+    def free(self, seq_id) -> None:
+        self.free_list.extend(reversed(self.tables.pop(seq_id)))
+        del self.lengths[seq_id]
+
+    def table(self, seq_id) -> list[int]:
+        return self.tables[seq_id]
+
+
+def slot_mapping(table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    """The cache slot of each position ``start .. start + num_tokens - 1`` of a sequence with block table ``table``."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             slots: list[int]) -> None:
+    """Write each token's key and value at its slot: the cache seen as one row per slot."""
+    num_blocks, block_size = k_cache.shape[:2]
+    index = torch.tensor(slots, device=k_cache.device)
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[index] = keys
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[index] = values
+
+
+def attend(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], seq_len: int,
+           scale: float) -> torch.Tensor:
+    """Causal attention of a sequence's last ``len(queries)`` positions over its first ``seq_len`` cached tokens."""
+    num_queries, num_heads, _ = queries.shape
+    block_size = k_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    # 1. gather the sequence's keys and values, in order, from its blocks
+    keys = k_cache[table[:num_blocks]].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+    values = v_cache[table[:num_blocks]].flatten(0, 1)[:seq_len]
+    # 2. grouped-query attention: each KV head serves num_heads / kv_heads query heads
+    group = num_heads // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    # 3. scores, with the causal mask aligned to the end: query i sits at position seq_len - num_queries + i
+    scores = torch.einsum("qhd,khd->hqk", queries.float(), keys.float()) * scale
+    query_pos = torch.arange(seq_len - num_queries, seq_len, device=queries.device)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len, device=queries.device)[None, :] > query_pos, float("-inf"))
+    # 4. softmax, then the weighted sum of the values
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values.float()).to(queries.dtype)
+
+
+def sample(logits: torch.Tensor) -> int:
+    """Greedy: the most likely token."""
+    return int(logits.argmax())
+
+
+REFERENCES = {"allocator": ReferenceAllocator, "slot_mapping": slot_mapping, "store_kv": store_kv,
+              "attend": attend, "sample": sample}
+
+
+# -- checking a learner's piece ------------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """Which piece :func:`use` took, and why."""
+
+    name: str
+    piece: object  # the learner's, or the reference
+    mine: bool  # True: the learner's piece, checked
+    cases: int = 0  # random cases both agreed on
+    reason: str = ""  # why the reference was taken
+
+    def __repr__(self) -> str:
+        if self.mine:
+            what = "operations of random workloads, against kvpaging's BlockManager" if self.name == "allocator" \
+                else "random cases"
+            return f"{self.name}: yours, the same as the reference on {self.cases:,} {what}"
+        return f"{self.name}: using the reference (kvpaging.teach.mini_engine), because {self.reason}"
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython's display)
+
+
+def use(name: str, mine, cases: int = 30, seed: int = 0) -> Choice:
+    """The learner's piece ``name`` if it is written and agrees with the reference on ``cases`` random cases
+    (the allocator: lesson 04's check against kvpaging's BlockManager); the reference otherwise, saying why."""
+    reference = REFERENCES[name]
+    rng = random.Random(seed)
+    try:
+        if name == "allocator":
+            from kvpaging.teach.build import check_block_allocator
+
+            check = check_block_allocator(mine, workloads=10)
+            if not check.passed:
+                return Choice(name, reference, False, reason=f"yours differs from kvpaging's: {check.difference}")
+            return Choice(name, mine, True, check.operations)
+        for case in range(cases):
+            difference = _CHECKS[name](mine, rng)
+            if difference:
+                return Choice(name, reference, False, reason=f"yours differs in random case {case + 1}: {difference}")
+    except NotImplementedError:
+        return Choice(name, reference, False, reason="it is not written yet (it raises NotImplementedError)")
+    except Exception as error:  # noqa: BLE001 - a learner's piece may fail in any way: say how
+        return Choice(name, reference, False, reason=f"yours raised {type(error).__name__}: {error}")
+    return Choice(name, mine, True, cases)
+
+
+def _random_table(rng: random.Random, num_blocks: int, length: int, block_size: int) -> list[int]:
+    return rng.sample(range(num_blocks), -(-length // block_size))
+
+
+def _check_slot_mapping(mine, rng) -> str:
+    block_size = rng.choice([1, 2, 4, 16])
+    length = rng.randint(1, 60)
+    table = _random_table(rng, 64, length, block_size)
+    start = rng.randint(0, length - 1)
+    n = rng.randint(1, length - start)
+    got, want = list(mine(list(table), start, n, block_size)), slot_mapping(table, start, n, block_size)
+    return "" if got == want else f"table {table}, start {start}, {n} tokens, block_size {block_size}: {got} != {want}"
+
+
+def _caches(rng, block_size=4, num_blocks=12, kv_heads=2, head_dim=8):
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g), g
+
+
+def _check_store_kv(mine, rng) -> str:
+    k_cache, v_cache, g = _caches(rng)
+    n = rng.randint(1, 10)
+    slots = rng.sample(range(k_cache.shape[0] * k_cache.shape[1]), n)
+    keys, values = torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    store_kv(want_k, want_v, keys, values, slots)
+    mine(k_cache, v_cache, keys, values, list(slots))
+    if not (torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)):
+        wrong = (k_cache != want_k).any(-1).any(-1).nonzero().tolist()[:3]
+        return f"{n} tokens at slots {slots}: the caches differ at (block, offset) {wrong}"
+    return ""
+
+
+def _check_attend(mine, rng) -> str:
+    k_cache, v_cache, g = _caches(rng)
+    seq_len = rng.randint(1, 40)
+    table = _random_table(rng, k_cache.shape[0], seq_len, k_cache.shape[1])
+    num_queries = rng.choice([1, 1, rng.randint(1, seq_len)])
+    queries = torch.randn(num_queries, 4, 8, generator=g)  # 4 query heads over 2 KV heads
+    got = mine(queries, k_cache, v_cache, list(table), seq_len, 8 ** -0.5)
+    want = attend(queries, k_cache, v_cache, table, seq_len, 8 ** -0.5)
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{num_queries} queries over {seq_len} tokens: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    error = float((got.float() - want).abs().max())
+    return "" if error < 1e-4 else f"{num_queries} queries over {seq_len} tokens: off by up to {error:.3g}"
+
+
+def _check_sample(mine, rng) -> str:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    got, want = int(mine(logits)), sample(logits)
+    return "" if got == want else f"logits with the largest at {want}: chose {got}"
+
+
+_CHECKS = {"slot_mapping": _check_slot_mapping, "store_kv": _check_store_kv, "attend": _check_attend,
+           "sample": _check_sample}
+
+
+# -- the engine -----------------------------------------------------------------------------------------------------
+@dataclass
+class _Sequence:
+    seq_id: int
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    computed: int = 0  # tokens whose keys and values are in the cache
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class _Step:
+    """What the attention function needs in one forward pass: per sequence its table, first position, new tokens
+    and their slots (in the order their tokens are packed)."""
+
+    seqs: list[tuple[list[int], int, int, list[int]]] = field(default_factory=list)
+
+
+_REGISTERED = False
+
+
+class MiniEngine:
+    """A paged engine in one screen: continuous batching over a block pool, with the learner's pieces.
+
+    No prefix cache, no chunked prefill, no preemption (a request waits until its prompt fits), greedy only:
+    what kvpaging adds to this is lessons 05 to 09. ``parts`` maps each piece's name to the function (or, for
+    ``"allocator"``, the class) to use; a missing one is the reference.
+    """
+
+    def __init__(self, model, parts: dict | None = None, num_blocks: int = 64, block_size: int = 16,
+                 max_num_seqs: int = 8) -> None:
+        self.parts = {**REFERENCES, **(parts or {})}
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.allocator = self.parts["allocator"](num_blocks, block_size)
+        self.model = copy.deepcopy(model).eval()  # the user's model keeps its own attention
+        _register()
+        self.model.set_attn_implementation("mini_paged")
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+        weight = next(self.model.parameters())
+        self.device = weight.device
+        self.caches = [(torch.zeros(shape, dtype=weight.dtype, device=self.device),
+                        torch.zeros(shape, dtype=weight.dtype, device=self.device))
+                       for _ in range(config.num_hidden_layers)]
+        self.step_info = _Step()
+        self.num_steps = 0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, eos_token_id: int | None = None) -> list[list[int]]:
+        """Every prompt's greedy answer (up to ``max_tokens`` tokens, or to ``eos_token_id``), in order."""
+        waiting = [_Sequence(i, list(p), len(p)) for i, p in enumerate(prompts)]
+        running: list[_Sequence] = []
+        done: dict[int, list[int]] = {}
+        while waiting or running:
+            self.step(waiting, running)
+            for seq in list(running):
+                if len(seq.output) >= max_tokens or seq.output[-1] == eos_token_id:
+                    running.remove(seq)
+                    self.allocator.free(seq.seq_id)
+                    done[seq.seq_id] = seq.output
+        return [done[i] for i in range(len(prompts))]
+
+    def step(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
+        """One step: admit what fits, give every running sequence a slot, one forward pass, one token each."""
+        self.admit(waiting, running)
+        self.give_slots(waiting, running)
+        self.run(running)
+        self.num_steps += 1
+
+    def admit(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
+        """Waiting requests join, oldest first, while there are seats and the allocator has blocks for them."""
+        while waiting and len(running) < self.max_num_seqs and self.allocator.allocate(waiting[0].seq_id,
+                                                                                          len(waiting[0].tokens)):
+            running.append(waiting.pop(0))
+
+    def give_slots(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
+        """A slot for the new token of every sequence that has computed its prompt (``waiting``: for engines
+        that preempt, exercise 2)."""
+        for seq in running:
+            if seq.computed and not self.allocator.append(seq.seq_id):
+                raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
+
+    def run(self, running: list[_Sequence]) -> None:
+        """Pack every sequence's new tokens into one row, run the model once, sample one token each."""
+        ids, positions, self.step_info = [], [], _Step()
+        for seq in running:  # a new sequence brings its prompt, a running one its last token
+            start, n = seq.computed, len(seq.tokens) - seq.computed
+            table = self.allocator.table(seq.seq_id)
+            slots = self.parts["slot_mapping"](table, start, n, self.block_size)
+            self.step_info.seqs.append((table, start, n, slots))
+            ids += seq.tokens[start:]
+            positions += range(start, start + n)
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                position_ids=torch.tensor([positions], device=self.device),
+                                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device),  # ignored
+                                use_cache=False, mini_engine=self).logits[0]  # passed on to every attention call
+        end = 0
+        for seq, (_, _, n, _) in zip(running, self.step_info.seqs):
+            end += n
+            seq.computed = len(seq.tokens)
+            seq.tokens.append(self.parts["sample"](logits[end - 1]))  # the row of its last token
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """One layer's attention, as transformers calls it: store this step's keys and values, then attend."""
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
+        k_cache, v_cache = self.caches[module.layer_idx]
+        out, first = [], 0
+        for table, start, n, slots in self.step_info.seqs:
+            self.parts["store_kv"](k_cache, v_cache, k[first:first + n], v[first:first + n], slots)
+            out.append(self.parts["attend"](q[first:first + n], k_cache, v_cache, table, start + n,
+                                            scaling or q.shape[-1] ** -0.5))
+            first += n
+        return torch.cat(out).unsqueeze(0), None  # [1, tokens, heads, head_dim]
+
+
+def _register() -> None:
+    """One attention function, "mini_paged", for every MiniEngine: it calls the engine the forward pass names."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("mini_paged", _attention)
+    AttentionMaskInterface.register("mini_paged", sdpa_mask)
+    _REGISTERED = True
+
+
+def _attention(module, *args, mini_engine: MiniEngine | None = None, **kwargs):
+    if mini_engine is None:
+        raise RuntimeError("the mini engine's model was called outside MiniEngine.step: no cache to attend over")
+    return mini_engine.attention(module, *args, **kwargs)

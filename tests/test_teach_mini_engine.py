@@ -1,0 +1,113 @@
+"""Lesson 12's pieces and engine: the checks catch the mistakes a learner makes, and the engine the pieces make
+gives transformers' generate() tokens (its own run of the model, which kvpaging's code does not touch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpaging.models import tiny
+from kvpaging.teach import mini_engine as me
+from kvpaging.teach.mini_engine import MiniEngine, use
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_references_pass_their_own_checks():
+    for name, piece in me.REFERENCES.items():
+        choice = use(name, piece)
+        assert choice.mine and choice.piece is piece, choice
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+class _LeakyAllocator(me.ReferenceAllocator):
+    def free(self, seq_id):  # forgets to give the blocks back
+        del self.tables[seq_id], self.lengths[seq_id]
+
+
+WRONG = {
+    "slot_mapping": lambda t, s, n, bs: [t[p // bs] * bs + p % bs + 1 for p in range(s, s + n)],  # one slot too far
+    "store_kv": lambda kc, vc, k, v, slots: me.store_kv(kc, vc, v, k, slots),  # keys and values swapped
+    "attend": lambda q, kc, vc, t, n, sc: me.attend(q, kc, vc, t, n, sc * 2),  # the wrong scale
+    "sample": lambda logits: int(logits.argmin()),
+    "allocator": _LeakyAllocator,
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_a_wrong_piece_is_caught_and_the_reference_taken(name):
+    choice = use(name, WRONG[name])
+    assert not choice.mine and choice.piece is me.REFERENCES[name]
+    assert "differs" in choice.reason
+
+
+def test_a_start_aligned_mask_is_caught():
+    """The mistake lesson 04b warns about: SDPA's is_causal aligns the mask to the start, right only for a prompt."""
+    def start_aligned(q, k_cache, v_cache, table, seq_len, scale):
+        k = k_cache[table[: -(-seq_len // k_cache.shape[1])]].flatten(0, 1)[:seq_len].repeat_interleave(2, dim=1)
+        v = v_cache[table[: -(-seq_len // v_cache.shape[1])]].flatten(0, 1)[:seq_len].repeat_interleave(2, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                               v.transpose(0, 1), is_causal=True, scale=scale)
+        return out.transpose(0, 1)
+
+    assert not use("attend", start_aligned).mine
+
+
+def test_stubs_and_crashes_say_why():
+    choice = use("attend", _stub)
+    assert not choice.mine and "not written yet" in repr(choice)
+    choice = use("slot_mapping", lambda *a: 1 / 0)
+    assert not choice.mine and "ZeroDivisionError" in choice.reason
+
+
+def _generate(model, prompts, max_tokens):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            o = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                               min_new_tokens=max_tokens, pad_token_id=0)
+        out.append(o[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(one_thread):
+    model = tiny("llama", num_key_value_heads=2)
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (1, 7, 16, 17, 30)]
+    return model, prompts, _generate(model, prompts, 12)
+
+
+def test_the_engine_gives_generates_tokens(model_and_reference):
+    model, prompts, expected = model_and_reference
+    before = model.config._attn_implementation
+    engine = MiniEngine(model, num_blocks=40, block_size=4, max_num_seqs=3)  # 3 at a time: later ones wait
+    assert engine.generate(prompts, 12) == expected
+    assert engine.allocator.num_free_blocks == 40
+    assert model.config._attn_implementation == before, "the user's model keeps its own attention"
+
+
+def test_an_off_by_one_slot_shows_in_the_tokens(model_and_reference):
+    """The lesson's claim: a slot one too far (within the pool) changes the answers."""
+    model, prompts, expected = model_and_reference
+    shifted = lambda t, s, n, bs: [(t[p // bs] * bs + p % bs + 1) % (40 * bs) for p in range(s, s + n)]  # noqa: E731
+    engine = MiniEngine(model, {"slot_mapping": shifted}, num_blocks=40, block_size=4, max_num_seqs=3)
+    assert engine.generate(prompts, 12) != expected
+
+
+def test_a_full_pool_is_an_error_that_says_so(model_and_reference):
+    model, prompts, _ = model_and_reference
+    engine = MiniEngine(model, num_blocks=8, block_size=4, max_num_seqs=5)
+    with pytest.raises(RuntimeError, match="no preemption"):
+        engine.generate(prompts, 12)
+
+
+def test_the_model_cannot_be_called_outside_a_step(model_and_reference):
+    engine = MiniEngine(model_and_reference[0], num_blocks=8, block_size=4)
+    with pytest.raises(RuntimeError, match="outside MiniEngine.step"):
+        engine.model(torch.tensor([[5, 6, 7]]))
