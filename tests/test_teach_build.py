@@ -1,6 +1,7 @@
 """The build-it checkers of lessons 04 and 05 (kvpaging.teach.build): a correct learner's answer passes,
 and each classic mistake is caught and located."""
 
+import pytest
 import torch
 
 from kvpaging.teach.build import check_block_allocator, check_paged_attention, check_step_planner
@@ -195,3 +196,47 @@ def test_step_planner_checker():
         assert not res.passed and "yours:" in res.difference and "kvpaging's:" in res.difference, (wrong, res)
     crash = check_step_planner(lambda *args: 1 / 0)
     assert not crash.passed and "ZeroDivisionError" in crash.difference
+
+
+# -- the build-its ship as stubs: until the learner's piece exists, the check runs on the reference answer --------
+def _raises(*args, **kwargs):
+    raise NotImplementedError
+
+
+class _StubClass:
+    def __init__(self, num_blocks, block_size):
+        pass
+
+    def allocate(self, seq_id, num_tokens):
+        raise NotImplementedError
+
+
+def test_a_stub_is_checked_as_the_reference_and_says_so():
+    from kvpaging.teach import build
+
+    for result, reference in [(check_block_allocator(_StubClass), "ReferenceAllocator"),
+                              (check_block_allocator(_StubClass, fork=True), "ReferenceSharingAllocator"),
+                              (check_paged_attention(_raises), "reference_paged_attention"),
+                              (check_step_planner(_raises), "reference_plan_step")]:
+        assert not result.written and result.passed
+        text = repr(result)
+        assert text.startswith("NOT WRITTEN YET") and f"kvpaging.teach.build.{reference}" in text
+        assert "your " not in text.split("\n", 1)[1], "the second line speaks of the reference answer, not yours"
+    # the reference answers are what the checks say they are: each passes as a learner's piece would
+    for piece, check in [(build.ReferenceAllocator, check_block_allocator),
+                         (build.reference_paged_attention, check_paged_attention),
+                         (build.reference_plan_step, check_step_planner)]:
+        result = check(piece)
+        assert result.written and result.passed
+    assert check_block_allocator(build.ReferenceSharingAllocator, fork=True).passed
+
+
+def test_a_written_piece_that_fails_for_another_reason_is_not_taken_for_a_stub():
+    class Crashes:
+        def __init__(self, num_blocks, block_size):
+            raise ValueError("a bug, not a stub")
+
+    with pytest.raises(ValueError, match="a bug"):
+        check_block_allocator(Crashes)
+    crash = check_paged_attention(lambda *args: 1 / 0)
+    assert crash.written and not crash.passed

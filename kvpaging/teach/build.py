@@ -14,6 +14,11 @@ figures written down here: the reference is the engine's own code.
   chunked prefill (who runs, with how many tokens, under a token budget and a
   sequence cap), against :class:`kvpaging.core.scheduler.Scheduler`'s own decisions.
 
+The build-its ship as stubs that raise ``NotImplementedError``. Until the learner's piece exists, each
+checker runs the same check on a reference answer kept here (:class:`ReferenceAllocator`,
+:class:`ReferenceSharingAllocator`, :func:`reference_paged_attention`, :func:`reference_plan_step`) and says so,
+so a lesson runs from top to bottom before anything is written.
+
 Block ids are the allocator's own business (which free block comes next is a
 policy), so tables are compared up to a renaming of blocks: two allocators
 agree when, after every operation, the same sequences share the same blocks at
@@ -23,12 +28,148 @@ the same positions, they hold as many blocks, and they agree on every refusal.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 __all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention", "PlannerCheck",
-           "check_step_planner"]
+           "check_step_planner", "ReferenceAllocator", "ReferenceSharingAllocator", "reference_paged_attention",
+           "reference_plan_step"]
+
+NOT_WRITTEN = ("NOT WRITTEN YET: yours raises NotImplementedError, so this ran on the reference answer "
+               "(kvpaging.teach.build.{}) instead. Write yours and run the check again.\n")
+
+
+def _is_stub(probe) -> bool:
+    """Whether calling ``probe()`` (a first, small use of a learner's piece) meets a ``NotImplementedError``."""
+    try:
+        probe()
+    except NotImplementedError:
+        return True
+    except Exception:  # noqa: BLE001 - written, if wrong: the check itself reports it
+        return False
+    return False
+
+
+# -- the reference answers behind the stubs -------------------------------------------------------
+class ReferenceAllocator:
+    """Lesson 04's allocator: a free list and a table per sequence; a block is taken only when one is full."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.free_list = list(range(num_blocks))
+        self.tables: dict = {}
+        self.lengths: dict = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_list)
+
+    def table(self, seq_id) -> list[int]:
+        return self.tables[seq_id]
+
+    def allocate(self, seq_id, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.block_size)  # ceil: the last block may be partly filled
+        if needed > len(self.free_list):
+            return False
+        self.tables[seq_id] = [self.free_list.pop() for _ in range(needed)]
+        self.lengths[seq_id] = num_tokens
+        return True
+
+    def append(self, seq_id) -> bool:
+        if self.lengths[seq_id] % self.block_size == 0:  # the last block is full: one more
+            if not self.free_list:
+                return False
+            self.tables[seq_id].append(self.free_list.pop())
+        self.lengths[seq_id] += 1
+        return True
+
+    def free(self, seq_id) -> None:
+        self.free_list.extend(self.tables.pop(seq_id))
+        del self.lengths[seq_id]
+
+
+class ReferenceSharingAllocator(ReferenceAllocator):
+    """Lesson 05's: lesson 04's with a reference count per block, ``fork`` and copy-on-write."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.refs = [0] * num_blocks  # how many tables list each block
+
+    def _take(self) -> int:
+        block = self.free_list.pop()
+        self.refs[block] = 1
+        return block
+
+    def allocate(self, seq_id, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.block_size)
+        if needed > len(self.free_list):
+            return False
+        self.tables[seq_id] = [self._take() for _ in range(needed)]
+        self.lengths[seq_id] = num_tokens
+        return True
+
+    def fork(self, parent_id, child_id) -> None:
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.lengths[child_id] = self.lengths[parent_id]
+        for block in self.tables[child_id]:
+            self.refs[block] += 1
+
+    def append(self, seq_id) -> bool:
+        table = self.tables[seq_id]
+        full = self.lengths[seq_id] % self.block_size == 0
+        shared = not full and self.refs[table[-1]] > 1
+        if (full or shared) and not self.free_list:
+            return False
+        if full:
+            table.append(self._take())
+        elif shared:  # copy-on-write: a private copy replaces the shared last block
+            self.refs[table[-1]] -= 1
+            table[-1] = self._take()
+        self.lengths[seq_id] += 1
+        return True
+
+    def free(self, seq_id) -> None:
+        for block in self.tables.pop(seq_id):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free_list.append(block)
+        del self.lengths[seq_id]
+
+
+def reference_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Lesson 04b's: for each sequence, gather its keys and values through its table, then softmax attention."""
+    batch, num_heads, _ = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for b in range(batch):
+        t = torch.arange(int(seq_lens[b]))
+        blocks = block_tables[b, t // block_size].long()  # the physical block of every token
+        keys, values = k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]  # [tokens, kv heads, dim]
+        for h in range(num_heads):
+            scores = keys[:, h // group] @ query[b, h] * scale
+            out[b, h] = torch.softmax(scores, dim=0) @ values[:, h // group]
+    return out
+
+
+def reference_plan_step(running, waiting, budget, max_num_seqs):
+    """Lesson 07's: running sequences first, each cut to the budget left; then waiting prompts while budget and
+    seats last, the last one admitted possibly with a first chunk."""
+    planned = {}
+    for seq_id, left in running:  # running sequences first, in arrival order
+        if budget == 0:
+            break
+        planned[seq_id] = min(left, budget)
+        budget -= planned[seq_id]
+    seats = len(running)
+    for seq_id, left in waiting:  # then the queue, while budget and seats last
+        if budget == 0 or seats == max_num_seqs:
+            break
+        planned[seq_id] = min(left, budget)  # a prompt longer than the budget left: its first chunk now
+        budget -= planned[seq_id]
+        seats += 1
+    return planned
 
 
 # -- the block allocator -------------------------------------------------------------------------
@@ -43,8 +184,13 @@ class AllocatorCheck:
     copies: int  # copy-on-write copies the reference made
     difference: str = ""  # where the two first differ, and how
     fork: bool = False  # whether fork and copy-on-write were checked
+    written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
 
     def __repr__(self) -> str:
+        if not self.written:
+            reference = "ReferenceSharingAllocator" if self.fork else "ReferenceAllocator"
+            return NOT_WRITTEN.format(reference) + repr(replace(self, written=True)).replace(
+                "your allocator", "the reference answer")
         if self.passed:
             return (f"OK: your allocator matches kvpaging's BlockManager on {self.workloads} random workloads "
                     f"({self.operations:,} operations, {self.refusals} refused for lack of blocks"
@@ -178,6 +324,10 @@ def check_block_allocator(make, fork: bool = False, workloads: int = 40, ops: in
     out) is run on both; after every operation the answers, the free counts and
     the tables (up to a renaming of block ids) must agree.
     """
+    if _is_stub(lambda: _probe_allocator(make, fork)):
+        reference = ReferenceSharingAllocator if fork else ReferenceAllocator
+        return replace(check_block_allocator(reference, fork, workloads, ops, num_blocks, block_size, seed),
+                       written=False)
     totals = {"operations": 0, "refusals": 0, "copies": 0}
     rng = random.Random(seed)
     for w in range(workloads):
@@ -186,6 +336,17 @@ def check_block_allocator(make, fork: bool = False, workloads: int = 40, ops: in
             return AllocatorCheck(False, w + 1, totals["operations"], totals["refusals"], totals["copies"],
                                   f"workload {w + 1} (pool of {num_blocks} blocks of {block_size} slots), {diff}", fork)
     return AllocatorCheck(True, workloads, totals["operations"], totals["refusals"], totals["copies"], fork=fork)
+
+
+def _probe_allocator(make, fork: bool) -> None:
+    allocator = make(8, 4)
+    allocator.allocate("probe", 5)
+    allocator.append("probe")
+    allocator.table("probe")
+    _free_count(allocator)
+    if fork:
+        allocator.fork("probe", "child")
+    allocator.free("probe")
 
 
 # -- attention through block tables ----------------------------------------------------------------
@@ -198,8 +359,12 @@ class AttentionCheck:
     max_abs_diff: float  # over all cases compared
     difference: str = ""
     shapes: list = field(default_factory=list, repr=False)
+    written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
 
     def __repr__(self) -> str:
+        if not self.written:
+            return NOT_WRITTEN.format("reference_paged_attention") + repr(replace(self, written=True)).replace(
+                "your attention", "the reference answer")
         if self.passed:
             return (f"OK: your attention matches kvpaging's reference on {self.cases} random paged caches "
                     f"(largest difference {self.max_abs_diff:.1e}).")
@@ -222,6 +387,9 @@ def check_paged_attention(fn, cases: int = 12, seed: int = 0, atol: float = 1e-4
     from kvpaging.kernels import reference
     from kvpaging.kernels.testing import random_paged_kv
 
+    if _is_stub(lambda: fn(torch.zeros(1, 2, 4), torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4),
+                           torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 0.5)):
+        return replace(check_paged_attention(reference_paged_attention, cases, seed, atol), written=False)
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     worst = 0.0
@@ -272,8 +440,12 @@ class PlannerCheck:
     chunked: int  # prompts kvpaging cut into chunks (a prompt that did not fit the step's budget)
     capped: int  # steps in which the sequence cap kept a waiting request out
     difference: str = ""
+    written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
 
     def __repr__(self) -> str:
+        if not self.written:
+            return NOT_WRITTEN.format("reference_plan_step") + repr(replace(self, written=True)).replace(
+                "your planner", "the reference answer")
         if self.passed:
             return (f"OK: your planner matches kvpaging's scheduler on {self.workloads} random workloads "
                     f"({self.steps:,} steps, {self.chunked} prompts cut into chunks, {self.capped} steps at the "
@@ -303,6 +475,8 @@ def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck
     from kvpaging.core.sequence import Request
     from kvpaging.sampling_params import SamplingParams
 
+    if _is_stub(lambda: plan([], [("probe", 3)], 4, 2)):
+        return replace(check_step_planner(reference_plan_step, workloads, seed), written=False)
     rng = random.Random(seed)
     steps = chunked = capped = 0
     for w in range(1, workloads + 1):
