@@ -88,16 +88,14 @@ def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tens
 
 
 def tables_in_range(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The block tables as int64, with every entry past a sequence's last block, and every entry of a block a
-    sliding window has passed (-1: given back to the pool), set to block 0.
+    """The block tables as int64, with every entry past a sequence's last block set to block 0.
 
-    Those entries are padding, or hold no block, and may hold any number; pointing them at block 0
-    keeps a gather in range. The tokens they bring in must be masked by the caller (the window masks
-    the passed ones).
+    Those entries are padding and may hold any number; pointing them at block 0
+    keeps a gather in range. The tokens they bring in must be masked by the caller.
     """
     blocks_in_use = (seq_lens.long() + block_size - 1) // block_size  # [batch]
     column = torch.arange(block_tables.shape[1], device=block_tables.device)
-    in_use = (column[None, :] < blocks_in_use[:, None]) & (block_tables >= 0)  # [batch, max_blocks]
+    in_use = column[None, :] < blocks_in_use[:, None]  # [batch, max_blocks]
     return torch.where(in_use, block_tables, 0).long()
 
 
@@ -260,7 +258,7 @@ def paged_prefill_attention(
 
         # 1. Gather this sequence's tokens from its blocks, in order.
         num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long().clamp_min(0)  # (-1: passed by the window, masked in 3.)
+        blocks = block_tables[i, :num_blocks].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         k = dequantize_kv_cache(k, k_scale, torch.float32)  # [seq_len, num_kv_heads, head_dim]

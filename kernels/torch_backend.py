@@ -123,7 +123,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {i} has {q_len} queries but only seq_len={seq_len} cached tokens")
-        blocks = block_tables[i, : -(-seq_len // block_size)].long().clamp_min(0)  # -1: passed by the window
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
         # 4-D [1, heads, tokens, head_dim] inputs: CPU SDPA runs its fused kernel only on 4-D tensors
         k = _gather_blocks(k_cache, blocks, k_scale)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, d]
         v = _gather_blocks(v_cache, blocks, v_scale)[:seq_len].transpose(0, 1)[None]

@@ -159,6 +159,7 @@ def test_engine_frees_passed_blocks_and_gives_generates_tokens(mistral, mode):
         assert stats.peak_used_blocks <= 20
         assert stats.peak_table_blocks < sum(-(-(len(p) + NUM_TOKENS) // 4) for p in prompts)
     assert stats.num_evictions > 0, "passed blocks were handed to other sequences"
+    assert llm.engine.runner.block_table.array.min() >= 0, "the runner's tables index no block outside the cache"
     assert stats.num_passed_blocks > 0
 
 

@@ -473,9 +473,45 @@ def test_figure_bundle_is_plotlys_notebook_output_with_its_frames():
     fig = view.static_figure()
     bundle = figure_bundle(fig, text=view.summary())
     spec = bundle["application/vnd.plotly.v1+json"]
-    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/plain"}
+    assert set(bundle) - {"image/png"} == {"application/vnd.plotly.v1+json", "text/plain"}
     assert len(spec["frames"]) == len(fig.frames) == 2 and spec["layout"]["sliders"]
     assert "<script" not in json.dumps(spec) and bundle["text/plain"].startswith("ContiguousMemoryView")
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+
+
+def test_every_figure_carries_a_static_image_of_its_last_frame(monkeypatch):
+    """GitHub and nbviewer draw no plotly: the bundle carries a PNG from plotly's own export (kaleido, with the
+    Chromium make test installs), of an animation's last frame, at the figure's size; and none when asked not to."""
+    import base64
+    import importlib.util
+
+    import plotly.graph_objects as go
+
+    from kvpaging.visualizers import figure_bundle
+    from kvpaging.visualizers.static import static_png
+
+    pytest.importorskip("kaleido")
+    probe = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    if static_png(probe) is None:
+        pytest.skip("kaleido finds no Chrome or Chromium here")
+
+    def animation(last_y):
+        return go.Figure(go.Bar(x=[1, 2, 3], y=[1, 1, 1]), frames=[go.Frame(data=[go.Bar(x=[1, 2, 3], y=[1, 1, 1])]),
+                                                                 go.Frame(data=[go.Bar(x=[1, 2, 3], y=last_y)])],
+                         layout=dict(width=500, height=300, yaxis=dict(range=[0, 4])))
+
+    one, other = (base64.b64decode(figure_bundle(animation(y))["image/png"]) for y in ([1, 2, 3], [3, 2, 1]))
+    assert _png_size(one) == (500, 300)
+    if importlib.util.find_spec("PIL") is not None:
+        assert one[25] == 3, "kept small: an indexed-colour PNG (compact_png)"
+    assert one != other, "the image shows the last frame"
+    assert static_png(animation([1, 2, 3])) == one
+    monkeypatch.setenv("KVPAGING_STATIC_IMAGES", "0")
+    assert "image/png" not in figure_bundle(animation([1, 2, 3]))
 
 
 def test_presentation_makes_every_text_larger_and_the_title_keeps_its_room():

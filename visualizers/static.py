@@ -8,12 +8,17 @@ Two things a saved notebook or an exported page needs that a live widget does no
   block) cuts off everything that comes later. :func:`fix_axis_ranges` reads
   every frame, works out how far each axis must reach, and writes the range
   (or, for a category axis, the list of categories) into the layout, fixed.
-- **Output that renders without a kernel.** :func:`figure_bundle` is the
+- **Output that renders without a kernel, or without plotly.** :func:`figure_bundle` is the
   ``application/vnd.plotly.v1+json`` mime bundle that JupyterLab and Notebook 7
   draw themselves (the ``jupyterlab-plotly`` renderer ships inside plotly), in a
   notebook that is neither trusted nor online: no ``<script>`` to strip, no CDN
   to reach. Frames travel in the bundle and the renderer adds them, so the
-  play button and the slider animate there too.
+  play button and the slider animate there too. Beside it goes an ``image/png``
+  of the figure (an animation's last frame), drawn by plotly's own export
+  (kaleido, in a local Chrome or Chromium: nothing downloaded), for what draws no
+  plotly: GitHub's and nbviewer's notebook pages. JupyterLab prefers the plotly
+  output; without kaleido or a browser (set ``KVPAGING_STATIC_IMAGES=0`` to skip it
+  on purpose) the bundle carries no image and nothing else changes.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["fix_axis_ranges", "axis_extents", "figure_bundle", "display_figure"]
+__all__ = ["fix_axis_ranges", "axis_extents", "figure_bundle", "display_figure", "static_png", "compact_png"]
 
 
 class _Extent:
@@ -227,7 +232,8 @@ def fix_axis_ranges(fig, pad_fraction: float = 0.05):
 
 
 def figure_bundle(fig, text: str | None = None) -> dict:
-    """``fig`` as the ``application/vnd.plotly.v1+json`` mime bundle, frames included.
+    """``fig`` as the ``application/vnd.plotly.v1+json`` mime bundle, frames included, with a static PNG of it
+    when kaleido and a browser are at hand (:func:`static_png`).
 
     ``text`` is the plain-text fallback (a terminal, nbval, a renderer without plotly).
     """
@@ -238,7 +244,76 @@ def figure_bundle(fig, text: str | None = None) -> dict:
     spec = json.loads(pio.to_json(fig, validate=False, remove_uids=False))
     spec.setdefault("config", {}).update({"displaylogo": False, "responsive": True})
     title = fig.layout.title.text if fig.layout.title and fig.layout.title.text else "plotly figure"
-    return {"application/vnd.plotly.v1+json": spec, "text/plain": text or f"<{title.split('<br>')[0]}>"}
+    bundle = {"application/vnd.plotly.v1+json": spec, "text/plain": text or f"<{title.split('<br>')[0]}>"}
+    png = static_png(fig)
+    if png is not None:
+        import base64
+
+        bundle["image/png"] = base64.b64encode(png).decode("ascii")
+    return bundle
+
+
+_KALEIDO: list = []  # [True] once kaleido's browser is up in this process, [False] when it cannot be
+
+
+def static_png(fig, scale: float = 1.0) -> bytes | None:
+    """A PNG of ``fig`` (of its last frame, without play button or slider, when it is an animation), drawn by
+    plotly's export through kaleido in a local Chrome or Chromium; None when there is none, kaleido is missing,
+    or ``KVPAGING_STATIC_IMAGES=0``. The browser starts once per process (about 3 s), then a figure takes a
+    fraction of a second."""
+    import os
+
+    if os.environ.get("KVPAGING_STATIC_IMAGES", "1") == "0" or not _kaleido_ready():
+        return None
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    still = go.Figure(fig)
+    if fig.frames and len(fig.frames[-1].data) == len(fig.data):
+        still = go.Figure(data=fig.frames[-1].data, layout=fig.layout)
+    still.layout.updatemenus, still.layout.sliders = (), ()
+    width = fig.layout.width or 900
+    height = fig.layout.height or 450
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # plotly notes that the running server ignores its per-call options
+            warnings.simplefilter("ignore")
+            return compact_png(pio.to_image(still, format="png", width=width, height=height, scale=scale))
+    except Exception:  # noqa: BLE001 - an image is a courtesy: never fail a figure for it
+        return None
+
+
+def compact_png(png: bytes) -> bytes:
+    """The same picture in at most 256 colours (a chart has few; its anti-aliased edges lose nothing visible),
+    about a quarter of the bytes, so that a lesson's figures stay within its size budget; as it is without Pillow."""
+    try:
+        import io
+
+        from PIL import Image
+    except ImportError:
+        return png
+    out = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=256).save(out, format="PNG", optimize=True)
+    return out.getvalue() if out.tell() < len(png) else png
+
+
+def _kaleido_ready() -> bool:
+    if not _KALEIDO:
+        try:
+            import atexit
+            import warnings
+
+            import kaleido
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                kaleido.start_sync_server(silence_warnings=True)
+            atexit.register(kaleido.stop_sync_server, silence_warnings=True)
+            _KALEIDO.append(True)
+        except Exception:  # noqa: BLE001 - no kaleido, or no browser for it: figures go without an image
+            _KALEIDO.append(False)
+    return _KALEIDO[0]
 
 
 def display_figure(fig, text: str | None = None) -> None:

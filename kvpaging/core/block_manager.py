@@ -46,8 +46,8 @@ position ``p`` reads only the keys after ``p - sliding_window``, so a block whos
 before ``q - sliding_window``, where ``q`` is the first position a sequence still has to compute, will
 never be read by that sequence again: ``allocate_slots`` and ``append_decode_slots`` give such blocks
 back to the pool as the window passes them (vLLM does the same). The table keeps its length; a passed
-entry holds -1 (no block), and the attention kernels never read it (they start at the window, or mask
-it). A sequence then holds about ``sliding_window / block_size + 1`` blocks however long it grows. The
+entry holds -1 (no block) here and block 0 in the model runner's copy, which the attention kernels never
+read into a result (they start at the window, or mask it). A sequence then holds about ``sliding_window / block_size + 1`` blocks however long it grows. The
 passed blocks stay findable in the prefix cache until they are evicted, like any freed block.
 """
 
@@ -499,7 +499,7 @@ class BlockManager:
         st.num_passed = passed
         if passed == len(st.blocks):
             st.last = None
-        self._table_updates.append((st.row, 0, list(st.block_ids)))  # (from column 0: the whole table)
+        self._table_updates.append((st.row, 0, _runner_row(st.block_ids)))  # (from column 0: the whole table)
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
@@ -555,7 +555,8 @@ class BlockManager:
         child.seq_id = child_id
         child.last = parent.last
         child.num_passed, child.passed_cache_id = parent.num_passed, parent.passed_cache_id
-        self._table_updates.append((child.row, 0, list(child.block_ids)))
+        self._table_updates.append((child.row, 0, _runner_row(child.block_ids) if child.num_passed
+                                    else list(child.block_ids)))
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks) - parent.num_passed
         self._note_peak()
@@ -646,3 +647,10 @@ class BlockManager:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise InvariantError(message)
+
+
+def _runner_row(block_ids: list[int]) -> list[int]:
+    """A table as the model runner gets it: an entry the window has passed (-1 here) reads as block 0 there, which
+    its window masks (the Triton kernels start at the window and never reach it; the torch ones mask it), so the
+    kernels index no block outside the cache."""
+    return [max(block_id, 0) for block_id in block_ids]
