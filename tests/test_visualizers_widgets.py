@@ -484,8 +484,9 @@ def _png_size(png: bytes) -> tuple[int, int]:
 
 
 def test_every_figure_carries_a_static_image_of_its_last_frame(monkeypatch):
-    """GitHub and nbviewer draw no plotly: the bundle carries a PNG from plotly's own export (kaleido, with the
-    Chromium make test installs), of an animation's last frame, at the figure's size; and none when asked not to."""
+    """GitHub and nbviewer draw no plotly: asked for (KVPAGING_STATIC_IMAGES=1, as make save-lessons sets it), the
+    bundle carries a PNG from plotly's own export (kaleido, with the Chromium make test installs), of an animation's
+    last frame, at the figure's size; and none by default or when asked not to."""
     import base64
     import importlib.util
 
@@ -496,6 +497,9 @@ def test_every_figure_carries_a_static_image_of_its_last_frame(monkeypatch):
 
     pytest.importorskip("kaleido")
     probe = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    monkeypatch.delenv("KVPAGING_STATIC_IMAGES", raising=False)
+    assert "image/png" not in figure_bundle(probe), "off by default: JupyterLab would show the picture, not plotly"
+    monkeypatch.setenv("KVPAGING_STATIC_IMAGES", "1")
     if static_png(probe) is None:
         pytest.skip("kaleido finds no Chrome or Chromium here")
 

@@ -13,12 +13,15 @@ Two things a saved notebook or an exported page needs that a live widget does no
   draw themselves (the ``jupyterlab-plotly`` renderer ships inside plotly), in a
   notebook that is neither trusted nor online: no ``<script>`` to strip, no CDN
   to reach. Frames travel in the bundle and the renderer adds them, so the
-  play button and the slider animate there too. Beside it goes an ``image/png``
-  of the figure (an animation's last frame), drawn by plotly's own export
-  (kaleido, in a local Chrome or Chromium: nothing downloaded), for what draws no
-  plotly: GitHub's and nbviewer's notebook pages. JupyterLab prefers the plotly
-  output; without kaleido or a browser (set ``KVPAGING_STATIC_IMAGES=0`` to skip it
-  on purpose) the bundle carries no image and nothing else changes.
+  play button and the slider animate there too.
+- **A picture for pages that draw no plotly** (GitHub's and nbviewer's notebook
+  views): with ``KVPAGING_STATIC_IMAGES=1``, as ``make save-lessons`` sets it when it
+  runs the lessons for the repository, the bundle also carries an ``image/png`` of
+  the figure (an animation's last frame), drawn by plotly's own export (kaleido, in
+  a local Chrome or Chromium: nothing downloaded). Off by default, because JupyterLab
+  ranks a PNG above plotly's own renderer: a figure with one is shown as the picture.
+  So a learner's run draws interactive figures, and a saved lesson opened without
+  running shows the pictures until its cells run again.
 """
 
 from __future__ import annotations
@@ -233,7 +236,7 @@ def fix_axis_ranges(fig, pad_fraction: float = 0.05):
 
 def figure_bundle(fig, text: str | None = None) -> dict:
     """``fig`` as the ``application/vnd.plotly.v1+json`` mime bundle, frames included, with a static PNG of it
-    when kaleido and a browser are at hand (:func:`static_png`).
+    when asked for and kaleido and a browser are at hand (:func:`static_png`).
 
     ``text`` is the plain-text fallback (a terminal, nbval, a renderer without plotly).
     """
@@ -258,12 +261,12 @@ _KALEIDO: list = []  # [True] once kaleido's browser is up in this process, [Fal
 
 def static_png(fig, scale: float = 1.0) -> bytes | None:
     """A PNG of ``fig`` (of its last frame, without play button or slider, when it is an animation), drawn by
-    plotly's export through kaleido in a local Chrome or Chromium; None when there is none, kaleido is missing,
-    or ``KVPAGING_STATIC_IMAGES=0``. The browser starts once per process (about 3 s), then a figure takes a
-    fraction of a second."""
+    plotly's export through kaleido in a local Chrome or Chromium, when ``KVPAGING_STATIC_IMAGES=1``; None
+    otherwise, or when kaleido or a browser is missing. The browser starts once per process (about 3 s), then
+    a figure takes a fraction of a second."""
     import os
 
-    if os.environ.get("KVPAGING_STATIC_IMAGES", "1") == "0" or not _kaleido_ready():
+    if os.environ.get("KVPAGING_STATIC_IMAGES", "0") != "1" or not _kaleido_ready():
         return None
     import plotly.graph_objects as go
     import plotly.io as pio

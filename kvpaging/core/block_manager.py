@@ -346,7 +346,8 @@ class BlockManager:
         scheduler then preempts someone, or waits)."""
         if prefix_hit is None:
             if self.sliding_window:  # first, whatever follows: no query of this sequence reads them again
-                self._give_back_passed(self._state(seq_id), self._seqs[seq_id].num_tokens)
+                st = self._state(seq_id)
+                self._give_back_passed(st, st.num_tokens)
             if not self.append_slots(seq_id, num_new_tokens):
                 return None
         elif not self.allocate_sequence(seq_id, num_new_tokens, prefix_hit):
