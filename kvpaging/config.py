@@ -24,7 +24,7 @@ import torch
 
 from kvpaging.checks import check_block_size, check_bool, check_choice, check_int
 from kvpaging.errors import UnsupportedModelError
-from kvpaging.worker.kv_layout import config_layout, layout_bytes_per_token
+from kvpaging.worker.kv_layout import config_layout, layout_bytes_per_token, passing_window
 
 logger = logging.getLogger("kvpaging")
 
@@ -144,11 +144,18 @@ class EngineConfig:
         num_blocks = self.num_blocks
         if num_blocks is None:
             num_blocks = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype])
-        if num_blocks * self.block_size < max_model_len:
+        window = passing_window(model.config)
+        needed = -(-max_model_len // self.block_size)
+        if window:  # blocks a window has passed go back: a prompt chunk and the window before it are what one holds
+            needed = min(needed, (window + self.max_num_batched_tokens - 2) // self.block_size + 2)
+        if num_blocks < needed:
+            what = (f"one step of max_num_batched_tokens={self.max_num_batched_tokens} tokens after the model's "
+                    f"{window}-token window" if window and needed < -(-max_model_len // self.block_size)
+                    else f"one sequence of max_model_len={max_model_len}")
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
-                f"tokens) cannot hold one sequence of max_model_len={max_model_len}: raise num_blocks or lower "
-                "max_model_len"
+                f"tokens) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
+                + (" or max_num_batched_tokens" if window else "")
             )
         if self.cpu_fast_layers and dev.type != "cpu":
             raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")

@@ -212,3 +212,68 @@ def test_blocks_held_refuses_what_is_not_a_count():
         args = {"num_tokens": 10, "block_size": 4, "window": 3} | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             blocks_held(**args)
+
+
+# --- sequences longer than the pool ---------------------------------------------------------------------------
+
+def test_a_windowed_sequence_may_outgrow_the_pool():
+    """With a window, a sequence holds only the window's blocks: 4 blocks of 4 serve one of 60 tokens (prefilled in
+    chunks of 4), where without the window the 17th token is refused as too long for the pool."""
+    from kvpaging.errors import SequenceTooLongError
+
+    tokens = list(range(100, 160))
+    for window in (6, 0):
+        bm = BlockManager(4, 4, enable_prefix_caching=True, sliding_window=window)
+        try:
+            for start in range(0, 20, 4):  # a 20-token prompt in chunks of 4
+                assert bm.allocate_slots("s", tokens, 4, NO_HIT if start == 0 else None) is not None
+                bm.step_done()
+            st = bm.get_sequence_blocks("s")
+            seq = Seq(st, tokens[:20])
+            for n in range(20, 60):
+                seq.token_ids = tokens[: n + 1]
+                assert bm.append_decode_slots([seq], [], [], []) == 1
+                bm.step_done()
+                bm.check_invariants()
+        except SequenceTooLongError as error:
+            assert window == 0 and "only 4 blocks" in str(error)
+        else:
+            assert window == 6 and st.num_tokens == 60 and bm.stats().num_used_blocks <= 3
+    bm = BlockManager(4, 4, sliding_window=6)
+    with pytest.raises(SequenceTooLongError, match="window"):  # a chunk longer than the pool, window or not
+        bm.allocate_slots("t", tokens, 20, NO_HIT)
+
+
+def test_a_long_prefix_hit_takes_only_the_blocks_the_window_still_reads():
+    """A second request with the same 40-token prompt hits 9 blocks, but its first query (at position 36) reads
+    only the last 6 positions: it takes 2 of them (and a new block), the 7 before are passed from the start (and stay
+    findable)."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True, sliding_window=6)
+    prompt = list(range(1, 41))
+    for start in range(0, 40, 8):
+        bm.allocate_slots("a", prompt, 8, NO_HIT if start == 0 else None)
+        bm.step_done()
+    bm.free("a")
+    hit = bm.lookup_prefix(prompt)
+    assert len(hit.blocks) == 9
+    st = bm.allocate_slots("b", prompt, 4, hit)
+    bm.step_done()
+    bm.check_invariants()
+    assert st.num_passed == 7 and st.block_ids[:7] == [-1] * 7
+    assert bm.stats().num_used_blocks == blocks_needed(40, 36, 6, 4) == 3  # 2 hit blocks and 1 new
+    bm.free("b")
+    assert len(bm.lookup_prefix(prompt).blocks) == 9
+
+
+def test_the_engine_serves_a_windowed_model_longer_than_its_pool(mistral):
+    """8 blocks of 4 (32 slots) serve prompts and answers of up to 70 tokens on a tiny Mistral with a 6-token
+    window, in steps of at most 6 tokens: generate()'s tokens. A model without a window is refused that pool."""
+    model, prompts, expected = mistral
+    llm = LLM(model, block_size=4, num_blocks=8, max_model_len=72, max_num_batched_tokens=6,
+              attention_backend="torch")
+    outputs = llm.generate(prompts[3:5], greedy_params(NUM_TOKENS), use_tqdm=False)  # prompts of 23 and 30 tokens
+    for prompt, out, want in zip(prompts[3:5], outputs, expected[3:5]):
+        assert greedy_agreement(model, prompt, out.outputs[0].token_ids, want, tolerance=TIE_TOLERANCE).agrees
+    assert_pool_clean(llm)
+    with pytest.raises(ValueError, match="cannot hold"):
+        LLM(tiny_model("llama"), block_size=4, num_blocks=8, max_model_len=72, max_num_batched_tokens=6)

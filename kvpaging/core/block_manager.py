@@ -53,6 +53,7 @@ passed blocks stay findable in the prefix cache until they are evicted, like any
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -164,11 +165,15 @@ class BlockManager:
         sliding_window: int = 0,
     ) -> None:
         check_bool("enable_prefix_caching", enable_prefix_caching)
-        self.sliding_window = check_int("sliding_window", sliding_window, 0)  # 0: keep every block
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.num_blocks = num_blocks
-        self.max_tokens_per_sequence = num_blocks * self.block_size  # the most one sequence can ever hold
+        self.sliding_window = check_int("sliding_window", sliding_window, 0)  # 0: keep every block
+        # the most tokens one sequence can ever hold (a decode never needs more): with a window, about the window's
+        # blocks are all a decode holds, so any length fits once the pool holds those (see _check_fits)
+        self.max_tokens_per_sequence = num_blocks * self.block_size
+        if sliding_window and num_blocks >= (sliding_window - 1) // self.block_size + 2:
+            self.max_tokens_per_sequence = sys.maxsize
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self._seqs: dict[Hashable, SequenceBlocks] = {}
@@ -376,25 +381,43 @@ class BlockManager:
                     "look up and allocate in the same scheduling step"
                 )
         total = len(hit) * self.block_size + num_new_tokens
-        self._check_fits(seq_id, total)
+        self._check_fits(seq_id, total, len(hit) * self.block_size)
+        skip = self._passed_in(len(hit))  # with a window, hit blocks it has passed already are not taken at all
+        live = hit[skip:]
         # Cached blocks with no owner sit in the free queue: reviving them uses up free blocks too.
-        needed = self.num_blocks_for(total) - len(hit) + sum(1 for b in hit if b.ref_cnt == 0)
+        needed = self.num_blocks_for(total) - len(hit) + sum(1 for b in live if b.ref_cnt == 0)
         if needed > pool.free_queue.num_free_blocks:
             return False
-        for block in hit:
+        for block in live:
             pool.touch(block)
-        st = SequenceBlocks(list(hit), [b.block_id for b in hit], len(hit) * self.block_size, list(prefix_hit.block_hashes))
+        st = self._hit_table(prefix_hit, skip)
         st.row = self._take_row()
         st.seq_id = seq_id
-        st.last = hit[-1] if hit else None
-        self._table_updates.append((st.row, 0, list(st.block_ids)))
+        self._table_updates.append((st.row, 0, _runner_row(st.block_ids)))
         self._seqs[seq_id] = st
-        self._num_table_blocks += len(hit)
+        self._num_table_blocks += len(live)
         self._prefix_query_tokens += prefix_hit.num_prompt_tokens
         self._prefix_hit_tokens += st.num_tokens
         self._grow(st, num_new_tokens)
         self._note_peak()
         return True
+
+    def _passed_in(self, num_hit_blocks: int) -> int:
+        """How many leading blocks of a prefix hit this long the window has passed before its sequence computes
+        anything (0 without a window): the first query, right after the hit, reads none of them."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_hit_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+
+    def _hit_table(self, prefix_hit: PrefixHit, skip: int) -> SequenceBlocks:
+        """A new table holding a prefix hit, its first ``skip`` blocks already passed (-1, not taken)."""
+        hit = prefix_hit.blocks
+        st = SequenceBlocks([None] * skip + list(hit[skip:]), [-1] * skip + [b.block_id for b in hit[skip:]],
+                            len(hit) * self.block_size, list(prefix_hit.block_hashes))
+        st.last = hit[-1] if len(hit) > skip else None
+        if skip:
+            st.num_passed, st.passed_cache_id = skip, hit[skip - 1].cache_id
+        return st
 
     def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
         """Give a running sequence slots for ``num_new_tokens`` more tokens (a decode token or a prefill chunk).
@@ -416,7 +439,7 @@ class BlockManager:
             return True
         check_int("num_new_tokens", num_new_tokens, 1)
         total = n + num_new_tokens
-        self._check_fits(seq_id, total)
+        self._check_fits(seq_id, total, n)
         cow = 1 if (n % bs and last is not None and last.ref_cnt > 1) else 0
         if self.num_blocks_for(total) - len(st.blocks) + cow > self.pool.free_queue.num_free_blocks:
             return False
@@ -462,7 +485,7 @@ class BlockManager:
                 st.num_tokens = n + 1
             else:  # a full last block (or none) needs a new block; a shared, partly filled one its copy
                 if n >= max_tokens:  # _check_fits's test, without the call on every new block
-                    self._check_fits(st.seq_id, n + 1)  # raises: the pool could never hold it
+                    self._check_fits(st.seq_id, n + 1, n)  # raises: the pool could never hold it
                 if not free_queue.num_free_blocks:
                     break
                 if n % bs:
@@ -604,11 +627,18 @@ class BlockManager:
             )
         return st
 
-    def _check_fits(self, seq_id: Hashable, total_tokens: int) -> None:
-        if total_tokens > self.max_tokens_per_sequence:
+    def _check_fits(self, seq_id: Hashable, total_tokens: int, first_query: int) -> None:
+        """Raise SequenceTooLongError when the pool could never hold the blocks a sequence needs at once to give
+        slots up to ``total_tokens`` to queries from ``first_query`` on: all of them, or with a window only those
+        from the block holding ``first_query - sliding_window + 1`` (the ones before have gone back)."""
+        bs = self.block_size
+        first = max(0, first_query - self.sliding_window + 1) // bs if self.sliding_window else 0
+        needed = self.num_blocks_for(total_tokens) - first
+        if needed > self.num_blocks:
+            window = f" (the {self.sliding_window}-token window included)" if self.sliding_window else ""
             raise SequenceTooLongError(
-                f"sequence {seq_id!r} would need {self.num_blocks_for(total_tokens)} blocks for {total_tokens} "
-                f"tokens, but the pool has only {self.num_blocks} blocks of {self.block_size} slots"
+                f"sequence {seq_id!r} would need {needed} blocks at once for its {total_tokens} tokens{window}, "
+                f"but the pool has only {self.num_blocks} blocks of {bs} slots"
             )
 
     def check_invariants(self) -> None:

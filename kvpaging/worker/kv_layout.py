@@ -73,3 +73,28 @@ def record_call(found: dict, module, key: torch.Tensor, value: torch.Tensor) -> 
 def layout_bytes_per_token(layout: list[LayerKV], dtype: torch.dtype | str) -> int:
     """Bytes of the paged cache per token over all layers: a key and a value row of each layer's width per head."""
     return sum(2 * layer.num_kv_heads * layer.width for layer in layout) * dtype_nbytes(dtype)
+
+
+def layer_windows(config) -> list:
+    """Each layer's sliding window as the config declares it (0: full attention).
+
+    A config with ``layer_types`` windows its "sliding_attention" layers; one without (Mistral,
+    Phi-3, Starcoder2) windows every layer when ``sliding_window`` is set, unless
+    ``use_sliding_window`` is False (Qwen2). The self-check holds each layer's attention call
+    to this: its ``sliding_window`` argument must be the same number.
+    """
+    window = getattr(config, "sliding_window", None) or 0
+    if getattr(config, "use_sliding_window", True) is False:
+        window = 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    return [window] * getattr(config, "num_hidden_layers", 0)
+
+
+def passing_window(config) -> int:
+    """The window after which no layer reads a key again, so a sequence's older blocks can go back to the pool
+    (``BlockManager(sliding_window=...)``): the widest window when every layer slides (Mistral, Phi-3,
+    Starcoder2), 0 when some layer attends to everything (Gemma 2 and 3's global layers keep every block)."""
+    windows = layer_windows(config)
+    return max(windows) if windows and all(windows) else 0

@@ -280,9 +280,10 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     t0 = time.perf_counter()
     name = type(model).__name__
     bs = config.block_size
-    lengths = [min(n, config.max_model_len) for n in LENGTHS]
+    # the pool holds max_model_len tokens, or (a model with a window on every layer) at least one step's worth
+    lengths = [min(n, config.max_model_len, config.num_blocks * bs) for n in LENGTHS]
     if sum(-(-n // bs) for n in lengths) > config.num_blocks:
-        lengths = lengths[:1]  # the pool holds max_model_len tokens, so one sequence always fits
+        lengths = lengths[:1]  # so one sequence always fits
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
 
