@@ -1,84 +1,17 @@
-"""The build-it checkers of lessons 04 and 05 (kvpaging.teach.build): a correct learner's answer passes,
-and each classic mistake is caught and located."""
+"""The build-it checkers of lessons 04, 04b, 05 and 07 (kvpaging.teach.build): the answers behind the lessons' stubs
+pass against kvpaging's own components (which they share no code with), and each classic mistake made on them is
+caught and located."""
 
 import pytest
 import torch
 
-from kvpaging.teach.build import check_block_allocator, check_paged_attention, check_step_planner
+from kvpaging.teach.build import (ReferenceSharingAllocator, check_block_allocator, check_paged_attention,
+                                  check_step_planner, reference_paged_attention, reference_plan_step)
 
 
-# A learner's answer, written from the lesson's description (not from kvpaging's code).
-class MyAllocator:
-    def __init__(self, num_blocks, block_size):
-        self.block_size = block_size
-        self.free_blocks = list(range(num_blocks))
-        self.refs = [0] * num_blocks
-        self.tables, self.lengths = {}, {}
-
-    @property
-    def num_free_blocks(self):
-        return len(self.free_blocks)
-
-    def table(self, seq):
-        return self.tables[seq]
-
-    def _take(self):
-        b = self.free_blocks.pop()
-        self.refs[b] = 1
-        return b
-
-    def allocate(self, seq, n):
-        need = -(-n // self.block_size)
-        if need > len(self.free_blocks):
-            return False
-        self.tables[seq] = [self._take() for _ in range(need)]
-        self.lengths[seq] = n
-        return True
-
-    def append(self, seq):
-        table, n = self.tables[seq], self.lengths[seq]
-        if n % self.block_size == 0:          # last block full: a new one
-            if not self.free_blocks:
-                return False
-            table.append(self._take())
-        elif self.refs[table[-1]] > 1:        # shared, partly filled: copy on write
-            if not self.free_blocks:
-                return False
-            self.refs[table[-1]] -= 1
-            table[-1] = self._take()
-        self.lengths[seq] = n + 1
-        return True
-
-    def fork(self, parent, child):
-        self.tables[child] = list(self.tables[parent])
-        self.lengths[child] = self.lengths[parent]
-        for b in self.tables[child]:
-            self.refs[b] += 1
-
-    def free(self, seq):
-        for b in self.tables.pop(seq):
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free_blocks.append(b)
-        del self.lengths[seq]
-
-
-def my_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
-    batch, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    for b in range(batch):
-        n = int(seq_lens[b])
-        t = torch.arange(n)
-        blocks = block_tables[b, t // block_size].long()
-        keys = k_cache[blocks, t % block_size]
-        values = v_cache[blocks, t % block_size]
-        for h in range(num_heads):
-            kv = h // group
-            scores = (keys[:, kv] @ query[b, h]) * scale
-            out[b, h] = torch.softmax(scores, dim=0) @ values[:, kv]
-    return out
+# The answers behind the lessons' stubs (the solutions show the same code); the mistakes below are made on them.
+MyAllocator = ReferenceSharingAllocator
+my_paged_attention = reference_paged_attention
 
 
 def test_a_correct_allocator_passes():
@@ -93,7 +26,7 @@ class NoCopyOnWrite(MyAllocator):
     def append(self, seq):
         table, n = self.tables[seq], self.lengths[seq]
         if n % self.block_size == 0:
-            if not self.free_blocks:
+            if not self.free_list:
                 return False
             table.append(self._take())
         self.lengths[seq] = n + 1
@@ -153,22 +86,7 @@ def test_attention_checker():
     assert not shape.passed and "shape" in shape.difference
 
 
-def plan_step(running, waiting, budget, max_num_seqs):
-    """A learner's one step of continuous batching with chunked prefill, from lesson 07's description."""
-    planned = {}
-    for seq_id, left in running:  # running sequences first, in arrival order
-        if budget == 0:
-            break
-        planned[seq_id] = min(left, budget)
-        budget -= planned[seq_id]
-    seats = len(running)
-    for seq_id, left in waiting:  # then the queue, while budget and seats last
-        if budget == 0 or seats == max_num_seqs:
-            break
-        planned[seq_id] = min(left, budget)
-        budget -= planned[seq_id]
-        seats += 1
-    return planned
+plan_step = reference_plan_step
 
 
 def test_step_planner_checker():
