@@ -158,3 +158,33 @@ def test_a_written_piece_that_fails_for_another_reason_is_not_taken_for_a_stub()
         check_block_allocator(Crashes)
     crash = check_paged_attention(lambda *args: 1 / 0)
     assert crash.written and not crash.passed
+
+
+def test_fp8_quantizer_checker():
+    from kvpaging.teach.build import check_fp8_quantizer, reference_quantize_fp8
+
+    ok = check_fp8_quantizer(reference_quantize_fp8)
+    assert ok.passed and ok.written and "byte for byte" in repr(ok)
+
+    def e4m3_max_wrong(x):  # 240 is e4m3fnuz's largest: the other FP8 flavour
+        _, scales = reference_quantize_fp8(x)
+        scales = scales * 448 / 240
+        return (x / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scales
+
+    def per_tensor(x):
+        scale = (x.abs().amax() / 448).clamp(min=1e-12)
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.repeat(x.shape[1])
+
+    def zero_scale_for_zeros(x):
+        scales = x.abs().amax(dim=(0, 2)) / 448
+        return (x / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scales
+
+    def rounded_to_integers(x):
+        _, scales = reference_quantize_fp8(x)
+        return (x / scales[:, None]).round().clamp(-448, 448).to(torch.float8_e4m3fn), scales
+
+    for wrong, says in ((e4m3_max_wrong, "scales"), (per_tensor, "scales"), (zero_scale_for_zeros, "case 2"),
+                        (rounded_to_integers, "codes differ")):
+        result = check_fp8_quantizer(wrong)
+        assert not result.passed and says in result.difference, (wrong.__name__, result)
+    assert "float8_e4m3fn" in check_fp8_quantizer(lambda x: (x, torch.ones(x.shape[1]))).difference

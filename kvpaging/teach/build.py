@@ -10,13 +10,16 @@ figures written down here: the reference is the engine's own code.
   :class:`kvpaging.BlockManager` with prefix caching off.
 - :func:`check_paged_attention`: a decode attention that reads keys and values
   through block tables, against :func:`kvpaging.kernels.reference.paged_decode_attention`.
+- :func:`check_fp8_quantizer` (lesson 09): keys or values to e4m3 with one scale per KV head, against
+  the engine's own ``compute_kv_scales`` and ``quantize_fp8``, byte for byte.
 - :func:`check_step_planner` (lesson 07): one step of continuous batching with
   chunked prefill (who runs, with how many tokens, under a token budget and a
   sequence cap), against :class:`kvpaging.core.scheduler.Scheduler`'s own decisions.
 
 The build-its ship as stubs that raise ``NotImplementedError``. Until the learner's piece exists, each
 checker runs the same check on a reference answer kept here (:class:`ReferenceAllocator`,
-:class:`ReferenceSharingAllocator`, :func:`reference_paged_attention`, :func:`reference_plan_step`) and says so,
+:class:`ReferenceSharingAllocator`, :func:`reference_paged_attention`, :func:`reference_plan_step`,
+:func:`reference_quantize_fp8`) and says so,
 so a lesson runs from top to bottom before anything is written.
 
 Block ids are the allocator's own business (which free block comes next is a
@@ -34,7 +37,7 @@ import torch
 
 __all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention", "PlannerCheck",
            "check_step_planner", "ReferenceAllocator", "ReferenceSharingAllocator", "reference_paged_attention",
-           "reference_plan_step"]
+           "reference_plan_step", "FP8Check", "check_fp8_quantizer", "reference_quantize_fp8"]
 
 NOT_WRITTEN = ("NOT WRITTEN YET: yours raises NotImplementedError, so this ran on the reference answer "
                "(kvpaging.teach.build.{}) instead. Write yours and run the check again.\n")
@@ -513,3 +516,76 @@ def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck
             capped += bool(sched.waiting) and len(sched.running) >= cap
             sched.update(out, [7] * len(out.samples))
     return PlannerCheck(True, workloads, steps, chunked, capped)
+
+
+# -- FP8: keys and values to e4m3, one scale per KV head -------------------------------------------
+def reference_quantize_fp8(x):
+    """Lesson 09's: each KV head's largest magnitude maps to 448, e4m3's largest number (a scale never zero), then
+    ``x / scale``, clamped to +-448 (e4m3fn has no infinity: torch would make NaN), cast to ``float8_e4m3fn``."""
+    amax = x.abs().float().transpose(0, -2).reshape(x.shape[-2], -1).amax(dim=1)  # [num_kv_heads]
+    scales = (amax / 448.0).clamp(min=1e-12)
+    codes = (x.float() / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+@dataclass
+class FP8Check:
+    """What :func:`check_fp8_quantizer` found. ``passed`` is True when every case agreed, byte for byte."""
+
+    passed: bool
+    cases: int
+    difference: str = ""
+    written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
+
+    def __repr__(self) -> str:
+        if not self.written:
+            return NOT_WRITTEN.format("reference_quantize_fp8") + repr(replace(self, written=True)).replace(
+                "your quantizer", "the reference answer")
+        if self.passed:
+            return (f"OK: your quantizer matches kvpaging's compute_kv_scales + quantize_fp8 on {self.cases} random "
+                    "key/value tensors, byte for byte.")
+        return f"DIFFERS: {self.difference}"
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731
+
+
+def check_fp8_quantizer(fn, cases: int = 20, seed: int = 0) -> FP8Check:
+    """Run ``fn(x) -> (codes, scales)`` against the engine's FP8 quantization, byte for byte.
+
+    ``x`` is keys or values, ``[num_tokens, num_kv_heads, head_dim]`` float32; ``codes`` must be ``x`` in
+    ``torch.float8_e4m3fn`` and ``scales`` one float per KV head, such that ``codes.float() * scale`` is ``x``
+    up to e4m3's rounding. The cases vary the shapes and each head's magnitude over many powers of two, and one
+    has a head of zeros (its scale must not be zero).
+    """
+    from kvpaging.kernels.fp8 import compute_kv_scales, quantize_fp8
+
+    if _is_stub(lambda: fn(torch.ones(2, 1, 4))):
+        return replace(check_fp8_quantizer(reference_quantize_fp8, cases, seed), written=False)
+    g = torch.Generator().manual_seed(seed)
+    for case in range(1, cases + 1):
+        tokens, heads = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        head_dim = int(torch.randint(2, 65, (1,), generator=g))
+        magnitude = 2.0 ** torch.randint(-12, 12, (heads,), generator=g).float()
+        x = torch.randn(tokens, heads, head_dim, generator=g) * magnitude[:, None]
+        if case == 2:
+            x[:, 0] = 0.0  # a head of zeros
+        want_scales = compute_kv_scales(x, per_head=True)
+        want = quantize_fp8(x, want_scales)
+        where = f"case {case} (keys [{tokens}, {heads}, {head_dim}], head magnitudes {magnitude.tolist()})"
+        try:
+            codes, scales = fn(x.clone())
+        except Exception as exc:  # the learner's code: report, don't crash the checker
+            return FP8Check(False, case, f"{where}: your function raised {type(exc).__name__}: {exc}")
+        if not isinstance(codes, torch.Tensor) or codes.dtype != torch.float8_e4m3fn or codes.shape != x.shape:
+            got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
+            return FP8Check(False, case, f"{where}: codes must be float8_e4m3fn of shape {tuple(x.shape)}, got {got}")
+        scales = torch.as_tensor(scales, dtype=torch.float32).reshape(-1)
+        if scales.shape != want_scales.shape or not torch.allclose(scales, want_scales, rtol=1e-6, atol=0):
+            return FP8Check(False, case, f"{where}: scales {scales.tolist()}, kvpaging's {want_scales.tolist()}")
+        differ = (codes.view(torch.uint8) != want.view(torch.uint8)).nonzero()
+        if len(differ):
+            t, h, d = differ[0].tolist()
+            return FP8Check(False, case, f"{where}: {len(differ)} codes differ, the first at token {t}, head {h}, "
+                                         f"dim {d}: x = {x[t, h, d].item():.6g} stored as {codes[t, h, d].float().item():g}, "
+                                         f"kvpaging's {want[t, h, d].float().item():g}")
+    return FP8Check(True, cases)
