@@ -145,13 +145,12 @@ class EngineConfig:
         if num_blocks is None:
             num_blocks = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype])
         window = passing_window(model.config)
-        needed = -(-max_model_len // self.block_size)
+        needed = whole = -(-max_model_len // self.block_size)
         if window:  # blocks a window has passed go back: a prompt chunk and the window before it are what one holds
-            needed = min(needed, (window + self.max_num_batched_tokens - 2) // self.block_size + 2)
+            needed = min(whole, (window + self.max_num_batched_tokens - 2) // self.block_size + 2)
         if num_blocks < needed:
             what = (f"one step of max_num_batched_tokens={self.max_num_batched_tokens} tokens after the model's "
-                    f"{window}-token window" if window and needed < -(-max_model_len // self.block_size)
-                    else f"one sequence of max_model_len={max_model_len}")
+                    f"{window}-token window" if needed < whole else f"one sequence of max_model_len={max_model_len}")
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
                 f"tokens) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"

@@ -26,6 +26,8 @@ Two things a saved notebook or an exported page needs that a live widget does no
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 from collections.abc import Iterable
 
@@ -256,15 +258,13 @@ def figure_bundle(fig, text: str | None = None) -> dict:
     return bundle
 
 
-_KALEIDO: list = []  # [True] once kaleido's browser is up in this process, [False] when it cannot be
-
-
 def static_png(fig, scale: float = 1.0) -> bytes | None:
     """A PNG of ``fig`` (of its last frame, without play button or slider, when it is an animation), drawn by
     plotly's export through kaleido in a local Chrome or Chromium, when ``KVPAGING_STATIC_IMAGES=1``; None
     otherwise, or when kaleido or a browser is missing. The browser starts once per process (about 3 s), then
     a figure takes a fraction of a second."""
     import os
+    import warnings
 
     if os.environ.get("KVPAGING_STATIC_IMAGES", "0") != "1" or not _kaleido_ready():
         return None
@@ -275,24 +275,20 @@ def static_png(fig, scale: float = 1.0) -> bytes | None:
     if fig.frames and len(fig.frames[-1].data) == len(fig.data):
         still = go.Figure(data=fig.frames[-1].data, layout=fig.layout)
     still.layout.updatemenus, still.layout.sliders = (), ()
-    width = fig.layout.width or 900
-    height = fig.layout.height or 450
-    import warnings
-
     try:
         with warnings.catch_warnings():  # plotly notes that the running server ignores its per-call options
             warnings.simplefilter("ignore")
-            return compact_png(pio.to_image(still, format="png", width=width, height=height, scale=scale))
+            png = pio.to_image(still, format="png", width=fig.layout.width or 900, height=fig.layout.height or 450,
+                               scale=scale)
     except Exception:  # noqa: BLE001 - an image is a courtesy: never fail a figure for it
         return None
+    return compact_png(png)
 
 
 def compact_png(png: bytes) -> bytes:
     """The same picture in at most 256 colours (a chart has few; its anti-aliased edges lose nothing visible),
     about a quarter of the bytes, so that a lesson's figures stay within its size budget; as it is without Pillow."""
     try:
-        import io
-
         from PIL import Image
     except ImportError:
         return png
@@ -301,22 +297,22 @@ def compact_png(png: bytes) -> bytes:
     return out.getvalue() if out.tell() < len(png) else png
 
 
+@functools.cache
 def _kaleido_ready() -> bool:
-    if not _KALEIDO:
-        try:
-            import atexit
-            import warnings
+    """Start kaleido's browser, once per process; False when there is no kaleido or no browser for it."""
+    import atexit
+    import warnings
 
-            import kaleido
+    try:
+        import kaleido
 
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                kaleido.start_sync_server(silence_warnings=True)
-            atexit.register(kaleido.stop_sync_server, silence_warnings=True)
-            _KALEIDO.append(True)
-        except Exception:  # noqa: BLE001 - no kaleido, or no browser for it: figures go without an image
-            _KALEIDO.append(False)
-    return _KALEIDO[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kaleido.start_sync_server(silence_warnings=True)
+    except Exception:  # noqa: BLE001 - figures then go without an image
+        return False
+    atexit.register(kaleido.stop_sync_server, silence_warnings=True)
+    return True
 
 
 def display_figure(fig, text: str | None = None) -> None:

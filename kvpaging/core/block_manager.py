@@ -359,8 +359,6 @@ class BlockManager:
             return None
         st = self._seqs[seq_id]
         self.cache_full_blocks(seq_id, token_ids, st.num_tokens)
-        if self.sliding_window and prefix_hit is not None:  # a prefix hit longer than the window
-            self._give_back_passed(st, st.num_tokens - num_new_tokens)
         return st
 
     def allocate_sequence(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> bool:
@@ -393,7 +391,7 @@ class BlockManager:
         st = self._hit_table(prefix_hit, skip)
         st.row = self._take_row()
         st.seq_id = seq_id
-        self._table_updates.append((st.row, 0, _runner_row(st.block_ids)))
+        self._table_updates.append((st.row, 0, _runner_row(st)))
         self._seqs[seq_id] = st
         self._num_table_blocks += len(live)
         self._prefix_query_tokens += prefix_hit.num_prompt_tokens
@@ -523,7 +521,7 @@ class BlockManager:
         st.num_passed = passed
         if passed == len(st.blocks):
             st.last = None
-        self._table_updates.append((st.row, 0, _runner_row(st.block_ids)))  # (from column 0: the whole table)
+        self._table_updates.append((st.row, 0, _runner_row(st)))  # (from column 0: the whole table)
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
@@ -579,8 +577,7 @@ class BlockManager:
         child.seq_id = child_id
         child.last = parent.last
         child.num_passed, child.passed_cache_id = parent.num_passed, parent.passed_cache_id
-        self._table_updates.append((child.row, 0, _runner_row(child.block_ids) if child.num_passed
-                                    else list(child.block_ids)))
+        self._table_updates.append((child.row, 0, _runner_row(child)))
         self._seqs[child_id] = child
         self._num_table_blocks += len(parent.blocks) - parent.num_passed
         self._note_peak()
@@ -597,7 +594,7 @@ class BlockManager:
             raise SequenceNotFoundError(
                 f"cannot free sequence {seq_id!r}: it holds no blocks (never allocated, or already freed)"
             )
-        self.pool.free_blocks(reversed(st.blocks[st.num_passed:] if st.num_passed else st.blocks))
+        self.pool.free_blocks(reversed(st.blocks[st.num_passed:]))
         self._num_table_blocks -= len(st.blocks) - st.num_passed
         self._free_rows.append(st.row)  # the next owner's first update rewrites the whole row
 
@@ -680,8 +677,10 @@ def _check(condition: bool, message: str) -> None:
         raise InvariantError(message)
 
 
-def _runner_row(block_ids: list[int]) -> list[int]:
-    """A table as the model runner gets it: an entry the window has passed (-1 here) reads as block 0 there, which
-    its window masks (the Triton kernels start at the window and never reach it; the torch ones mask it), so the
-    kernels index no block outside the cache."""
-    return [max(block_id, 0) for block_id in block_ids]
+def _runner_row(st: SequenceBlocks) -> list[int]:
+    """``st``'s table as the model runner gets it, a copy: an entry the window has passed (-1 here) reads as block 0
+    there, which its window masks (the Triton kernels start at the window and never reach it; the torch ones mask
+    it), so the kernels index no block outside the cache."""
+    if not st.num_passed:
+        return list(st.block_ids)
+    return [max(block_id, 0) for block_id in st.block_ids]

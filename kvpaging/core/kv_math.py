@@ -139,7 +139,7 @@ def kv_cache_bytes(config: Any, num_tokens: int, dtype: torch.dtype | str = torc
 def blocks_held(num_tokens: int, block_size: int, window: int = 0) -> int:
     """Blocks one sequence of ``num_tokens`` tokens holds in kvpaging's paged cache while its last token is
     computed: every block, ``ceil(num_tokens / block_size)``, without a window. With a window of ``window``
-    tokens on every layer (``kvpaging.worker.model_runner.passing_window``), that last query reads positions
+    tokens on every layer (``kvpaging.worker.kv_layout.passing_window``), that last query reads positions
     ``num_tokens - window`` to ``num_tokens - 1`` only, and the blocks before the one holding the first of
     them have gone back to the pool, so the count stops growing at about ``window / block_size + 1``.
 

@@ -43,6 +43,25 @@ NOT_WRITTEN = ("NOT WRITTEN YET: yours raises NotImplementedError, so this ran o
                "(kvpaging.teach.build.{}) instead. Write yours and run the check again.\n")
 
 
+class _Check:
+    """What every build-it check reports: OK or where the learner's piece differs; and, when that piece was still a
+    stub, that the check ran on the reference answer instead (``written`` False)."""
+
+    written: bool
+    noun = ""  # the learner's piece, as the report names it ("your allocator")
+    reference = ""  # the reference answer's name in this module
+
+    def report(self, subject: str) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        if self.written:
+            return self.report(f"your {self.noun}")
+        return NOT_WRITTEN.format(self.reference) + self.report("the reference answer")
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython's display)
+
+
 def _is_stub(probe) -> bool:
     """Whether calling ``probe()`` (a first, small use of a learner's piece) meets a ``NotImplementedError``."""
     try:
@@ -176,8 +195,8 @@ def reference_plan_step(running, waiting, budget, max_num_seqs):
 
 
 # -- the block allocator -------------------------------------------------------------------------
-@dataclass
-class AllocatorCheck:
+@dataclass(repr=False)
+class AllocatorCheck(_Check):
     """What :func:`check_block_allocator` found. ``passed`` is True when nothing differed."""
 
     passed: bool
@@ -188,19 +207,18 @@ class AllocatorCheck:
     difference: str = ""  # where the two first differ, and how
     fork: bool = False  # whether fork and copy-on-write were checked
     written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
+    noun = "allocator"
 
-    def __repr__(self) -> str:
-        if not self.written:
-            reference = "ReferenceSharingAllocator" if self.fork else "ReferenceAllocator"
-            return NOT_WRITTEN.format(reference) + repr(replace(self, written=True)).replace(
-                "your allocator", "the reference answer")
+    @property
+    def reference(self) -> str:
+        return "ReferenceSharingAllocator" if self.fork else "ReferenceAllocator"
+
+    def report(self, subject: str) -> str:
         if self.passed:
-            return (f"OK: your allocator matches kvpaging's BlockManager on {self.workloads} random workloads "
+            return (f"OK: {subject} matches kvpaging's BlockManager on {self.workloads} random workloads "
                     f"({self.operations:,} operations, {self.refusals} refused for lack of blocks"
                     + (f", {self.copies} copy-on-write copies)." if self.fork else ")."))
         return f"DIFFERS after {self.operations:,} matching operations.\n{self.difference}"
-
-    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython's display)
 
 
 def _free_count(alloc) -> int:
@@ -353,8 +371,8 @@ def _probe_allocator(make, fork: bool) -> None:
 
 
 # -- attention through block tables ----------------------------------------------------------------
-@dataclass
-class AttentionCheck:
+@dataclass(repr=False)
+class AttentionCheck(_Check):
     """What :func:`check_paged_attention` found. ``passed`` is True when every case agreed."""
 
     passed: bool
@@ -363,17 +381,13 @@ class AttentionCheck:
     difference: str = ""
     shapes: list = field(default_factory=list, repr=False)
     written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
+    noun, reference = "attention", "reference_paged_attention"
 
-    def __repr__(self) -> str:
-        if not self.written:
-            return NOT_WRITTEN.format("reference_paged_attention") + repr(replace(self, written=True)).replace(
-                "your attention", "the reference answer")
+    def report(self, subject: str) -> str:
         if self.passed:
-            return (f"OK: your attention matches kvpaging's reference on {self.cases} random paged caches "
+            return (f"OK: {subject} matches kvpaging's reference on {self.cases} random paged caches "
                     f"(largest difference {self.max_abs_diff:.1e}).")
         return f"DIFFERS: {self.difference}"
-
-    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731
 
 
 def check_paged_attention(fn, cases: int = 12, seed: int = 0, atol: float = 1e-4) -> AttentionCheck:
@@ -433,8 +447,8 @@ def check_paged_attention(fn, cases: int = 12, seed: int = 0, atol: float = 1e-4
 
 
 # -- one step of continuous batching with chunked prefill ------------------------------------------
-@dataclass
-class PlannerCheck:
+@dataclass(repr=False)
+class PlannerCheck(_Check):
     """What :func:`check_step_planner` found. ``passed`` is True when every step agreed."""
 
     passed: bool
@@ -444,18 +458,14 @@ class PlannerCheck:
     capped: int  # steps in which the sequence cap kept a waiting request out
     difference: str = ""
     written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
+    noun, reference = "planner", "reference_plan_step"
 
-    def __repr__(self) -> str:
-        if not self.written:
-            return NOT_WRITTEN.format("reference_plan_step") + repr(replace(self, written=True)).replace(
-                "your planner", "the reference answer")
+    def report(self, subject: str) -> str:
         if self.passed:
-            return (f"OK: your planner matches kvpaging's scheduler on {self.workloads} random workloads "
+            return (f"OK: {subject} matches kvpaging's scheduler on {self.workloads} random workloads "
                     f"({self.steps:,} steps, {self.chunked} prompts cut into chunks, {self.capped} steps at the "
                     "sequence cap).")
         return f"DIFFERS after {self.steps:,} matching steps.\n{self.difference}"
-
-    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731
 
 
 def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck:
@@ -528,25 +538,21 @@ def reference_quantize_fp8(x):
     return codes, scales
 
 
-@dataclass
-class FP8Check:
+@dataclass(repr=False)
+class FP8Check(_Check):
     """What :func:`check_fp8_quantizer` found. ``passed`` is True when every case agreed, byte for byte."""
 
     passed: bool
     cases: int
     difference: str = ""
     written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
+    noun, reference = "quantizer", "reference_quantize_fp8"
 
-    def __repr__(self) -> str:
-        if not self.written:
-            return NOT_WRITTEN.format("reference_quantize_fp8") + repr(replace(self, written=True)).replace(
-                "your quantizer", "the reference answer")
+    def report(self, subject: str) -> str:
         if self.passed:
-            return (f"OK: your quantizer matches kvpaging's compute_kv_scales + quantize_fp8 on {self.cases} random "
+            return (f"OK: {subject} matches kvpaging's compute_kv_scales + quantize_fp8 on {self.cases} random "
                     "key/value tensors, byte for byte.")
         return f"DIFFERS: {self.difference}"
-
-    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731
 
 
 def check_fp8_quantizer(fn, cases: int = 20, seed: int = 0) -> FP8Check:
