@@ -67,7 +67,8 @@ save-lessons: $(STAMP) browser-deps
 LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py tests/test_sampling_controls.py tests/test_prompt_logprobs.py
 test: $(STAMP) browser-deps
 	$(BIN)/python -c "from kvpaging.models.trained_model import trained_path; print('trained model cache:', trained_path())"
-	@export OMP_NUM_THREADS=1; \
+	@# a workbook of its own (kvpaging.teach.workbook): the lessons' saved outputs are those of a learner who kept nothing
+	@export OMP_NUM_THREADS=1 KVPAGING_WORKBOOK=$$(mktemp -d); \
 	{ $(BIN)/python -m pytest --nbval-lax lessons; nbval=$$?; \
 	  echo "======== $(BIN)/python -m pytest $(LATE_TESTS) ========"; \
 	  $(BIN)/python -m pytest $(LATE_TESTS); late=$$?; \

@@ -11,6 +11,7 @@ not import Triton, and tests that never touch Triton are unaffected.
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the learner's workbook (kvpaging.teach.workbook) is not the tests': pieces kept while working through the lessons
+# must not change what the tests see, nor the tests leave pieces there
+os.environ["KVPAGING_WORKBOOK"] = tempfile.mkdtemp(prefix="kvpaging-workbook-")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their shared helpers (engine_helpers.py)
 

@@ -1,0 +1,139 @@
+"""The learner's workbook (kvpaging.teach.workbook): lesson 04's allocator, once it passes, kept for lesson 12.
+
+The learner's classes are made the way a notebook makes them: their source is a "cell" registered in linecache
+under a name of its own (as IPython does) and run with exec, so ``inspect.getsource`` cannot find the class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import textwrap
+
+import pytest
+
+from kvpaging.teach import workbook
+from kvpaging.teach.build import allocator_passes, check_block_allocator
+from kvpaging.teach.mini_engine import ReferenceAllocator, use
+
+# A learner's allocator, different from the reference in its names and its order of blocks (a deque, popped left).
+GOOD = textwrap.dedent('''
+    class MyAllocator:
+        def __init__(self, num_blocks, block_size):
+            from collections import deque
+            self.bs = block_size
+            self.free_ids = deque(range(num_blocks))
+            self.blocks, self.sizes = {}, {}
+
+        @property
+        def num_free_blocks(self):
+            return len(self.free_ids)
+
+        def table(self, seq_id):
+            return list(self.blocks[seq_id])
+
+        def allocate(self, seq_id, num_tokens):
+            need = (num_tokens + self.bs - 1) // self.bs
+            if need > len(self.free_ids):
+                return False
+            self.blocks[seq_id] = [self.free_ids.popleft() for _ in range(need)]
+            self.sizes[seq_id] = num_tokens
+            return True
+
+        def append(self, seq_id):
+            if self.sizes[seq_id] % self.bs == 0:
+                if not self.free_ids:
+                    return False
+                self.blocks[seq_id].append(self.free_ids.popleft())
+            self.sizes[seq_id] += 1
+            return True
+
+        def free(self, seq_id):
+            self.free_ids.extend(self.blocks.pop(seq_id))
+            del self.sizes[seq_id]
+''')
+
+STUB = textwrap.dedent('''
+    class MyAllocator:
+        def __init__(self, num_blocks, block_size):
+            raise NotImplementedError("write your allocator")
+''')
+
+_cells = 0
+
+
+def cell(source: str, namespace: dict | None = None) -> dict:
+    """Run ``source`` as a notebook cell: its text known to linecache under a cell's name, not a file."""
+    global _cells
+    _cells += 1
+    name = f"<ipython-input-{_cells}-test>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {} if namespace is None else namespace
+    exec(compile(source, name, "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(autouse=True)
+def empty_workbook(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPAGING_WORKBOOK", str(tmp_path / "workbook"))
+    return tmp_path / "workbook"
+
+
+def test_source_of_a_class_made_in_a_cell():
+    cls = cell("x = 1\n" + GOOD + "y = 2\n")["MyAllocator"]
+    with pytest.raises((OSError, TypeError)):
+        inspect.getsource(cls)  # what makes source_of necessary on this Python
+    source = workbook.source_of(cls)
+    assert source.lstrip().startswith("class MyAllocator:") and "x = 1" not in source and "y = 2" not in source
+    assert source.strip() == GOOD.strip()
+
+
+def test_a_passing_allocator_is_kept_and_comes_back_working(empty_workbook, capsys):
+    cls = cell(GOOD)["MyAllocator"]
+    path = workbook.keep("allocator", cls, allocator_passes)
+    assert path == empty_workbook / "allocator.py" and path.exists()
+    assert str(path) in capsys.readouterr().out
+    again = workbook.kept("allocator")
+    assert again is not cls and again.__name__ == "MyAllocator"
+    check = check_block_allocator(again)
+    assert check.written and check.passed
+
+
+def test_a_stub_or_a_wrong_allocator_is_not_kept(empty_workbook):
+    assert workbook.keep("allocator", cell(STUB)["MyAllocator"], allocator_passes) is None
+    wrong = cell(GOOD.replace("if self.sizes[seq_id] % self.bs == 0:", "if self.sizes[seq_id] % self.bs == 1:"))
+    assert workbook.keep("allocator", wrong["MyAllocator"], allocator_passes) is None
+    assert not empty_workbook.exists() and workbook.kept("allocator") is None
+
+
+def test_a_class_that_needs_names_from_other_cells_is_not_kept(empty_workbook, capsys):
+    namespace = cell("from collections import deque\n")
+    leaning = GOOD.replace("        from collections import deque\n", "")
+    assert leaning != GOOD
+    cls = cell(leaning, namespace)["MyAllocator"]
+    assert allocator_passes(cls)  # it works in its notebook...
+    assert workbook.keep("allocator", cls, allocator_passes) is None  # ...but its source alone does not
+    out = capsys.readouterr().out
+    assert "not kept" in out and "NameError" in out and "deque" in out
+    assert not (empty_workbook / "allocator.py").exists()
+
+
+def test_lesson_12_takes_the_kept_allocator_when_its_own_cell_is_a_stub(empty_workbook):
+    stub = cell(STUB)["MyAllocator"]
+    before = use("allocator", stub)
+    assert not before.mine and before.piece is ReferenceAllocator and "kept none" in before.reason
+    workbook.keep("allocator", cell(GOOD)["MyAllocator"], allocator_passes)
+    after = use("allocator", stub)
+    assert after.mine and after.piece.__name__ == "MyAllocator" and after.piece is not ReferenceAllocator
+    assert after.kept_in == str(empty_workbook / "allocator.py") and "lesson 04" in repr(after)
+    # one written in lesson 12 itself comes first
+    own = cell(GOOD)["MyAllocator"]
+    assert use("allocator", own).piece is own and not use("allocator", own).kept_in
+
+
+def test_a_kept_file_that_went_wrong_gives_the_reference_and_says_so(empty_workbook):
+    workbook.keep("allocator", cell(GOOD)["MyAllocator"], allocator_passes)
+    path = empty_workbook / "allocator.py"
+    path.write_text(path.read_text().replace("% self.bs == 0", "% self.bs == 1"))  # edited by hand, badly
+    choice = use("allocator", cell(STUB)["MyAllocator"])
+    assert not choice.mine and choice.piece is ReferenceAllocator and "workbook" in choice.reason
