@@ -34,6 +34,7 @@ WRONG = {
     "attend": lambda q, kc, vc, t, n, sc: me.attend(q, kc, vc, t, n, sc * 2),  # the wrong scale
     "sample": lambda logits: int(logits.argmin()),
     "allocator": _LeakyAllocator,
+    "paged_attention": lambda q, kc, vc, bt, lens, sc: me.reference_paged_attention(q, kc, vc, bt, lens - 1, sc),
 }
 
 
@@ -98,6 +99,26 @@ def test_an_off_by_one_slot_shows_in_the_tokens(model_and_reference):
     shifted = lambda t, s, n, bs: [(t[p // bs] * bs + p % bs + 1) % (40 * bs) for p in range(s, s + n)]  # noqa: E731
     engine = MiniEngine(model, {"slot_mapping": shifted}, num_blocks=40, block_size=4, max_num_seqs=3)
     assert engine.generate(prompts, 12) != expected
+
+
+def test_decodes_go_through_the_paged_attention_piece_together(model_and_reference):
+    """After its prompt, each sequence's token is attended by lesson 04b's paged attention, every decode of a step
+    in one call; a piece that forgets the newest key shows in the tokens."""
+    model, prompts, expected = model_and_reference
+    batches = []
+
+    def counting(query, *args):
+        batches.append(query.shape[0])
+        return me.reference_paged_attention(query, *args)
+
+    engine = MiniEngine(model, {"paged_attention": counting}, num_blocks=40, block_size=4, max_num_seqs=3)
+    assert engine.generate(prompts, 12) == expected
+    layers = model.config.num_hidden_layers
+    # every token but each answer's first (its prompt's step) is a decode; 3 sequences run at a time
+    assert sum(batches) == layers * sum(len(answer) - 1 for answer in expected) and max(batches) == 3
+    short = MiniEngine(model, {"paged_attention": WRONG["paged_attention"]}, num_blocks=40, block_size=4,
+                       max_num_seqs=3)
+    assert short.generate(prompts, 12) != expected
 
 
 def test_a_full_pool_is_an_error_that_says_so(model_and_reference):

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from kvpaging.teach import workbook
-from kvpaging.teach.build import allocator_passes, check_block_allocator
+from kvpaging.teach.build import allocator_passes, check_block_allocator, paged_attention_passes
 from kvpaging.teach.mini_engine import ReferenceAllocator, use
 
 # A learner's allocator, different from the reference in its names and its order of blocks (a deque, popped left).
@@ -137,3 +137,32 @@ def test_a_kept_file_that_went_wrong_gives_the_reference_and_says_so(empty_workb
     path.write_text(path.read_text().replace("% self.bs == 0", "% self.bs == 1"))  # edited by hand, badly
     choice = use("allocator", cell(STUB)["MyAllocator"])
     assert not choice.mine and choice.piece is ReferenceAllocator and "workbook" in choice.reason
+
+
+PAGED = textwrap.dedent('''
+    def my_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale):
+        import torch
+        out = torch.empty_like(query)
+        block_size, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+        for b in range(query.shape[0]):
+            t = torch.arange(int(seq_lens[b]))
+            blocks = block_tables[b, t // block_size].long()
+            keys, values = k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]
+            for h in range(query.shape[1]):
+                weights = torch.softmax(keys[:, h // group] @ query[b, h] * scale, dim=0)
+                out[b, h] = weights @ values[:, h // group]
+        return out
+''')
+
+
+def test_lesson_04bs_paged_attention_carries_over_to_lesson_12(empty_workbook):
+    stub = cell("def my_paged_attention(*args):\n    raise NotImplementedError\n")["my_paged_attention"]
+    assert "lesson 04b kept none" in use("paged_attention", stub).reason
+    path = workbook.keep("paged_attention", cell(PAGED)["my_paged_attention"], paged_attention_passes)
+    assert path == empty_workbook / "paged_attention.py"
+    choice = use("paged_attention", stub)
+    assert choice.mine and choice.kept_in == str(path) and "lesson 04b" in repr(choice)
+    # a wrong one (the scale forgotten) is neither kept nor taken
+    wrong = cell(PAGED.replace(" * scale", ""))["my_paged_attention"]
+    path.unlink()
+    assert workbook.keep("paged_attention", wrong, paged_attention_passes) is None and not path.exists()

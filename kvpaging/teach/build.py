@@ -37,7 +37,8 @@ import torch
 
 __all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention", "PlannerCheck",
            "check_step_planner", "ReferenceAllocator", "ReferenceSharingAllocator", "reference_paged_attention",
-           "reference_plan_step", "allocator_passes", "FP8Check", "check_fp8_quantizer", "reference_quantize_fp8"]
+           "reference_plan_step", "allocator_passes", "paged_attention_passes", "FP8Check", "check_fp8_quantizer",
+           "reference_quantize_fp8"]
 
 NOT_WRITTEN = ("NOT WRITTEN YET: yours raises NotImplementedError, so this ran on the reference answer "
                "(kvpaging.teach.build.{}) instead. Write yours and run the check again.\n")
@@ -166,7 +167,7 @@ def reference_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, s
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     for b in range(batch):
-        t = torch.arange(int(seq_lens[b]))
+        t = torch.arange(int(seq_lens[b]), device=k_cache.device)
         blocks = block_tables[b, t // block_size].long()  # the physical block of every token
         keys, values = k_cache[blocks, t % block_size], v_cache[blocks, t % block_size]  # [tokens, kv heads, dim]
         for h in range(num_heads):
@@ -225,6 +226,13 @@ def allocator_passes(make) -> bool:
     """Whether ``make`` is written and passes :func:`check_block_allocator` (what ``workbook.keep`` asks before
     keeping a learner's allocator for lesson 12)."""
     check = check_block_allocator(make, workloads=10)
+    return check.written and check.passed
+
+
+def paged_attention_passes(fn) -> bool:
+    """Whether ``fn`` is written and passes :func:`check_paged_attention` (``workbook.keep``'s question for
+    lesson 04b's paged attention, which lesson 12's engine runs its decodes with)."""
+    check = check_paged_attention(fn)
     return check.written and check.passed
 
 

@@ -12,7 +12,13 @@ The pieces, each a few lines, each with a reference answer here of the same sign
 - ``attend(queries, k_cache, v_cache, table, seq_len, scale) -> [tokens, heads, head_dim]``: one sequence's
   new queries (its last ``tokens`` positions) over its ``seq_len`` cached keys and values, causal, with
   grouped-query heads;
-- ``sample(logits) -> int``: the next token from one row of logits (greedy here).
+- ``sample(logits) -> int``: the next token from one row of logits (greedy here);
+- ``paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)``: lesson 04b's, every decode of a
+  step (one query each) in one call.
+
+Lesson 04's allocator and lesson 04b's paged attention carry over: once the learner's passed its lesson's check,
+that lesson kept it in their workbook (:mod:`kvpaging.teach.workbook`), and :func:`use` takes it from there when
+this lesson's own cell is left a stub.
 
 :func:`use` takes the learner's piece when it is written and agrees with the reference on random cases,
 and says which it took (the reference, when the piece raises ``NotImplementedError`` or differs, with
@@ -29,9 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpaging.teach.build import ReferenceAllocator, check_block_allocator
+from kvpaging.teach.build import (ReferenceAllocator, check_block_allocator, check_paged_attention,
+                                  reference_paged_attention)
 
-__all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "use", "MiniEngine"]
+__all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "reference_paged_attention", "use",
+           "MiniEngine"]
 
 
 # -- the reference pieces -------------------------------------------------------------------------------------
@@ -75,7 +83,15 @@ def sample(logits: torch.Tensor) -> int:
 
 
 REFERENCES = {"allocator": ReferenceAllocator, "slot_mapping": slot_mapping, "store_kv": store_kv,
-              "attend": attend, "sample": sample}
+              "attend": attend, "sample": sample, "paged_attention": reference_paged_attention}
+
+# The pieces an earlier lesson asked for: checked by that lesson's own check, and kept in the learner's workbook
+# once they passed it. name: (the lesson, its check, what the check compares against)
+EARLIER = {
+    "allocator": ("04", lambda piece: check_block_allocator(piece, workloads=10),
+                  "operations of random workloads, against kvpaging's BlockManager"),
+    "paged_attention": ("04b", check_paged_attention, "random paged caches, against kvpaging's torch reference"),
+}
 
 
 # -- checking a learner's piece ------------------------------------------------------------------------------------
@@ -92,9 +108,8 @@ class Choice:
 
     def __repr__(self) -> str:
         if self.mine:
-            what = "operations of random workloads, against kvpaging's BlockManager" if self.name == "allocator" \
-                else "random cases"
-            where = f" (the one you kept in lesson 04: {self.kept_in})" if self.kept_in else ""
+            lesson, _, what = EARLIER.get(self.name, ("", None, "random cases"))
+            where = f" (the one you kept in lesson {lesson}: {self.kept_in})" if self.kept_in else ""
             return f"{self.name}: yours{where}, the same as the reference on {self.cases:,} {what}"
         return f"{self.name}: using the reference (kvpaging.teach.mini_engine), because {self.reason}"
 
@@ -103,29 +118,13 @@ class Choice:
 
 def use(name: str, mine, cases: int = 30, seed: int = 0) -> Choice:
     """The learner's piece ``name`` if it is written and agrees with the reference on ``cases`` random cases
-    (the allocator: lesson 04's check against kvpaging's BlockManager); the reference otherwise, saying why. An
-    allocator left a stub here is taken from the learner's workbook when lesson 04 kept theirs
-    (:mod:`kvpaging.teach.workbook`)."""
+    (a piece of an earlier lesson: that lesson's check); the reference otherwise, saying why. A piece of an earlier
+    lesson left a stub here is taken from the learner's workbook when that lesson kept theirs."""
     reference = REFERENCES[name]
     rng = random.Random(seed)
     try:
-        if name == "allocator":
-            check = check_block_allocator(mine, workloads=10)
-            if not check.written:
-                from kvpaging.teach.workbook import kept, workbook_dir
-
-                earlier = kept("allocator")
-                if earlier is None:
-                    return Choice(name, reference, False, reason="it is not written yet (it raises NotImplementedError), "
-                                  "and lesson 04 kept none in your workbook")
-                choice = use(name, earlier, cases, seed)
-                choice.kept_in = str(workbook_dir() / "allocator.py") if choice.mine else ""
-                if not choice.mine:
-                    choice.reason += " (the allocator kept in your workbook by lesson 04)"
-                return choice
-            if not check.passed:
-                return Choice(name, reference, False, reason=f"yours differs from kvpaging's: {check.difference}")
-            return Choice(name, mine, True, check.operations)
+        if name in EARLIER:
+            return _use_earlier(name, mine, reference)
         for case in range(cases):
             difference = _CHECKS[name](mine, rng)
             if difference:
@@ -135,6 +134,26 @@ def use(name: str, mine, cases: int = 30, seed: int = 0) -> Choice:
     except Exception as error:  # noqa: BLE001 - a learner's piece may fail in any way: say how
         return Choice(name, reference, False, reason=f"yours raised {type(error).__name__}: {error}")
     return Choice(name, mine, True, cases)
+
+
+def _use_earlier(name: str, mine, reference, kept_in: str = "") -> Choice:
+    """:func:`use` for a piece an earlier lesson asked for (``EARLIER``): that lesson's check; a stub here takes
+    the piece that lesson kept in the workbook, if any."""
+    lesson, check_piece, _ = EARLIER[name]
+    check = check_piece(mine)
+    if check.written:
+        if not check.passed:
+            which = f" (the one lesson {lesson} kept in your workbook: {kept_in})" if kept_in else ""
+            return Choice(name, reference, False, reason=f"yours{which} differs from kvpaging's: {check.difference}")
+        agreed = check.operations if name == "allocator" else check.cases  # what the check compared
+        return Choice(name, mine, True, agreed, kept_in=kept_in)
+    from kvpaging.teach.workbook import kept, workbook_dir
+
+    earlier = None if kept_in else kept(name)
+    if earlier is None:
+        return Choice(name, reference, False, reason="it is not written yet (it raises NotImplementedError), "
+                      f"and lesson {lesson} kept none in your workbook")
+    return _use_earlier(name, earlier, reference, str(workbook_dir() / f"{name}.py"))
 
 
 def _random_table(rng: random.Random, num_blocks: int, length: int, block_size: int) -> list[int]:
@@ -302,16 +321,28 @@ class MiniEngine:
             seq.tokens.append(self.parts["sample"](logits[end - 1]))  # the row of its last token
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        """One layer's attention, as transformers calls it: store this step's keys and values, then attend."""
+        """One layer's attention, as transformers calls it: store this step's keys and values, then attend, each
+        prompt on its own, every decode (one new token) in one call of lesson 04b's paged attention."""
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
         k_cache, v_cache = self.caches[module.layer_idx]
-        out, first = [], 0
+        scale = scaling or q.shape[-1] ** -0.5
+        out, first, decodes = torch.empty_like(q), 0, []
         for table, start, n, slots in self.step_info.seqs:
             self.parts["store_kv"](k_cache, v_cache, k[first:first + n], v[first:first + n], slots)
-            out.append(self.parts["attend"](q[first:first + n], k_cache, v_cache, table, start + n,
-                                            scaling or q.shape[-1] ** -0.5))
+            if start and n == 1:  # a decode: its one query's row, its table and its length
+                decodes.append((first, table, start + 1))
+            else:
+                out[first:first + n] = self.parts["attend"](q[first:first + n], k_cache, v_cache, table, start + n, scale)
             first += n
-        return torch.cat(out).unsqueeze(0), None  # [1, tokens, heads, head_dim]
+        if decodes:
+            rows, tables, lengths = zip(*decodes)
+            width = max(map(len, tables))  # a batch's block tables as one tensor, short ones padded with block 0
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                        device=self.device)
+            seq_lens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+            out[list(rows)] = self.parts["paged_attention"](q[list(rows)], k_cache, v_cache, block_tables, seq_lens,
+                                                            scale).to(q.dtype)
+        return out.unsqueeze(0), None  # [1, tokens, heads, head_dim]
 
 
 def _register() -> None:
