@@ -35,6 +35,7 @@ WRONG = {
     "sample": lambda logits: int(logits.argmin()),
     "allocator": _LeakyAllocator,
     "paged_attention": lambda q, kc, vc, bt, lens, sc: me.reference_paged_attention(q, kc, vc, bt, lens - 1, sc),
+    "plan": lambda running, waiting, budget, cap: me.reference_plan_step(running, waiting, budget, cap + 1),
 }
 
 
@@ -119,6 +120,27 @@ def test_decodes_go_through_the_paged_attention_piece_together(model_and_referen
     short = MiniEngine(model, {"paged_attention": WRONG["paged_attention"]}, num_blocks=40, block_size=4,
                        max_num_seqs=3)
     assert short.generate(prompts, 12) != expected
+
+
+@pytest.mark.parametrize("budget", [1, 5, 8, 13])
+def test_chunked_prefill_under_a_token_budget_gives_generates_tokens(model_and_reference, budget):
+    """Lesson 07's planner in the engine: prompts of up to 30 tokens in chunks of at most ``budget`` tokens, a
+    step's decodes first, and never more tokens in a step than the budget."""
+    model, prompts, expected = model_and_reference
+    sizes = []
+
+    def planner(running, waiting, step_budget, cap):
+        plan = me.reference_plan_step(running, waiting, step_budget, cap)
+        sizes.append(sum(plan.values()))
+        return plan
+
+    engine = MiniEngine(model, {"plan": planner}, num_blocks=40, block_size=4, max_num_seqs=3,
+                        max_num_batched_tokens=budget)
+    assert engine.generate(prompts, 12) == expected
+    assert max(sizes) == budget and engine.allocator.num_free_blocks == 40
+    unchunked = MiniEngine(model, num_blocks=40, block_size=4, max_num_seqs=3)
+    unchunked.generate(prompts, 12)
+    assert engine.num_steps > unchunked.num_steps  # the prompts took several steps each
 
 
 def test_a_full_pool_is_an_error_that_says_so(model_and_reference):

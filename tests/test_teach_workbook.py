@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from kvpaging.teach import workbook
-from kvpaging.teach.build import allocator_passes, check_block_allocator, paged_attention_passes
+from kvpaging.teach.build import check_block_allocator, check_paged_attention, check_step_planner
 from kvpaging.teach.mini_engine import ReferenceAllocator, use
 
 # A learner's allocator, different from the reference in its names and its order of blocks (a deque, popped left).
@@ -62,6 +62,11 @@ STUB = textwrap.dedent('''
 _cells = 0
 
 
+def _passes(check, piece) -> bool:
+    result = check(piece)
+    return result.written and result.passed
+
+
 def cell(source: str, namespace: dict | None = None) -> dict:
     """Run ``source`` as a notebook cell: its text known to linecache under a cell's name, not a file."""
     global _cells
@@ -90,7 +95,7 @@ def test_source_of_a_class_made_in_a_cell():
 
 def test_a_passing_allocator_is_kept_and_comes_back_working(empty_workbook, capsys):
     cls = cell(GOOD)["MyAllocator"]
-    path = workbook.keep("allocator", cls, allocator_passes)
+    path = workbook.keep("allocator", cls, check_block_allocator)
     assert path == empty_workbook / "allocator.py" and path.exists()
     assert str(path) in capsys.readouterr().out
     again = workbook.kept("allocator")
@@ -100,9 +105,9 @@ def test_a_passing_allocator_is_kept_and_comes_back_working(empty_workbook, caps
 
 
 def test_a_stub_or_a_wrong_allocator_is_not_kept(empty_workbook):
-    assert workbook.keep("allocator", cell(STUB)["MyAllocator"], allocator_passes) is None
+    assert workbook.keep("allocator", cell(STUB)["MyAllocator"], check_block_allocator) is None
     wrong = cell(GOOD.replace("if self.sizes[seq_id] % self.bs == 0:", "if self.sizes[seq_id] % self.bs == 1:"))
-    assert workbook.keep("allocator", wrong["MyAllocator"], allocator_passes) is None
+    assert workbook.keep("allocator", wrong["MyAllocator"], check_block_allocator) is None
     assert not empty_workbook.exists() and workbook.kept("allocator") is None
 
 
@@ -111,8 +116,8 @@ def test_a_class_that_needs_names_from_other_cells_is_not_kept(empty_workbook, c
     leaning = GOOD.replace("        from collections import deque\n", "")
     assert leaning != GOOD
     cls = cell(leaning, namespace)["MyAllocator"]
-    assert allocator_passes(cls)  # it works in its notebook...
-    assert workbook.keep("allocator", cls, allocator_passes) is None  # ...but its source alone does not
+    assert _passes(check_block_allocator, cls)  # it works in its notebook...
+    assert workbook.keep("allocator", cls, check_block_allocator) is None  # ...but its source alone does not
     out = capsys.readouterr().out
     assert "not kept" in out and "NameError" in out and "deque" in out
     assert not (empty_workbook / "allocator.py").exists()
@@ -122,7 +127,7 @@ def test_lesson_12_takes_the_kept_allocator_when_its_own_cell_is_a_stub(empty_wo
     stub = cell(STUB)["MyAllocator"]
     before = use("allocator", stub)
     assert not before.mine and before.piece is ReferenceAllocator and "kept none" in before.reason
-    workbook.keep("allocator", cell(GOOD)["MyAllocator"], allocator_passes)
+    workbook.keep("allocator", cell(GOOD)["MyAllocator"], check_block_allocator)
     after = use("allocator", stub)
     assert after.mine and after.piece.__name__ == "MyAllocator" and after.piece is not ReferenceAllocator
     assert after.kept_in == str(empty_workbook / "allocator.py") and "lesson 04" in repr(after)
@@ -132,7 +137,7 @@ def test_lesson_12_takes_the_kept_allocator_when_its_own_cell_is_a_stub(empty_wo
 
 
 def test_a_kept_file_that_went_wrong_gives_the_reference_and_says_so(empty_workbook):
-    workbook.keep("allocator", cell(GOOD)["MyAllocator"], allocator_passes)
+    workbook.keep("allocator", cell(GOOD)["MyAllocator"], check_block_allocator)
     path = empty_workbook / "allocator.py"
     path.write_text(path.read_text().replace("% self.bs == 0", "% self.bs == 1"))  # edited by hand, badly
     choice = use("allocator", cell(STUB)["MyAllocator"])
@@ -158,11 +163,39 @@ PAGED = textwrap.dedent('''
 def test_lesson_04bs_paged_attention_carries_over_to_lesson_12(empty_workbook):
     stub = cell("def my_paged_attention(*args):\n    raise NotImplementedError\n")["my_paged_attention"]
     assert "lesson 04b kept none" in use("paged_attention", stub).reason
-    path = workbook.keep("paged_attention", cell(PAGED)["my_paged_attention"], paged_attention_passes)
+    path = workbook.keep("paged_attention", cell(PAGED)["my_paged_attention"], check_paged_attention)
     assert path == empty_workbook / "paged_attention.py"
     choice = use("paged_attention", stub)
     assert choice.mine and choice.kept_in == str(path) and "lesson 04b" in repr(choice)
     # a wrong one (the scale forgotten) is neither kept nor taken
     wrong = cell(PAGED.replace(" * scale", ""))["my_paged_attention"]
     path.unlink()
-    assert workbook.keep("paged_attention", wrong, paged_attention_passes) is None and not path.exists()
+    assert workbook.keep("paged_attention", wrong, check_paged_attention) is None and not path.exists()
+
+
+PLAN = textwrap.dedent('''
+    def plan_step(running, waiting, budget, max_num_seqs):
+        plan, seats = {}, len(running)
+        for seq_id, left in running:
+            if budget:
+                plan[seq_id] = min(left, budget)
+                budget -= plan[seq_id]
+        for seq_id, left in waiting:
+            if not budget or seats == max_num_seqs:
+                break
+            plan[seq_id] = min(left, budget)
+            budget -= plan[seq_id]
+            seats += 1
+        return plan
+''')
+
+
+def test_lesson_07s_planner_carries_over_to_lesson_12(empty_workbook):
+    stub = cell("def plan_step(*args):\n    raise NotImplementedError\n")["plan_step"]
+    assert "lesson 07 kept none" in use("plan", stub).reason
+    path = workbook.keep("plan", cell(PLAN)["plan_step"], check_step_planner)
+    assert path == empty_workbook / "plan.py"
+    choice = use("plan", stub)
+    assert choice.mine and choice.kept_in == str(path) and "steps of random workloads" in repr(choice)
+    no_cap = cell(PLAN.replace(" or seats == max_num_seqs", ""))["plan_step"]  # the sequence cap forgotten
+    assert not _passes(check_step_planner, no_cap) and not use("plan", no_cap).mine

@@ -37,8 +37,7 @@ import torch
 
 __all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention", "PlannerCheck",
            "check_step_planner", "ReferenceAllocator", "ReferenceSharingAllocator", "reference_paged_attention",
-           "reference_plan_step", "allocator_passes", "paged_attention_passes", "FP8Check", "check_fp8_quantizer",
-           "reference_quantize_fp8"]
+           "reference_plan_step", "FP8Check", "check_fp8_quantizer", "reference_quantize_fp8"]
 
 NOT_WRITTEN = ("NOT WRITTEN YET: yours raises NotImplementedError, so this ran on the reference answer "
                "(kvpaging.teach.build.{}) instead. Write yours and run the check again.\n")
@@ -220,20 +219,6 @@ class AllocatorCheck(_Check):
                     f"({self.operations:,} operations, {self.refusals} refused for lack of blocks"
                     + (f", {self.copies} copy-on-write copies)." if self.fork else ")."))
         return f"DIFFERS after {self.operations:,} matching operations.\n{self.difference}"
-
-
-def allocator_passes(make) -> bool:
-    """Whether ``make`` is written and passes :func:`check_block_allocator` (what ``workbook.keep`` asks before
-    keeping a learner's allocator for lesson 12)."""
-    check = check_block_allocator(make, workloads=10)
-    return check.written and check.passed
-
-
-def paged_attention_passes(fn) -> bool:
-    """Whether ``fn`` is written and passes :func:`check_paged_attention` (``workbook.keep``'s question for
-    lesson 04b's paged attention, which lesson 12's engine runs its decodes with)."""
-    check = check_paged_attention(fn)
-    return check.written and check.passed
 
 
 def _free_count(alloc) -> int:

@@ -14,11 +14,13 @@ The pieces, each a few lines, each with a reference answer here of the same sign
   grouped-query heads;
 - ``sample(logits) -> int``: the next token from one row of logits (greedy here);
 - ``paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)``: lesson 04b's, every decode of a
-  step (one query each) in one call.
+  step (one query each) in one call;
+- ``plan(running, waiting, budget, max_num_seqs) -> {seq_id: num_tokens}``: lesson 07's step planner, which
+  gives the engine chunked prefill under a token budget.
 
-Lesson 04's allocator and lesson 04b's paged attention carry over: once the learner's passed its lesson's check,
-that lesson kept it in their workbook (:mod:`kvpaging.teach.workbook`), and :func:`use` takes it from there when
-this lesson's own cell is left a stub.
+Lesson 04's allocator, lesson 04b's paged attention and lesson 07's planner carry over: once the learner's passed
+its lesson's check, that lesson kept it in their workbook (:mod:`kvpaging.teach.workbook`), and :func:`use` takes
+it from there when this lesson's own cell is left a stub.
 
 :func:`use` takes the learner's piece when it is written and agrees with the reference on random cases,
 and says which it took (the reference, when the piece raises ``NotImplementedError`` or differs, with
@@ -36,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpaging.teach.build import (ReferenceAllocator, check_block_allocator, check_paged_attention,
-                                  reference_paged_attention)
+                                  check_step_planner, reference_paged_attention, reference_plan_step)
 
-__all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "reference_paged_attention", "use",
-           "MiniEngine"]
+__all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "reference_paged_attention",
+           "reference_plan_step", "use", "MiniEngine"]
 
 
 # -- the reference pieces -------------------------------------------------------------------------------------
@@ -83,7 +85,8 @@ def sample(logits: torch.Tensor) -> int:
 
 
 REFERENCES = {"allocator": ReferenceAllocator, "slot_mapping": slot_mapping, "store_kv": store_kv,
-              "attend": attend, "sample": sample, "paged_attention": reference_paged_attention}
+              "attend": attend, "sample": sample, "paged_attention": reference_paged_attention,
+              "plan": reference_plan_step}
 
 # The pieces an earlier lesson asked for: checked by that lesson's own check, and kept in the learner's workbook
 # once they passed it. name: (the lesson, its check, what the check compares against)
@@ -91,6 +94,7 @@ EARLIER = {
     "allocator": ("04", lambda piece: check_block_allocator(piece, workloads=10),
                   "operations of random workloads, against kvpaging's BlockManager"),
     "paged_attention": ("04b", check_paged_attention, "random paged caches, against kvpaging's torch reference"),
+    "plan": ("07", check_step_planner, "steps of random workloads, against kvpaging's scheduler"),
 }
 
 
@@ -145,7 +149,8 @@ def _use_earlier(name: str, mine, reference, kept_in: str = "") -> Choice:
         if not check.passed:
             which = f" (the one lesson {lesson} kept in your workbook: {kept_in})" if kept_in else ""
             return Choice(name, reference, False, reason=f"yours{which} differs from kvpaging's: {check.difference}")
-        agreed = check.operations if name == "allocator" else check.cases  # what the check compared
+        agreed = {"allocator": "operations", "plan": "steps"}.get(name, "cases")  # what the check compared
+        agreed = getattr(check, agreed)
         return Choice(name, mine, True, agreed, kept_in=kept_in)
     from kvpaging.teach.workbook import kept, workbook_dir
 
@@ -239,17 +244,19 @@ _REGISTERED = False
 
 
 class MiniEngine:
-    """A paged engine in one screen: continuous batching over a block pool, with the learner's pieces.
+    """A paged engine in one screen: continuous batching with chunked prefill under a token budget, over a block
+    pool, with the learner's pieces.
 
-    No prefix cache, no chunked prefill, no preemption (a request waits until its prompt fits), greedy only:
-    what kvpaging adds to this is lessons 05 to 09. ``parts`` maps each piece's name to the function (or, for
-    ``"allocator"``, the class) to use; a missing one is the reference.
+    No prefix cache, no preemption (a request waits until the pool has blocks for its first chunk), greedy only:
+    what kvpaging adds to this is lessons 05, 07's preemption, 08 and 09. ``parts`` maps each piece's name to the
+    function (or, for ``"allocator"``, the class) to use; a missing one is the reference.
     """
 
     def __init__(self, model, parts: dict | None = None, num_blocks: int = 64, block_size: int = 16,
-                 max_num_seqs: int = 8) -> None:
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 2048) -> None:
         self.parts = {**REFERENCES, **(parts or {})}
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget
         self.allocator = self.parts["allocator"](num_blocks, block_size)
         self.model = copy.deepcopy(model).eval()  # the user's model keeps its own attention
         _register()
@@ -273,41 +280,48 @@ class MiniEngine:
         while waiting or running:
             self.step(waiting, running)
             for seq in list(running):
-                if len(seq.output) >= max_tokens or seq.output[-1] == eos_token_id:
+                if seq.output and (len(seq.output) >= max_tokens or seq.output[-1] == eos_token_id):
                     running.remove(seq)
                     self.allocator.free(seq.seq_id)
                     done[seq.seq_id] = seq.output
         return [done[i] for i in range(len(prompts))]
 
     def step(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
-        """One step: admit what fits, give every running sequence a slot, one forward pass, one token each."""
-        self.admit(waiting, running)
-        self.give_slots(waiting, running)
-        self.run(running)
+        """One step: the plan (who computes how many tokens), slots for those tokens, one forward pass, and a token
+        for each sequence that has then computed all it had."""
+        left = lambda seqs: [(seq.seq_id, len(seq.tokens) - seq.computed) for seq in seqs]  # noqa: E731
+        plan = dict(self.parts["plan"](left(running), left(waiting), self.max_num_batched_tokens, self.max_num_seqs))
+        self.admit(waiting, running, plan)
+        self.give_slots(waiting, running, plan)
+        self.run([seq for seq in running if seq.seq_id in plan], plan)
         self.num_steps += 1
 
-    def admit(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
-        """Waiting requests join, oldest first, while there are seats and the allocator has blocks for them."""
-        while waiting and len(running) < self.max_num_seqs and self.allocator.allocate(waiting[0].seq_id,
-                                                                                          len(waiting[0].tokens)):
+    def admit(self, waiting: list[_Sequence], running: list[_Sequence], plan: dict[int, int]) -> None:
+        """The planned waiting requests join, oldest first, while the allocator has blocks for their first chunk
+        (one it has none for waits, and everyone after it)."""
+        while waiting and waiting[0].seq_id in plan:
+            if not self.allocator.allocate(waiting[0].seq_id, plan[waiting[0].seq_id]):
+                return
             running.append(waiting.pop(0))
 
-    def give_slots(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
-        """A slot for the new token of every sequence that has computed its prompt (``waiting``: for engines
-        that preempt, exercise 2)."""
+    def give_slots(self, waiting: list[_Sequence], running: list[_Sequence], plan: dict[int, int]) -> None:
+        """A slot for each token a running sequence computes this step (one admitted now got its first chunk's
+        slots from ``allocate``; ``waiting``: for engines that preempt, exercise 2)."""
         for seq in running:
-            if seq.computed and not self.allocator.append(seq.seq_id):
-                raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
+            for _ in range(plan.get(seq.seq_id, 0) if seq.computed else 0):
+                if not self.allocator.append(seq.seq_id):
+                    raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
 
-    def run(self, running: list[_Sequence]) -> None:
-        """Pack every sequence's new tokens into one row, run the model once, sample one token each."""
+    def run(self, scheduled: list[_Sequence], plan: dict[int, int]) -> None:
+        """Pack the planned tokens of every scheduled sequence into one row and run the model once; a sequence
+        that has then computed all its tokens (a decode, or a prompt's last chunk) samples its next one."""
         ids, positions, self.step_info = [], [], _Step()
-        for seq in running:  # a new sequence brings its prompt, a running one its last token
-            start, n = seq.computed, len(seq.tokens) - seq.computed
+        for seq in scheduled:  # a prompt brings its next chunk, a decode its last token
+            start, n = seq.computed, plan[seq.seq_id]
             table = self.allocator.table(seq.seq_id)
             slots = self.parts["slot_mapping"](table, start, n, self.block_size)
             self.step_info.seqs.append((table, start, n, slots))
-            ids += seq.tokens[start:]
+            ids += seq.tokens[start:start + n]
             positions += range(start, start + n)
         with torch.no_grad():
             logits = self.model(input_ids=torch.tensor([ids], device=self.device),
@@ -315,10 +329,11 @@ class MiniEngine:
                                 attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device),  # ignored
                                 use_cache=False, mini_engine=self).logits[0]  # passed on to every attention call
         end = 0
-        for seq, (_, _, n, _) in zip(running, self.step_info.seqs):
+        for seq, (_, start, n, _) in zip(scheduled, self.step_info.seqs):
             end += n
-            seq.computed = len(seq.tokens)
-            seq.tokens.append(self.parts["sample"](logits[end - 1]))  # the row of its last token
+            seq.computed = start + n
+            if seq.computed == len(seq.tokens):
+                seq.tokens.append(self.parts["sample"](logits[end - 1]))  # the row of its last token
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """One layer's attention, as transformers calls it: store this step's keys and values, then attend, each

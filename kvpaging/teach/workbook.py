@@ -46,9 +46,14 @@ def source_of(obj) -> str:
     raise OSError(f"the source of class {obj.__name__} was not found (it has no methods written in Python)")
 
 
-def keep(name: str, piece, passes: Callable[[object], bool]) -> Path | None:
-    """Keep ``piece`` under ``name`` if ``passes(piece)`` (its lesson's check) holds, and holds again for the piece
-    read back from the kept file alone; returns the file, or None (and says why) when it is not kept."""
+def keep(name: str, piece, check: Callable) -> Path | None:
+    """Keep ``piece`` under ``name`` if its lesson's ``check`` (one of :mod:`kvpaging.teach.build`'s, called with the
+    piece) finds it written and passing, and again for the piece read back from the kept file alone; returns the
+    file, or None (and says why) when it is not kept."""
+    def passes(candidate) -> bool:
+        result = check(candidate)
+        return result.written and result.passed
+
     if not passes(piece):
         return None  # a stub, or not right yet: nothing to keep (the check has said why)
     source = source_of(piece)
