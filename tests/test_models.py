@@ -6,6 +6,7 @@ import torch
 from kvpaging.models import (
     TINY_ARCHS,
     available_configs,
+    default_cpu_dtype,
     load_config,
     load_model,
     load_tokenizer,
@@ -133,13 +134,44 @@ def test_unknown_config_lists_the_available_ones():
 def test_load_model_round_trips_through_safetensors(tmp_path):
     model = tiny("llama", num_hidden_layers=2)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, dtype=torch.float32)
     assert same_weights(model, loaded)
     assert not loaded.training
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, loaded(ids).logits)
     assert load_model(tmp_path, dtype=torch.bfloat16, device="cpu").dtype == torch.bfloat16
+
+
+def _cpuinfo(tmp_path, flags: str) -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx2 {flags}\n")
+    return str(path)
+
+
+def test_the_cpus_default_dtype_follows_its_bfloat16_units(tmp_path):
+    assert default_cpu_dtype(_cpuinfo(tmp_path, "avx512f amx_bf16 amx_tile")) == torch.bfloat16
+    assert default_cpu_dtype(_cpuinfo(tmp_path, "avx512f avx512_bf16")) == torch.bfloat16
+    assert default_cpu_dtype(_cpuinfo(tmp_path, "avx512f")) == torch.float32
+    assert default_cpu_dtype(str(tmp_path / "no-such-file")) == torch.float32  # not Linux: no flags to read
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_a_checkpoint_loads_on_the_cpu_in_the_dtype_its_units_want(tmp_path, monkeypatch, caplog, units):
+    """A folder (or hub id) loaded with no dtype: bfloat16 where the CPU has bfloat16 matrix units, float32
+    elsewhere, even for a bfloat16 checkpoint, and the log says which and why; an explicit dtype wins."""
+    import kvpaging.models as models
+
+    flags = "avx512_bf16" if units else "avx2"
+    monkeypatch.setattr(models, "bf16_matrix_units", lambda cpuinfo=None: "AVX-512 BF16" if units else None)
+    tiny("llama", num_hidden_layers=1).to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+    with caplog.at_level("INFO", logger="kvpaging.models"):
+        loaded = load_model(tmp_path)
+    assert loaded.dtype == (torch.bfloat16 if units else torch.float32), flags
+    assert ("has bfloat16 matrix units" if units else "has no bfloat16 matrix units") in caplog.text
+    assert load_model(tmp_path, dtype=torch.float32).dtype == torch.float32
+    model = tiny("llama", num_hidden_layers=1)
+    assert load_model(model) is model and model.dtype == torch.float32  # a model object keeps its dtype
 
 
 def test_load_model_refuses_pickles(tmp_path):

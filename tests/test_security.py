@@ -102,7 +102,7 @@ def test_a_pickle_beside_safetensors_weights_is_never_read(tmp_path, no_unpickli
     mark = tmp_path / "PWNED"
     write_evil_pickle(tmp_path / "pytorch_model.bin", mark)
     no_unpickling.clear()
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, dtype=torch.float32)  # the saved dtype, whatever this CPU's default
     llm = LLM(str(tmp_path), num_blocks=64, block_size=4, max_model_len=64)
     assert not mark.exists()
     assert no_unpickling == [], f"called while loading: {no_unpickling}"

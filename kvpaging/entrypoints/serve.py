@@ -1247,7 +1247,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument("--device", default=None)
-    engine.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    engine.add_argument("--dtype", default=None,
+                        help="auto, float32, bfloat16 or float16 (auto, for a folder or hub id on a CPU: bfloat16 "
+                             "where the CPU has bfloat16 matrix units, float32 elsewhere)")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import importlib.util
 import json
+import logging
 import os
 from importlib import resources
 from pathlib import Path
@@ -41,6 +42,39 @@ try:  # transformers 5.x
     from transformers.initialization import no_init_weights
 except ImportError:  # pragma: no cover - older layouts; we then pay for the library's init, then redo it
     no_init_weights = contextlib.nullcontext
+
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- the CPU's dtype
+
+
+def bf16_matrix_units(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's bfloat16 matrix units, by name ("AMX", "AVX-512 BF16"), or None: read from the CPU flags in
+    ``cpuinfo`` (Linux; elsewhere None). With them a bfloat16 matrix product runs several times faster than
+    float32; without them torch emulates bfloat16, slower than float32."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16"
+    return None
+
+
+def default_cpu_dtype(cpuinfo: str = "/proc/cpuinfo") -> torch.dtype:
+    """The dtype a checkpoint is loaded in on the CPU when none is asked for: bfloat16 where the CPU has bfloat16
+    matrix units (:func:`bf16_matrix_units`), float32 elsewhere (a bfloat16 checkpoint is then widened: emulated
+    bfloat16 would run slower than float32). The choice is logged, with its reason."""
+    units = bf16_matrix_units(cpuinfo)
+    dtype = torch.bfloat16 if units else torch.float32
+    logger.info("dtype %s: this CPU %s (pass dtype= to choose another)", str(dtype).replace("torch.", ""),
+                f"has bfloat16 matrix units ({units})" if units else "has no bfloat16 matrix units")
+    return dtype
 
 
 # --------------------------------------------------------------------------- tiny models
@@ -222,7 +256,9 @@ def load_model(
 
     Only safetensors files are read. A ``pytorch_model.bin`` is a pickle, and
     unpickling a file runs whatever code it contains, so a directory with no
-    ``.safetensors`` file is refused. ``dtype=None`` keeps the checkpoint's dtype.
+    ``.safetensors`` file is refused. ``dtype=None``: for a folder or a hub id loaded onto the CPU,
+    :func:`default_cpu_dtype` (bfloat16 where the CPU has bfloat16 matrix units, float32 elsewhere); on a GPU the
+    checkpoint's own dtype; a model instance and the shipped trained models keep theirs.
     """
     if isinstance(model_or_path, PreTrainedModel):
         if dtype is not None or device is not None:  # the caller's model stays as it is
@@ -242,9 +278,11 @@ def load_model(
         raise FileNotFoundError(f"no such directory: {source}")
 
     kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
+    device = None if device is None else torch.device(device)
+    if dtype is None and (device is None or device.type == "cpu"):
+        dtype = default_cpu_dtype()
     if dtype is not None:
         kwargs["dtype"] = dtype
-    device = None if device is None else torch.device(device)
     # transformers can put the weights straight onto a GPU, but only with the
     # optional `accelerate` package; without it they go through the CPU first.
     direct = device is not None and device.type != "cpu" and importlib.util.find_spec("accelerate") is not None

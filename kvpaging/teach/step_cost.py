@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpaging.models import bf16_matrix_units  # noqa: F401  (the lessons read the CPU's units from here)
 from kvpaging.teach import text_table
 from kvpaging.teach.roofline import decode_cost, time_prefill_and_decode
 
@@ -51,22 +52,6 @@ GPUS = (
     GPU("L4", 121e12, 0.3e12),
     GPU("T4", 65e12, 0.32e12, "fp16: the T4 has no bfloat16"),
 )
-
-
-def bf16_matrix_units(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The CPU's bfloat16 matrix units, by name ("AMX", "AVX-512 BF16"), or None: read from the CPU flags in
-    ``cpuinfo`` (Linux; elsewhere None). With them a bfloat16 matrix product runs several times faster than
-    float32 (the engine's own choice of dtype is not changed by this)."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return None
-    if "amx_bf16" in flags:
-        return "AMX"
-    if "avx512_bf16" in flags:
-        return "AVX-512 BF16"
-    return None
 
 
 @dataclass(frozen=True)
