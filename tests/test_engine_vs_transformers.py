@@ -9,12 +9,12 @@ stored: block sizes, the prefix cache, chunked prefill, preemption and
 recomputation, n > 1 with shared blocks and copy-on-write, static batching; and
 on models with sliding-window attention, whose windows are shorter than the prompts.
 
-Ties: where the two best logits are within 1e-4 of each other, float32 rounding
-in a differently ordered computation may legitimately pick the other one. At the
+Ties: where the best logits are within 1e-4 of each other, float32 rounding
+in a differently ordered computation may legitimately pick another of them. At the
 first position where engine and reference differ, the reference logits for the
 common prefix are recomputed with one plain full forward pass; the divergence is
-accepted only if the top-2 logits differ by less than 1e-4 and the engine's token
-is one of those two, and the rest of that sequence is then not compared
+accepted only if both tokens' logits lie within 1e-4 of the best there, and the
+rest of that sequence is then not compared
 (``engine_helpers.Reference.assert_greedy``). Any other difference fails.
 
 After every run the engine must hold no requests and every block must be free.
