@@ -199,3 +199,14 @@ def test_lesson_07s_planner_carries_over_to_lesson_12(empty_workbook):
     assert choice.mine and choice.kept_in == str(path) and "steps of random workloads" in repr(choice)
     no_cap = cell(PLAN.replace(" or seats == max_num_seqs", ""))["plan_step"]  # the sequence cap forgotten
     assert not _passes(check_step_planner, no_cap) and not use("plan", no_cap).mine
+
+
+def test_a_piece_whose_source_cannot_be_found_is_not_kept_and_says_so(empty_workbook, capsys):
+    """A class made with type() has no class statement to copy: keep says so instead of failing the lesson's cell."""
+    body = textwrap.dedent(GOOD.split("class MyAllocator:\n", 1)[1])  # the methods, as top-level functions
+    functions = cell(body)
+    members = ("__init__", "num_free_blocks", "table", "allocate", "append", "free")
+    made = type("MyAllocator", (), {name: functions[name] for name in members})
+    assert _passes(check_block_allocator, made)
+    assert workbook.keep("allocator", made, check_block_allocator) is None
+    assert "not kept" in capsys.readouterr().out and not (empty_workbook / "allocator.py").exists()

@@ -56,8 +56,8 @@ def keep(name: str, piece, check: Callable) -> Path | None:
 
     if not passes(piece):
         return None  # a stub, or not right yet: nothing to keep (the check has said why)
-    source = source_of(piece)
     try:
+        source = source_of(piece)
         again = _load(source, piece.__name__)
         ok = passes(again)
     except Exception as error:  # noqa: BLE001 - whatever the file alone lacks, say it
