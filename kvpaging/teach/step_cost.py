@@ -104,7 +104,9 @@ def measure_step_curve(model, tokenizer=None, dtype: torch.dtype | None = None, 
                                             progress=False)["decode_step_s"] for b in batches)
     weight = next(llm.engine.model.parameters())
     dtype_name = str(weight.dtype).replace("torch.", "")
-    where = f"this CPU ({os.cpu_count()} cores)" if weight.device.type == "cpu" else f"this {weight.device.type} device"
+    threads = torch.get_num_threads()  # what the engine's matrix products ran on, not only what the machine has
+    where = (f"this CPU ({threads} thread{'s' * (threads > 1)} of {os.cpu_count()} cores)" if weight.device.type == "cpu"
+             else f"this {weight.device.type} device")
     return StepCurve(label or f"{where}, {dtype_name}", batches, seconds, True)
 
 
