@@ -64,9 +64,8 @@ def run(args) -> dict:
         sched.add_request(Request(f"r{i}", prompt, params, arrival_time=0.0))
     tokens = [rng.randrange(32000) for _ in range(4096)]  # "sampled" tokens, drawn before timing
     tables = BlockTable()
-    t_sched = t_prep = 0.0
-    seq_steps = steps = 0
-    # with --parts: seconds of schedule, input preparation and update, and sequence-steps, per kind of step
+    steps = 0
+    # seconds of schedule, input preparation and update, and sequence-steps, per kind of step (--parts prints them)
     parts = {kind: [0.0, 0.0, 0.0, 0] for kind in ("decodes only", "with chunks")}
     clock = time.process_time  # this process's CPU time: other work on the machine does not count
     while sched.has_unfinished():
@@ -79,9 +78,6 @@ def run(args) -> dict:
         n, k = len(out.samples), steps % 2048
         sched.update(out, tokens[k : k + n] if k + n <= 4096 else tokens[:n])
         t3 = clock()
-        t_sched += (t1 - t0) + (t3 - t2)
-        t_prep += t2 - t1
-        seq_steps += out.num_seqs
         steps += 1
         part = parts["with chunks" if out.chunks else "decodes only"]
         part[0] += t1 - t0
@@ -89,8 +85,9 @@ def run(args) -> dict:
         part[2] += t3 - t2
         part[3] += out.num_seqs
     assert bm.stats().num_used_blocks == 0, "leak"
-    return {"steps": steps, "seq_steps": seq_steps, "sched_us": t_sched / seq_steps * 1e6,
-            "prep_us": t_prep / seq_steps * 1e6, "preemptions": sched.num_preemptions,
+    schedule, prep, update, seq_steps = (sum(part[i] for part in parts.values()) for i in range(4))
+    return {"steps": steps, "seq_steps": seq_steps, "sched_us": (schedule + update) / seq_steps * 1e6,
+            "prep_us": prep / seq_steps * 1e6, "preemptions": sched.num_preemptions,
             "hit_rate": bm.stats().prefix_cache_hit_rate, "parts": parts}
 
 

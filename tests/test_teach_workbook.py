@@ -62,11 +62,6 @@ STUB = textwrap.dedent('''
 _cells = 0
 
 
-def _passes(check, piece) -> bool:
-    result = check(piece)
-    return result.written and result.passed
-
-
 def cell(source: str, namespace: dict | None = None) -> dict:
     """Run ``source`` as a notebook cell: its text known to linecache under a cell's name, not a file."""
     global _cells
@@ -116,7 +111,7 @@ def test_a_class_that_needs_names_from_other_cells_is_not_kept(empty_workbook, c
     leaning = GOOD.replace("        from collections import deque\n", "")
     assert leaning != GOOD
     cls = cell(leaning, namespace)["MyAllocator"]
-    assert _passes(check_block_allocator, cls)  # it works in its notebook...
+    assert check_block_allocator(cls).ok  # it works in its notebook...
     assert workbook.keep("allocator", cls, check_block_allocator) is None  # ...but its source alone does not
     out = capsys.readouterr().out
     assert "not kept" in out and "NameError" in out and "deque" in out
@@ -160,19 +155,6 @@ PAGED = textwrap.dedent('''
 ''')
 
 
-def test_lesson_04bs_paged_attention_carries_over_to_lesson_12(empty_workbook):
-    stub = cell("def my_paged_attention(*args):\n    raise NotImplementedError\n")["my_paged_attention"]
-    assert "lesson 04b kept none" in use("paged_attention", stub).reason
-    path = workbook.keep("paged_attention", cell(PAGED)["my_paged_attention"], check_paged_attention)
-    assert path == empty_workbook / "paged_attention.py"
-    choice = use("paged_attention", stub)
-    assert choice.mine and choice.kept_in == str(path) and "lesson 04b" in repr(choice)
-    # a wrong one (the scale forgotten) is neither kept nor taken
-    wrong = cell(PAGED.replace(" * scale", ""))["my_paged_attention"]
-    path.unlink()
-    assert workbook.keep("paged_attention", wrong, check_paged_attention) is None and not path.exists()
-
-
 PLAN = textwrap.dedent('''
     def plan_step(running, waiting, budget, max_num_seqs):
         plan, seats = {}, len(running)
@@ -190,15 +172,29 @@ PLAN = textwrap.dedent('''
 ''')
 
 
-def test_lesson_07s_planner_carries_over_to_lesson_12(empty_workbook):
-    stub = cell("def plan_step(*args):\n    raise NotImplementedError\n")["plan_step"]
-    assert "lesson 07 kept none" in use("plan", stub).reason
-    path = workbook.keep("plan", cell(PLAN)["plan_step"], check_step_planner)
-    assert path == empty_workbook / "plan.py"
-    choice = use("plan", stub)
-    assert choice.mine and choice.kept_in == str(path) and "steps of random workloads" in repr(choice)
-    no_cap = cell(PLAN.replace(" or seats == max_num_seqs", ""))["plan_step"]  # the sequence cap forgotten
-    assert not _passes(check_step_planner, no_cap) and not use("plan", no_cap).mine
+# piece, its lesson, its source, the function's name, its check, what repr names, a mistake in it
+CARRIED = [
+    ("paged_attention", "04b", PAGED, "my_paged_attention", check_paged_attention, "random paged caches",
+     (" * scale", "")),  # the scale forgotten
+    ("plan", "07", PLAN, "plan_step", check_step_planner, "steps of random workloads",
+     (" or seats == max_num_seqs", "")),  # the sequence cap forgotten
+]
+
+
+@pytest.mark.parametrize("name, lesson, source, function, check, what, mistake", CARRIED, ids=[c[0] for c in CARRIED])
+def test_an_earlier_lessons_function_carries_over_to_lesson_12(empty_workbook, name, lesson, source, function, check,
+                                                               what, mistake):
+    stub = cell(f"def {function}(*args):\n    raise NotImplementedError\n")[function]
+    assert f"lesson {lesson} kept none" in use(name, stub).reason
+    path = workbook.keep(name, cell(source)[function], check)
+    assert path == empty_workbook / f"{name}.py"
+    choice = use(name, stub)
+    assert choice.mine and choice.kept_in == str(path) and f"lesson {lesson}" in repr(choice) and what in repr(choice)
+    # a wrong one is neither kept nor taken
+    wrong = cell(source.replace(*mistake))[function]
+    path.unlink()
+    assert not check(wrong).ok and not use(name, wrong).mine
+    assert workbook.keep(name, wrong, check) is None and not path.exists()
 
 
 def test_a_piece_whose_source_cannot_be_found_is_not_kept_and_says_so(empty_workbook, capsys):
@@ -207,6 +203,6 @@ def test_a_piece_whose_source_cannot_be_found_is_not_kept_and_says_so(empty_work
     functions = cell(body)
     members = ("__init__", "num_free_blocks", "table", "allocate", "append", "free")
     made = type("MyAllocator", (), {name: functions[name] for name in members})
-    assert _passes(check_block_allocator, made)
+    assert check_block_allocator(made).ok
     assert workbook.keep("allocator", made, check_block_allocator) is None
     assert "not kept" in capsys.readouterr().out and not (empty_workbook / "allocator.py").exists()

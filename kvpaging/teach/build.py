@@ -48,8 +48,15 @@ class _Check:
     stub, that the check ran on the reference answer instead (``written`` False)."""
 
     written: bool
+    passed: bool
     noun = ""  # the learner's piece, as the report names it ("your allocator")
     reference = ""  # the reference answer's name in this module
+    compared = "cases"  # the field that counts what the check compared (cases, operations, steps)
+
+    @property
+    def ok(self) -> bool:
+        """The learner's piece is written and agrees with kvpaging's everywhere the check looked."""
+        return self.written and self.passed
 
     def report(self, subject: str) -> str:
         raise NotImplementedError
@@ -207,7 +214,7 @@ class AllocatorCheck(_Check):
     difference: str = ""  # where the two first differ, and how
     fork: bool = False  # whether fork and copy-on-write were checked
     written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
-    noun = "allocator"
+    noun, compared = "allocator", "operations"
 
     @property
     def reference(self) -> str:
@@ -458,7 +465,7 @@ class PlannerCheck(_Check):
     capped: int  # steps in which the sequence cap kept a waiting request out
     difference: str = ""
     written: bool = True  # False: the learner's was a stub, and this is the reference answer's check
-    noun, reference = "planner", "reference_plan_step"
+    noun, reference, compared = "planner", "reference_plan_step", "steps"
 
     def report(self, subject: str) -> str:
         if self.passed:

@@ -145,13 +145,11 @@ def _use_earlier(name: str, mine, reference, kept_in: str = "") -> Choice:
     the piece that lesson kept in the workbook, if any."""
     lesson, check_piece, _ = EARLIER[name]
     check = check_piece(mine)
+    if check.ok:
+        return Choice(name, mine, True, getattr(check, check.compared), kept_in=kept_in)
     if check.written:
-        if not check.passed:
-            which = f" (the one lesson {lesson} kept in your workbook: {kept_in})" if kept_in else ""
-            return Choice(name, reference, False, reason=f"yours{which} differs from kvpaging's: {check.difference}")
-        agreed = {"allocator": "operations", "plan": "steps"}.get(name, "cases")  # what the check compared
-        agreed = getattr(check, agreed)
-        return Choice(name, mine, True, agreed, kept_in=kept_in)
+        which = f" (the one lesson {lesson} kept in your workbook: {kept_in})" if kept_in else ""
+        return Choice(name, reference, False, reason=f"yours{which} differs from kvpaging's: {check.difference}")
     from kvpaging.teach.workbook import kept, workbook_dir
 
     earlier = None if kept_in else kept(name)

@@ -48,18 +48,13 @@ def source_of(obj) -> str:
 
 def keep(name: str, piece, check: Callable) -> Path | None:
     """Keep ``piece`` under ``name`` if its lesson's ``check`` (one of :mod:`kvpaging.teach.build`'s, called with the
-    piece) finds it written and passing, and again for the piece read back from the kept file alone; returns the
-    file, or None (and says why) when it is not kept."""
-    def passes(candidate) -> bool:
-        result = check(candidate)
-        return result.written and result.passed
-
-    if not passes(piece):
+    piece) finds it ``ok`` (written and passing), and again for the piece read back from the kept file alone;
+    returns the file, or None (and says why) when it is not kept."""
+    if not check(piece).ok:
         return None  # a stub, or not right yet: nothing to keep (the check has said why)
     try:
         source = source_of(piece)
-        again = _load(source, piece.__name__)
-        ok = passes(again)
+        ok = check(_load(source, piece.__name__)).ok
     except Exception as error:  # noqa: BLE001 - whatever the file alone lacks, say it
         ok, why = False, f"{type(error).__name__}: {error}"
     else:
