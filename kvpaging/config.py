@@ -207,6 +207,11 @@ class EngineConfig:
         if tp > 1:
             from kvpaging.distributed.plan import check_tensor_parallel
 
+            if not all(layer.num_kv_heads for layer in layout):
+                raise UnsupportedModelError(
+                    f"tensor_parallel_size={tp}: {type(model).__name__} has layers that keep a recurrent or "
+                    "convolution state instead of keys and values (kvpaging/worker/state_layers.py), which the "
+                    "tensor-parallel plan does not shard; serve it with tensor_parallel_size=1", "state_layers")
             if layout != config_layout(config, len(layout)):
                 raise UnsupportedModelError(
                     f"tensor_parallel_size={tp}: {type(model).__name__}'s keys and values are not the "

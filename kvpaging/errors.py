@@ -55,7 +55,8 @@ class UnsupportedModelError(ValueError):
     checks of the model's config, or by the load-time self-check that runs a short prompt
     through the paged path and through the model's own forward pass (``kvpaging/worker/self_check.py``).
     ``cause`` names the reason in one word, for programs: ``"architecture"`` (a feature the
-    config declares: encoder-decoder, hybrid layers, no attention heads, no LM head),
+    config declares: encoder-decoder, layers of a kind it does not serve, no attention heads, no LM head),
+    ``"state_layers"`` (a hybrid model's recurrent or convolution layers, in a setting that cannot serve them),
     ``"attention_interface"`` (the model's attention does not go through transformers'
     ``AttentionInterface``), ``"no_metadata"`` (the paged attention was called outside an engine
     step), ``"attention_arguments"`` (the model passes attention arguments the

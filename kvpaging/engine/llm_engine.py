@@ -21,6 +21,7 @@ Request intake and its checks live in ``input_processor.py``, step records in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -62,6 +63,11 @@ class LLMEngine:
         config = (config if config is not None else EngineConfig()).resolve(model, layout)
         self.config = config
         self.runner = _make_runner(model, config, layout)
+        if config.enable_prefix_caching and getattr(self.runner, "state_slots", None) is not None:
+            # a cached block holds keys and values, not the recurrent state after it (kvpaging/worker/state_layers.py)
+            logger.info("prefix caching is off for %s: its linear-attention or state-space layers keep a state that "
+                        "cached blocks do not hold", type(model).__name__)
+            config = self.config = dataclasses.replace(config, enable_prefix_caching=False)
         self.model = self.runner.model  # the private copy the engine runs (with tensor parallelism: rank 0's shard)
         self.device = self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]

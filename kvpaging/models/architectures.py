@@ -350,7 +350,12 @@ def _check_mode(model, prompt: list[int], expected: list[int], mode: str) -> Ver
             details.append(f"run {run + 1}: {tie}")
     if mode == "chunked_prefix":
         stats = llm.engine.block_manager.stats()
-        details.append(f"prefix hits {stats.prefix_hit_tokens} tokens")
+        slots = llm.engine.runner.state_slots
+        if slots is not None:  # a hybrid model: prefix caching is off (a cached block holds no recurrent state)
+            n = len(slots.layers)
+            details.append(f"{n} state layer{'s' * (n != 1)}, a slot per sequence; prefix caching off")
+        else:
+            details.append(f"prefix hits {stats.prefix_hit_tokens} tokens")
         if stats.num_passed_blocks:  # a window on every layer: blocks it passed went back to the pool
             details.append(f"{stats.num_passed_blocks} blocks passed by the window")
     return Verdict(EXACT, "; ".join(details), expected=expected, got=expected)

@@ -59,6 +59,8 @@ class AttentionMetadata:
     kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer FP8 scales, or (None, None)
     backend: object  # an AttentionBackend (kernels/backends.py): store_kv, paged_*_attention, copy_blocks
     probe: object = None  # the self-check's AttentionProbe (kvpaging/worker/self_check.py) during its steps, else None
+    rows: object = None  # each sequence's block-table row, decodes first: its state slot (kvpaging/worker/state_layers.py)
+    state_groups: list | None = None  # the step's sequences as state layers run them, worked out at the first one
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -30,7 +30,7 @@ import torch
 
 from kvpaging.core.kv_math import dtype_nbytes
 
-__all__ = ["LayerKV", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call"]
+__all__ = ["LayerKV", "NO_KV", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call"]
 
 # during measure_kv_layout's forward pass: a dict layer -> LayerKV, filled by the attention function
 MEASURING: contextvars.ContextVar = contextvars.ContextVar("kvpaging_measuring", default=None)
@@ -48,6 +48,11 @@ class LayerKV:
     def width(self) -> int:
         """The cache's row per head: keys and values share one width, the narrower padded with zeros."""
         return max(self.key_width, self.value_width)
+
+
+# a layer that keeps no keys and values (a hybrid model's linear-attention or state-space layer, or a
+# feed-forward-only one): a cache of zero heads, zero bytes (kvpaging/worker/state_layers.py)
+NO_KV = LayerKV(0, 0, 0)
 
 
 def config_layout(config, num_layers: int, tensor_parallel_size: int = 1) -> list[LayerKV] | None:

@@ -36,6 +36,7 @@ from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
 from kvpaging.worker.block_table import BlockTable
 from kvpaging.worker.kv_layout import LayerKV, config_layout, layer_windows, passing_window
+from kvpaging.worker.state_layers import install_state_layers, no_kv_layers
 
 logger = logging.getLogger("kvpaging")
 
@@ -68,9 +69,12 @@ def check_model_supported(model) -> None:
                          f"{value!r} (a recurrent or state-space model keeps no keys and values)")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({str(t) for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        served = no_kv_layers(model)  # layers with a recurrent or convolution state, or feed-forward only
+        other = sorted({str(t) for i, t in enumerate(layer_types)
+                        if t not in ("full_attention", "sliding_attention") and i not in served})
         if other:
-            raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers only")
+            raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers, and "
+                         "layers that keep a recurrent or convolution state through transformers' cache API")
     windows = layer_windows(config)
     if any(windows) and not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows if w):
         raise refuse(f"has sliding windows {sorted(set(map(repr, windows)))}; kvpaging serves windows of a positive "
@@ -114,6 +118,8 @@ class ModelRunner:
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
         register_attention()
         model.set_attn_implementation(ATTN_NAME)  # on the private copy: the user's model keeps its attention
+        # a hybrid model's linear-attention / state-space layers: a state slot per sequence (kvpaging/worker/state_layers.py)
+        self.state_slots = install_state_layers(model)
         self.fast_layers = FastLayers()
         if config.cpu_fast_layers:  # opt-in: oneDNN linears and one-pass C RMSNorms (kernels/cpu/layers.py)
             from kvpaging.kernels.cpu.layers import enable_fast_layers
@@ -142,7 +148,7 @@ class ModelRunner:
         """
         config = self._config
         return (not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton"
-                and config.tensor_parallel_size == 1)
+                and config.tensor_parallel_size == 1 and self.state_slots is None)
 
     def capture_graphs(self) -> None:
         """Capture the decode step in CUDA graphs, where they apply (the engine does it after its self-check)."""
@@ -180,11 +186,11 @@ class ModelRunner:
         for tokens in calibration_tokens:
             ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             self.model(input_ids=ids, use_cache=False, logits_to_keep=1, **{CALIBRATION_KWARG: amax})
-        missing = [i for i in range(self.num_layers) if i not in amax]
+        missing = [i for i in range(self.num_layers) if i not in amax and self.kv_layout[i].num_kv_heads]
         if missing:  # those layers' attention never came to our function (attention.not_routed_error names it)
             raise not_routed_error(type(self.model).__name__, missing, self.num_layers)
-        return [((k / FP8_MAX).clamp(min=MIN_SCALE), (v / FP8_MAX).clamp(min=MIN_SCALE)) for k, v in
-                (amax[i] for i in range(self.num_layers))]
+        return [((amax[i][0] / FP8_MAX).clamp(min=MIN_SCALE), (amax[i][1] / FP8_MAX).clamp(min=MIN_SCALE))
+                if i in amax else (None, None) for i in range(self.num_layers)]
 
     def shutdown(self) -> None:
         """Nothing to release here (a tensor-parallel runner stops its worker processes)."""
@@ -198,11 +204,12 @@ class ModelRunner:
         if not pairs:
             return
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+        caches = [(k, v) for k, v in self.kv_caches if k.numel()]  # a state layer's cache holds nothing
+        self.backend.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, prefill_cu_seqlens_q: torch.Tensor,
-                num_decodes: int, logits_to_keep) -> torch.Tensor:
+                num_decodes: int, logits_to_keep, rows=None) -> torch.Tensor:
         """One forward pass of the model over the paged cache: the only place the model is called
         (eager steps and CUDA-graph captures both come here). Returns the model's logits ``[1, n, vocab]``."""
         meta = AttentionMetadata(
@@ -215,6 +222,7 @@ class ModelRunner:
             kv_scales=self.kv_scales,
             backend=self.backend,
             probe=self.probe,
+            rows=rows,
         )
         step = CURRENT_STEP.set(meta)  # for decoder layers that do not pass the keyword argument on
         try:
@@ -237,7 +245,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
         (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
-        return self.run(self.prepare_inputs(out), out.blocks_to_copy, all_positions)
+        logits = self.run(self.prepare_inputs(out), out.blocks_to_copy, all_positions)
+        if self.state_slots is not None and out.children:  # n > 1: each completion goes on from the prompt's state
+            self.state_slots.copy_rows([(c.request.seqs[0].blocks.row, c.blocks.row) for c in out.children])
+        return logits
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, blocks_to_copy: list[tuple[int, int]], all_positions: bool = False) -> torch.Tensor:
@@ -252,6 +263,7 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
             inputs.prefill_cu_seqlens_q, inputs.num_decodes,
             0 if all_positions else inputs.logits_indices,  # 0: transformers' "keep every position"
+            inputs.rows,
         )
         return logits[0].float()
 
@@ -268,6 +280,7 @@ class StepInputs:
     prefill_cu_seqlens_q: torch.Tensor  # int32 [num_prefills + 1]: query starts, counted from the first prefill token
     logits_indices: torch.Tensor  # int64 [num_sampling_seqs (+ tokens of prompt-logprob chunks)], in scheduled order
     num_decodes: int  # the first num_decodes tokens (and sequences) bring one token each
+    rows: np.ndarray | None = None  # each sequence's block-table row, in the order of block_tables (its state slot)
 
 
 def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray, device: torch.device | str = "cpu") -> StepInputs:
@@ -313,6 +326,7 @@ def _decode_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInpu
         prefill_cu_seqlens_q=tensor(np.zeros(1, dtype=np.int32)),  # no prefill
         logits_indices=tensor(np.arange(num_decodes)),  # a decode's logits row is its own
         num_decodes=num_decodes,
+        rows=rows,
     )
 
 
@@ -332,6 +346,7 @@ def _mixed_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInput
     positions = np.concatenate([pos, *chunk_positions])
     token_rows = np.concatenate([rows, np.repeat(chunk_rows, lengths)])  # each token's table row
     width = int(positions.max()) // out.block_size + 1  # the longest table: a last position is in a last block
+    seq_rows = np.concatenate([rows, chunk_rows])
     sampling = np.array([s.sample for s in out.chunks])
     logits_indices = np.concatenate([np.arange(num_decodes), num_decodes - 1 + ends_in_step[sampling]])
     if out.prompt_logprob_chunks:  # every token of these chunks, after the sampling rows
@@ -343,11 +358,12 @@ def _mixed_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInput
         positions=tensor(positions.reshape(1, -1)),
         slot_mapping=tensor(_slots(tables, token_rows, positions, out.block_size)),
         # every table is a row of one array: the step takes its rows in one call
-        block_tables=tensor(tables[np.concatenate([rows, chunk_rows]), :width]),
+        block_tables=tensor(tables[seq_rows, :width]),
         seq_lens=tensor(np.concatenate([pos + 1, ends]).astype(np.int32)),
         prefill_cu_seqlens_q=tensor(np.concatenate([[0], ends_in_step]).astype(np.int32)),
         logits_indices=tensor(logits_indices),
         num_decodes=num_decodes,
+        rows=seq_rows,
     )
 
 

@@ -53,8 +53,9 @@ from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from kvpaging.errors import TensorParallelError, UnsupportedModelError
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
-from kvpaging.worker.kv_layout import MEASURING, LayerKV
+from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV
 from kvpaging.worker.model_runner import layer_windows
+from kvpaging.worker.state_layers import no_kv_layers
 
 __all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
 
@@ -120,9 +121,10 @@ def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
         return None
     finally:
         MEASURING.reset(token)
-    if sorted(found) != list(range(num_layers)):
+    missing = set(range(num_layers)) - set(found)
+    if not missing <= no_kv_layers(model):  # a layer that neither attends through us nor keeps a state we serve
         return None
-    return [found[i] for i in range(num_layers)]
+    return [found.get(i, NO_KV) for i in range(num_layers)]
 
 
 class AttentionProbe:
@@ -212,7 +214,7 @@ class AttentionProbe:
                 f"value {tuple(value.shape)}, which do not fit the paged cache: {bad}", "kv_shape")
 
     def finish_step(self) -> None:
-        missing = [i for i, c in enumerate(self.calls) if c == 0]
+        missing = [i for i, c in enumerate(self.calls) if c == 0 and self.kv_layout[i].num_kv_heads]
         if missing:
             raise not_routed_error(self.model_name, missing, self.num_layers)
 
