@@ -143,7 +143,7 @@ class EngineConfig:
         layout = self._layout(model, kv_layout)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            num_blocks = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype])
+            num_blocks = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype], max_model_len)
         window = passing_window(model.config)
         needed = whole = -(-max_model_len // self.block_size)
         if window:  # blocks a window has passed go back: a prompt chunk and the window before it are what one holds
@@ -221,12 +221,16 @@ class EngineConfig:
             check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
         return layout
 
-    def _num_blocks(self, model, dev: torch.device, layout: list, dtype: torch.dtype) -> int:
+    def _num_blocks(self, model, dev: torch.device, layout: list, dtype: torch.dtype, max_model_len: int) -> int:
         """As many blocks as the memory budget holds (``kv_cache_memory_bytes``; else ``gpu_memory_utilization``
-        of the GPU, or ``DEFAULT_CPU_KV_CACHE_BYTES`` on the CPU)."""
+        of the GPU, or ``DEFAULT_CPU_KV_CACHE_BYTES`` on the CPU). A model without attention layers (Mamba)
+        keeps no keys and values: its blocks cost nothing, and there are enough for ``max_num_seqs`` sequences
+        of ``max_model_len`` tokens."""
         tp = self.tensor_parallel_size
         # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
         bytes_per_block = layout_bytes_per_token(layout, dtype) * self.block_size // tp
+        if not bytes_per_block:
+            return self.max_num_seqs * -(-max_model_len // self.block_size)
         # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
         shard_bytes = 0
         if tp > 1 and dev.type == "cuda":

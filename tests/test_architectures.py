@@ -47,10 +47,12 @@ SUBSET = (
     "deepseek_v2", "minicpm3", "jetmoe",
     # an attention mask of a shape of their own (alibi, padding-style masks)
     "bloom", "xglm", "openai-gpt",
-    # no attention heads at all (recurrent)
+    # no attention heads at all, a recurrent state outside transformers' cache API
     "rwkv",
     # soft-capping and sliding windows, a sliding window, hybrid attention/linear layers
     "gemma2", "mistral", "qwen3_next",
+    # attention-free: every layer a state-space mixer
+    "mamba",
 )
 
 

@@ -215,3 +215,21 @@ def test_triton_kernels_and_an_fp8_cache_on_a_hybrid_model():
     fp8 = LLM(model, block_size=4, max_model_len=64, kv_cache_dtype="fp8", attention_backend="torch")
     assert fp8.engine.self_check is not None and fp8.engine.self_check.error <= fp8.engine.self_check.tolerance
     assert len(fp8.generate(prompts, greedy_params(5), use_tqdm=False)[1].outputs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("name", ["mamba", "falcon_mamba"])
+def test_a_state_space_model_without_attention(name):
+    """Every layer a Mamba mixer: no keys and values at all (blocks only count tokens), a state per sequence;
+    chunked and preempted, still generate()'s tokens."""
+    model = tiny_model(name)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in LENGTHS]
+    expected = _reference(model, prompts)
+    llm = LLM(model, block_size=4, max_model_len=64, max_num_batched_tokens=7, num_blocks=16)
+    runner = llm.engine.runner
+    assert runner.kv_cache_bytes == 0 and all(layer == NO_KV for layer in runner.kv_layout)
+    outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
+    _assert_generates_tokens(model, prompts, outputs, expected, name)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert LLM(model, max_model_len=64, max_num_seqs=3).engine.config.num_blocks == 3 * 4, \
+        "blocks that cost nothing: enough for max_num_seqs sequences of max_model_len"

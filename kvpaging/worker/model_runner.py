@@ -62,16 +62,19 @@ def check_model_supported(model) -> None:
         raise refuse(f"is a composite model ({type(config).__name__}, its language model's settings in a sub-config "
                      f"{type(text).__name__}); kvpaging serves text-only causal LMs: load the language model "
                      "alone (AutoModelForCausalLM.from_config(config.get_text_config()) and its weights)")
+    state_layers = no_kv_layers(model)  # layers with a recurrent or convolution state, or feed-forward only
     for field in ("num_hidden_layers", "num_attention_heads"):
         value = getattr(config, field, None)
+        if field == "num_attention_heads" and value is None and state_layers:
+            continue  # a state-space model (Mamba): no attention, a state per sequence in every layer
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise refuse(f"has no attention layers kvpaging can size a KV cache for: its config's {field} is "
-                         f"{value!r} (a recurrent or state-space model keeps no keys and values)")
+                         f"{value!r}, and no layer keeps a state through transformers' cache API (get_conv_state, "
+                         "get_recurrent_state), which is how kvpaging serves recurrent and state-space layers")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        served = no_kv_layers(model)  # layers with a recurrent or convolution state, or feed-forward only
         other = sorted({str(t) for i, t in enumerate(layer_types)
-                        if t not in ("full_attention", "sliding_attention") and i not in served})
+                        if t not in ("full_attention", "sliding_attention") and i not in state_layers})
         if other:
             raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers, and "
                          "layers that keep a recurrent or convolution state through transformers' cache API")
