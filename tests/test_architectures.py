@@ -21,7 +21,9 @@ import pytest
 
 from kvpaging.models.architectures import (
     CRASH,
+    EXACT,
     MODES,
+    REFUSED,
     SKIP,
     WRONG,
     ArchitectureSkip,
@@ -88,3 +90,26 @@ def test_served_exactly_or_refused(model_type, mode):
         pytest.skip(verdict.detail)
     assert verdict.verdict not in (WRONG, CRASH), f"{model_type} ({mode}): {verdict.verdict}: {verdict.detail}"
     assert verdict.ok
+
+
+# What each family's code does, read in transformers' sources: the verdict and cause that follow from it
+EXPECTED = {
+    "llama": (EXACT, None), "gemma2": (EXACT, None), "mistral": (EXACT, None), "gpt_oss": (EXACT, None),
+    "stablelm": (EXACT, None), "deepseek_v2": (EXACT, None),
+    "qwen3_next": (EXACT, None), "mamba": (EXACT, None),  # a state slot per sequence (kvpaging/worker/state_layers.py)
+    # their attention is their own code, not ALL_ATTENTION_FUNCTIONS
+    "falcon": (REFUSED, "attention_interface"), "mpt": (REFUSED, "attention_interface"),
+    "gpt_neo": (REFUSED, "attention_interface"), "bloom": (REFUSED, "attention_interface"),
+    "xglm": (REFUSED, "attention_interface"), "openai-gpt": (REFUSED, "attention_interface"),
+    "diffllama": (REFUSED, "double_call"),  # two attention maps per layer
+    "rwkv": (REFUSED, "architecture"),  # no attention heads, its state outside transformers' cache API
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(EXPECTED))
+def test_known_families_get_the_verdict_their_code_implies(model_type):
+    want, cause = EXPECTED[model_type]
+    for mode, verdict in verdicts(model_type).items():
+        if verdict.verdict == SKIP:
+            pytest.skip(verdict.detail)
+        assert (verdict.verdict, verdict.cause) == (want, cause), f"{model_type} ({mode}): {verdict.detail}"

@@ -104,8 +104,9 @@ def _layer_name(module) -> str:
 
 def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
     """Each layer's keys and values as the model gives them to attention, from one unpaged forward pass of a
-    private copy over 4 tokens (the user's model is not touched). None when the pass fails or a layer never
-    calls kvpaging's attention: the load-time self-check then names the cause."""
+    private copy over 4 tokens (the user's model is not touched). None when the pass fails or some layer neither
+    called kvpaging's attention nor keeps a state kvpaging serves: the load-time self-check then names the cause.
+    A pass in which no layer called it raises ``UnsupportedModelError`` (cause ``attention_interface``) at once."""
     register_attention()
     copy = private_copy(model).eval()
     copy.set_attn_implementation(ATTN_NAME)
@@ -123,7 +124,9 @@ def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
         MEASURING.reset(token)
     missing = set(range(num_layers)) - set(found)
     if not missing <= no_kv_layers(model):  # a layer that neither attends through us nor keeps a state we serve
-        return None
+        if not found:  # the pass ran and no layer called our attention: it does its own (Bloom, XGLM, GPT-1, MPT)
+            raise not_routed_error(type(model).__name__, sorted(missing), num_layers)
+        return None  # some did: the self-check's probe names what the others do (a second call, say)
     return [found.get(i, NO_KV) for i in range(num_layers)]
 
 
