@@ -59,8 +59,10 @@ class LLMEngine:
         # each layer's keys and values as the model gives them to attention, which the pool is sized by
         # (both found once per model: an unchanged model served again with the same settings is not checked again)
         fingerprint = model_fingerprint(model)
-        layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers)
-        config = (config if config is not None else EngineConfig()).resolve(model, layout)
+        config = config if config is not None else EngineConfig()
+        layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers,
+                                                                         refuse=config.self_check)
+        config = config.resolve(model, layout)
         self.config = config
         self.runner = _make_runner(model, config, layout)
         if config.enable_prefix_caching and getattr(self.runner, "state_slots", None) is not None:

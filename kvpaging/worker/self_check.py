@@ -102,11 +102,12 @@ def _layer_name(module) -> str:
     return f"{type(module).__name__} (layer_idx={getattr(module, 'layer_idx', None)!r})"
 
 
-def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
+def measure_kv_layout(model, num_layers: int, refuse: bool = True) -> list[LayerKV] | None:
     """Each layer's keys and values as the model gives them to attention, from one unpaged forward pass of a
     private copy over 4 tokens (the user's model is not touched). None when the pass fails or some layer neither
     called kvpaging's attention nor keeps a state kvpaging serves: the load-time self-check then names the cause.
-    A pass in which no layer called it raises ``UnsupportedModelError`` (cause ``attention_interface``) at once."""
+    A pass in which no layer called it raises ``UnsupportedModelError`` (cause ``attention_interface``) at once,
+    unless ``refuse`` is False (``self_check=False``: the user serves it at their own risk)."""
     register_attention()
     copy = private_copy(model).eval()
     copy.set_attn_implementation(ATTN_NAME)
@@ -124,7 +125,7 @@ def measure_kv_layout(model, num_layers: int) -> list[LayerKV] | None:
         MEASURING.reset(token)
     missing = set(range(num_layers)) - set(found)
     if not missing <= no_kv_layers(model):  # a layer that neither attends through us nor keeps a state we serve
-        if not found:  # the pass ran and no layer called our attention: it does its own (Bloom, XGLM, GPT-1, MPT)
+        if refuse and not found:  # the pass ran, no layer called our attention: it does its own (Bloom, GPT-1)
             raise not_routed_error(type(model).__name__, sorted(missing), num_layers)
         return None  # some did: the self-check's probe names what the others do (a second call, say)
     return [found.get(i, NO_KV) for i in range(num_layers)]
