@@ -43,7 +43,7 @@ SUBSET = (
     "stablelm", "nemotron",
     # attention sinks (s_aux)
     "gpt_oss",
-    # two attention calls per layer
+    # two attention calls per layer (differential attention: a cache per call)
     "diffllama",
     # keys and values of shapes the cache does not hold (latent attention, mixture of attention heads)
     "deepseek_v2", "minicpm3", "jetmoe",
@@ -101,7 +101,8 @@ EXPECTED = {
     "falcon": (REFUSED, "attention_interface"), "mpt": (REFUSED, "attention_interface"),
     "gpt_neo": (REFUSED, "attention_interface"), "bloom": (REFUSED, "attention_interface"),
     "xglm": (REFUSED, "attention_interface"), "openai-gpt": (REFUSED, "attention_interface"),
-    "diffllama": (REFUSED, "double_call"),  # two attention maps per layer
+    "diffllama": (EXACT, None), "dory": (EXACT, None),  # two attention calls a layer: a cache for each call
+    "hrm_text": (REFUSED, "double_call"),  # its two layers called in cycles, each time with new keys
     "rwkv": (REFUSED, "architecture"),  # no attention heads, its state outside transformers' cache API
 }
 

@@ -130,3 +130,41 @@ def test_the_users_model_is_not_touched():
     before = model.config._attn_implementation
     measure_kv_layout(model, model.config.num_hidden_layers)
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("mode", ["default", "chunked, prefix cache, preemption"])
+def test_two_attention_calls_per_layer_get_a_cache_each(mode):
+    """Differential attention (DiffLlama) calls attention twice per layer, with the same keys and the two halves
+    of its values: each call gets a cache of its own, listed after the layers' (``LayerKV.of_layer``)."""
+    model = tiny_model("diffllama")
+    layers = model.config.num_hidden_layers
+    layout = measure_kv_layout(model, layers)
+    assert len(layout) == 2 * layers and [kv.of_layer for kv in layout[layers:]] == list(range(layers))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 13, 22, 9)]
+    settings = {"block_size": 4, "max_model_len": 48, "attention_backend": "torch"}
+    if mode != "default":
+        settings |= {"max_num_batched_tokens": 7, "num_blocks": 12}
+    llm = LLM(model, **settings)
+    assert llm.engine.runner.kv_cache_bytes == llm.engine.config.num_blocks * 4 * layout_bytes_per_token(
+        layout, torch.float32)
+    for run in range(2 if mode != "default" else 1):  # the second run from the prefix cache
+        outputs = llm.generate(prompts, greedy_params(NUM_TOKENS), use_tqdm=False)
+        for prompt, out in zip(prompts, outputs):
+            want = reference_tokens(model, prompt)
+            verdict = greedy_agreement(model, prompt, out.outputs[0].token_ids, want, tolerance=TIE_TOLERANCE)
+            assert verdict.agrees, f"{mode} run {run}: {out.outputs[0].token_ids} != generate()'s {want}"
+    if mode != "default":
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.stats().prefix_hit_tokens > 0
+    assert_pool_clean(llm)
+
+
+def test_one_cache_for_two_calls_is_caught(monkeypatch):
+    """The check can fail: with both calls sent to the layer's first cache, the second call's values overwrite
+    the first's, and the self-check refuses the model by its logits."""
+    import kvpaging.worker.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "cache_indexes", lambda layout, n: [[i, i] for i in range(n)])
+    with pytest.raises(UnsupportedModelError) as info:
+        LLM(tiny_model("diffllama"), block_size=4, max_model_len=48)
+    assert info.value.cause == "logits"

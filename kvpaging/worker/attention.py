@@ -60,6 +60,10 @@ class AttentionMetadata:
     backend: object  # an AttentionBackend (kernels/backends.py): store_kv, paged_*_attention, copy_blocks
     probe: object = None  # the self-check's AttentionProbe (kvpaging/worker/self_check.py) during its steps, else None
     rows: object = None  # each sequence's block-table row, decodes first: its state slot (kvpaging/worker/state_layers.py)
+    # layers that call attention more than once a step (differential attention): each layer's cache per call
+    # (kv_layout.cache_indexes) and the calls made so far in this step; None for models that call once a layer
+    cache_indexes: list | None = None
+    calls: list | None = None
     state_groups: list | None = None  # the step's sequences as state layers run them, worked out at the first one
 
 
@@ -77,6 +81,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     layer = module.layer_idx
+    if meta.calls is not None:  # a layer that calls attention more than once a step: a cache for each call
+        n = meta.calls[layer]
+        meta.calls[layer] = n + 1
+        layer = meta.cache_indexes[layer][n]
     k_cache, v_cache = meta.kv_caches[layer]
     width, value_width = k_cache.shape[-1], v.shape[-1]
     if k.shape[-1] != width or value_width != width:  # keys and values of two widths (kvpaging/worker/kv_layout.py)

@@ -30,7 +30,7 @@ import torch
 
 from kvpaging.core.kv_math import dtype_nbytes
 
-__all__ = ["LayerKV", "NO_KV", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call"]
+__all__ = ["LayerKV", "NO_KV", "cache_indexes", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call"]
 
 # during measure_kv_layout's forward pass: a dict layer -> LayerKV, filled by the attention function
 MEASURING: contextvars.ContextVar = contextvars.ContextVar("kvpaging_measuring", default=None)
@@ -38,11 +38,17 @@ MEASURING: contextvars.ContextVar = contextvars.ContextVar("kvpaging_measuring",
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's keys and values per token: heads, and each head's key and value widths."""
+    """One layer's keys and values per token: heads, and each head's key and value widths.
+
+    A layout lists every layer's first attention call, in layer order, then any further calls a layer makes
+    in one forward pass (differential attention calls it twice, with two halves of its values): each of those
+    has a cache of its own, after the layers', and names its layer in ``of_layer``.
+    """
 
     num_kv_heads: int
     key_width: int
     value_width: int
+    of_layer: int = -1  # a further call's layer (-1: a layer's first call, at the layer's own index)
 
     @property
     def width(self) -> int:
@@ -68,11 +74,23 @@ def config_layout(config, num_layers: int, tensor_parallel_size: int = 1) -> lis
 
 
 def record_call(found: dict, module, key: torch.Tensor, value: torch.Tensor) -> None:
-    """The measuring pass's attention call: keep this layer's shapes (the first call's, if it makes several)."""
+    """The measuring pass's attention call: add its shapes to its layer's calls (``found``: layer -> list)."""
     layer = getattr(module, "layer_idx", None)
-    if (isinstance(layer, int) and not isinstance(layer, bool) and layer not in found and key.dim() == 4
+    if (isinstance(layer, int) and not isinstance(layer, bool) and key.dim() == 4
             and value.dim() == 4 and key.shape[1] == value.shape[1]):
-        found[layer] = LayerKV(int(key.shape[1]), int(key.shape[3]), int(value.shape[3]))
+        calls = found.setdefault(layer, [])
+        calls.append(LayerKV(int(key.shape[1]), int(key.shape[3]), int(value.shape[3]), -1 if not calls else layer))
+
+
+def cache_indexes(layout: list[LayerKV], num_layers: int) -> list[list[int]] | None:
+    """Each layer's caches, one per attention call, in call order (its own index, then its further calls'), or
+    None when every layer calls attention once."""
+    if len(layout) == num_layers:
+        return None
+    indexes = [[i] for i in range(num_layers)]
+    for index, kv in enumerate(layout[num_layers:], num_layers):
+        indexes[kv.of_layer].append(index)
+    return indexes
 
 
 def layout_bytes_per_token(layout: list[LayerKV], dtype: torch.dtype | str) -> int:

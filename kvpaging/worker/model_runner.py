@@ -35,7 +35,7 @@ from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
 from kvpaging.worker.block_table import BlockTable
-from kvpaging.worker.kv_layout import LayerKV, config_layout, layer_windows, passing_window
+from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout, layer_windows, passing_window
 from kvpaging.worker.state_layers import install_state_layers, no_kv_layers
 
 logger = logging.getLogger("kvpaging")
@@ -118,7 +118,8 @@ class ModelRunner:
             for shape in ((config.num_blocks, self.block_size, layer.num_kv_heads, layer.width)
                           for layer in self.kv_layout)
         ]
-        self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * self.num_layers
+        self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(self.kv_layout)
+        self.cache_indexes = cache_indexes(self.kv_layout, self.num_layers)  # None: one attention call per layer
         register_attention()
         model.set_attn_implementation(ATTN_NAME)  # on the private copy: the user's model keeps its attention
         # a hybrid model's linear-attention / state-space layers: a state slot per sequence (kvpaging/worker/state_layers.py)
@@ -192,8 +193,10 @@ class ModelRunner:
         missing = [i for i in range(self.num_layers) if i not in amax and self.kv_layout[i].num_kv_heads]
         if missing:  # those layers' attention never came to our function (attention.not_routed_error names it)
             raise not_routed_error(type(self.model).__name__, missing, self.num_layers)
+        # (a layer's further calls, in caches after the layers', take its scales: calibrated over all its calls)
         return [((amax[i][0] / FP8_MAX).clamp(min=MIN_SCALE), (amax[i][1] / FP8_MAX).clamp(min=MIN_SCALE))
-                if i in amax else (None, None) for i in range(self.num_layers)]
+                if i in amax else (None, None) for i in (kv.of_layer if kv.of_layer >= 0 else j
+                                                          for j, kv in enumerate(self.kv_layout))]
 
     def shutdown(self) -> None:
         """Nothing to release here (a tensor-parallel runner stops its worker processes)."""
@@ -227,6 +230,8 @@ class ModelRunner:
             probe=self.probe,
             rows=rows,
         )
+        if self.cache_indexes is not None:
+            meta.cache_indexes, meta.calls = self.cache_indexes, [0] * self.num_layers
         step = CURRENT_STEP.set(meta)  # for decoder layers that do not pass the keyword argument on
         try:
             return self.model(

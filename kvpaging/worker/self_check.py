@@ -53,7 +53,7 @@ from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from kvpaging.errors import TensorParallelError, UnsupportedModelError
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
-from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV
+from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV, cache_indexes
 from kvpaging.worker.model_runner import layer_windows
 from kvpaging.worker.state_layers import no_kv_layers
 
@@ -114,7 +114,7 @@ def measure_kv_layout(model, num_layers: int, refuse: bool = True) -> list[Layer
     vocab = copy.get_output_embeddings().weight.shape[0]
     device = next(copy.parameters()).device
     ids = (torch.arange(4, device=device) % vocab).unsqueeze(0)
-    found: dict[int, LayerKV] = {}
+    found: dict[int, list[LayerKV]] = {}  # layer -> its calls' shapes
     token = MEASURING.set(found)
     try:
         with torch.inference_mode():
@@ -128,7 +128,8 @@ def measure_kv_layout(model, num_layers: int, refuse: bool = True) -> list[Layer
         if refuse and not found:  # the pass ran, no layer called our attention: it does its own (Bloom, GPT-1)
             raise not_routed_error(type(model).__name__, sorted(missing), num_layers)
         return None  # some did: the self-check's probe names what the others do (a second call, say)
-    return [found.get(i, NO_KV) for i in range(num_layers)]
+    first = [found[i][0] if i in found else NO_KV for i in range(num_layers)]
+    return first + [kv for i in sorted(found) for kv in found[i][1:]]  # a layer's further calls: caches of their own
 
 
 class AttentionProbe:
@@ -140,9 +141,10 @@ class AttentionProbe:
 
     def __init__(self, model_name: str, kv_layout: list, windows: list | None = None) -> None:
         self.model_name = model_name
-        self.num_layers = num_layers = len(kv_layout)
+        self.num_layers = num_layers = sum(1 for kv in kv_layout if kv.of_layer < 0)  # (the rest: further calls)
         self.windows = list(windows) if windows is not None else [0] * num_layers  # the config's, per layer
-        self.kv_layout = kv_layout  # each layer's LayerKV: what its cache was sized for (kvpaging/worker/kv_layout.py)
+        self.kv_layout = kv_layout  # each call's LayerKV: what its cache was sized for (kvpaging/worker/kv_layout.py)
+        self.caches = cache_indexes(kv_layout, num_layers) or [[i] for i in range(num_layers)]  # per layer, per call
         self.calls = [0] * num_layers
         self.num_tokens = 0
 
@@ -157,13 +159,13 @@ class AttentionProbe:
                 f"{_layer_name(module)} has no layer index in 0..{self.num_layers - 1}; the paged cache keeps "
                 "one key/value store per layer, found by module.layer_idx", "attention_arguments")
         self.calls[layer] += 1
-        if self.calls[layer] > 1:
+        caches = self.caches[layer]
+        if self.calls[layer] > len(caches):
             raise UnsupportedModelError(
-                f"{_layer_name(module)} called attention {self.calls[layer]} times in one forward pass; the paged "
-                "cache holds one key and one value per layer and token, so the second call's keys and values "
-                "would overwrite the first's (two attention maps in one layer, as in differential attention)",
-                "double_call")
-        self._check_shapes(module, self.kv_layout[layer], query, key, value)
+                f"{_layer_name(module)} called attention {self.calls[layer]} times in one forward pass, but "
+                f"{len(caches)} time(s) in the pass that sized the paged cache, which holds keys and values for "
+                "each of those calls only: the next call's would overwrite another's", "double_call")
+        self._check_shapes(module, self.kv_layout[caches[self.calls[layer] - 1]], query, key, value)
         self._check_window(module, layer, kwargs.get("sliding_window"))
         if dropout:
             raise UnsupportedModelError(
@@ -221,6 +223,11 @@ class AttentionProbe:
         missing = [i for i, c in enumerate(self.calls) if c == 0 and self.kv_layout[i].num_kv_heads]
         if missing:
             raise not_routed_error(self.model_name, missing, self.num_layers)
+        fewer = [i for i, c in enumerate(self.calls) if c < len(self.caches[i]) and self.kv_layout[i].num_kv_heads]
+        if fewer:
+            raise UnsupportedModelError(
+                f"{self.model_name}: layers {fewer} called attention fewer times in a step than in the pass that sized "
+                "the paged cache: the number of calls depends on the input", "double_call")
 
 
 _ARGUMENT_HINTS = {
