@@ -1,6 +1,7 @@
 """What the load-time self-check costs, and how close the paged path comes to the model's own forward pass.
 
     python benchmarks/self_check.py [--repeats 5] [--models smollm2,tiny-llama] [--dtypes float32,bfloat16]
+    python benchmarks/self_check.py --models tiny-qwen3_next,tiny-jamba,tiny-diffllama --dtypes float32
 
 For each model and dtype (and the FP8 KV cache), builds the LLM ``repeats`` times with
 the check on and reports the check's wall time (``LLMEngine.self_check.seconds``: the
@@ -39,8 +40,14 @@ def load(name: str):
     if name == "smollm2":
         return trained()[0]
     if name.startswith("tiny-"):
-        return tiny(name[len("tiny-"):])
-    raise SystemExit(f"unknown model {name!r}: smollm2 or tiny-<arch>")
+        arch = name[len("tiny-"):]
+        try:
+            return tiny(arch)
+        except ValueError:  # not one of the tests' five: any causal-LM type of the architecture matrix
+            from kvpaging.models.architectures import tiny_model
+
+            return tiny_model(arch)
+    raise SystemExit(f"unknown model {name!r}: smollm2 or tiny-<arch> (tiny-qwen3_next, tiny-jamba, ...)")
 
 
 def measure(model, repeats: int, **settings) -> dict:
