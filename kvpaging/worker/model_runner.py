@@ -162,6 +162,9 @@ class ModelRunner:
 
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self, config.max_num_seqs, -(-config.max_model_len // self.block_size))
+        elif not config.enforce_eager and self.device.type == "cuda" and self.state_slots is not None:
+            logger.info("decode steps run eagerly: the state layers run each step's sequences in groups worked out on "
+                        "the host, which a CUDA graph cannot replay")
         elif not config.enforce_eager and self.device.type == "cuda":
             logger.info("the %s attention backend runs eagerly: CUDA graphs capture the Triton kernels only",
                         config.attention_backend)
