@@ -154,3 +154,26 @@ def test_the_model_cannot_be_called_outside_a_step(model_and_reference):
     engine = MiniEngine(model_and_reference[0], num_blocks=8, block_size=4)
     with pytest.raises(RuntimeError, match="outside MiniEngine.step"):
         engine.model(torch.tensor([[5, 6, 7]]))
+
+
+def test_forked_answers_are_those_of_separate_requests(model_and_reference):
+    """n = 3 answers a prompt fork after the prompt's step, sharing its blocks (lesson 05's allocator); drawn with
+    their seeds they equal three separate requests. Without the engine's copy of a shared block, they do not."""
+    from kvpaging.teach.build import ReferenceSharingAllocator
+
+    model, prompts, expected = model_and_reference
+    parts = {"allocator": ReferenceSharingAllocator}
+    chosen = [prompts[1], prompts[3]]  # 7 and 17 tokens: each prompt's last block partly filled, so shared and copied
+    engine = MiniEngine(model, parts, num_blocks=40, block_size=4, max_num_batched_tokens=9)
+    together = engine.generate(chosen, 10, n=3, temperature=1.0, seed=5)
+    assert engine.num_copies == 4, "each prompt's shared last block copied for two of its three answers"
+    used, listed = engine.peak_blocks
+    assert listed > used, "the tables listed shared blocks more than once"
+    alone = [[engine.generate([p], 10, temperature=1.0, seed=5 + i)[0] for i in range(3)] for p in chosen]
+    assert together == alone and engine.allocator.num_free_blocks == 40
+    assert all(len({tuple(a) for a in answers}) > 1 for answers in together), "temperature 1: the answers differ"
+    greedy = MiniEngine(model, parts, num_blocks=40, block_size=4).generate(chosen, 12, n=2)
+    assert greedy == [[expected[1]] * 2, [expected[3]] * 2]
+    lost = MiniEngine(model, parts, num_blocks=40, block_size=4, max_num_batched_tokens=9)
+    lost.copy_block = lambda src, dst: None  # the allocator swaps the block, but its keys and values are not copied
+    assert lost.generate(chosen, 10, n=3, temperature=1.0, seed=5) != alone

@@ -206,3 +206,75 @@ def test_a_piece_whose_source_cannot_be_found_is_not_kept_and_says_so(empty_work
     assert check_block_allocator(made).ok
     assert workbook.keep("allocator", made, check_block_allocator) is None
     assert "not kept" in capsys.readouterr().out and not (empty_workbook / "allocator.py").exists()
+
+
+# A learner's lesson-05 allocator: reference counts, fork and copy-on-write (blocks handed out from the front).
+SHARING = textwrap.dedent('''
+    class SharingAllocator:
+        def __init__(self, num_blocks, block_size):
+            self.bs, self.free_ids, self.refs = block_size, list(range(num_blocks)), [0] * num_blocks
+            self.blocks, self.sizes = {}, {}
+
+        @property
+        def num_free_blocks(self):
+            return len(self.free_ids)
+
+        def table(self, seq_id):
+            return self.blocks[seq_id]
+
+        def _new(self):
+            block = self.free_ids.pop(0)
+            self.refs[block] = 1
+            return block
+
+        def allocate(self, seq_id, num_tokens):
+            need = -(-num_tokens // self.bs)
+            if need > len(self.free_ids):
+                return False
+            self.blocks[seq_id] = [self._new() for _ in range(need)]
+            self.sizes[seq_id] = num_tokens
+            return True
+
+        def fork(self, parent_id, child_id):
+            self.blocks[child_id] = list(self.blocks[parent_id])
+            self.sizes[child_id] = self.sizes[parent_id]
+            for block in self.blocks[child_id]:
+                self.refs[block] += 1
+
+        def append(self, seq_id):
+            table, full = self.blocks[seq_id], self.sizes[seq_id] % self.bs == 0
+            shared = not full and self.refs[table[-1]] > 1
+            if (full or shared) and not self.free_ids:
+                return False
+            if full:
+                table.append(self._new())
+            elif shared:
+                self.refs[table[-1]] -= 1
+                table[-1] = self._new()
+            self.sizes[seq_id] += 1
+            return True
+
+        def free(self, seq_id):
+            for block in self.blocks.pop(seq_id):
+                self.refs[block] -= 1
+                if self.refs[block] == 0:
+                    self.free_ids.append(block)
+            del self.sizes[seq_id]
+''')
+
+
+def test_lesson_05s_sharing_allocator_carries_over_to_lesson_12(empty_workbook):
+    import functools
+
+    check = functools.partial(check_block_allocator, fork=True)
+    stub = cell(STUB.replace("MyAllocator", "MySharingAllocator"))["MySharingAllocator"]
+    assert "lesson 05 kept none" in use("sharing_allocator", stub).reason
+    path = workbook.keep("sharing_allocator", cell(SHARING)["SharingAllocator"], check)
+    assert path == empty_workbook / "sharing_allocator.py"
+    choice = use("sharing_allocator", stub)
+    assert choice.mine and choice.kept_in == str(path) and "lesson 05" in repr(choice) and "forks" in repr(choice)
+    # one that writes into a shared block (no copy-on-write) is neither kept nor taken
+    wrong = cell(SHARING.replace("shared = not full and self.refs[table[-1]] > 1", "shared = False"))
+    path.unlink()
+    assert not check(wrong["SharingAllocator"]).ok and not use("sharing_allocator", wrong["SharingAllocator"]).mine
+    assert workbook.keep("sharing_allocator", wrong["SharingAllocator"], check) is None and not path.exists()

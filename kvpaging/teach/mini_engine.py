@@ -18,7 +18,11 @@ The pieces, each a few lines, each with a reference answer here of the same sign
 - ``plan(running, waiting, budget, max_num_seqs) -> {seq_id: num_tokens}``: lesson 07's step planner, which
   gives the engine chunked prefill under a token budget.
 
-Lesson 04's allocator, lesson 04b's paged attention and lesson 07's planner carry over: once the learner's passed
+- ``sharing_allocator``: lesson 05's allocator with reference counts, ``fork(parent_id, child_id)`` and
+  copy-on-write in ``append``, which gives the engine ``n > 1`` answers a prompt sharing its blocks.
+
+Lesson 04's allocator, lesson 04b's paged attention, lesson 05's sharing allocator and lesson 07's planner carry
+over: once the learner's passed
 its lesson's check, that lesson kept it in their workbook (:mod:`kvpaging.teach.workbook`), and :func:`use` takes
 it from there when this lesson's own cell is left a stub.
 
@@ -37,8 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpaging.teach.build import (ReferenceAllocator, check_block_allocator, check_paged_attention,
-                                  check_step_planner, reference_paged_attention, reference_plan_step)
+from kvpaging.teach.build import (ReferenceAllocator, ReferenceSharingAllocator, check_block_allocator,
+                                  check_paged_attention, check_step_planner, reference_paged_attention,
+                                  reference_plan_step)
 
 __all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "reference_paged_attention",
            "reference_plan_step", "use", "MiniEngine"]
@@ -86,7 +91,7 @@ def sample(logits: torch.Tensor) -> int:
 
 REFERENCES = {"allocator": ReferenceAllocator, "slot_mapping": slot_mapping, "store_kv": store_kv,
               "attend": attend, "sample": sample, "paged_attention": reference_paged_attention,
-              "plan": reference_plan_step}
+              "plan": reference_plan_step, "sharing_allocator": ReferenceSharingAllocator}
 
 # The pieces an earlier lesson asked for: checked by that lesson's own check, and kept in the learner's workbook
 # once they passed it. name: (the lesson, its check, what the check compares against)
@@ -95,6 +100,8 @@ EARLIER = {
                   "operations of random workloads, against kvpaging's BlockManager"),
     "paged_attention": ("04b", check_paged_attention, "random paged caches, against kvpaging's torch reference"),
     "plan": ("07", check_step_planner, "steps of random workloads, against kvpaging's scheduler"),
+    "sharing_allocator": ("05", lambda piece: check_block_allocator(piece, fork=True, workloads=10),
+                          "operations of random workloads with forks, against kvpaging's BlockManager"),
 }
 
 
@@ -224,6 +231,9 @@ class _Sequence:
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
     computed: int = 0  # tokens whose keys and values are in the cache
+    request: int = 0  # the prompt it answers
+    index: int = 0  # which of its request's n answers
+    generator: torch.Generator | None = None  # its own random draws (temperature > 0)
 
     @property
     def output(self) -> list[int]:
@@ -245,8 +255,8 @@ class MiniEngine:
     """A paged engine in one screen: continuous batching with chunked prefill under a token budget, over a block
     pool, with the learner's pieces.
 
-    No prefix cache, no preemption (a request waits until the pool has blocks for its first chunk), greedy only:
-    what kvpaging adds to this is lessons 05, 07's preemption, 08 and 09. ``parts`` maps each piece's name to the
+    No prefix cache, no preemption (a request waits until the pool has blocks for its first chunk): what kvpaging
+    adds to this is lesson 05's prefix cache, 07's preemption, 08 and 09. ``parts`` maps each piece's name to the
     function (or, for ``"allocator"``, the class) to use; a missing one is the reference.
     """
 
@@ -269,20 +279,38 @@ class MiniEngine:
                        for _ in range(config.num_hidden_layers)]
         self.step_info = _Step()
         self.num_steps = 0
+        self.n, self.temperature, self.seed = 1, 0.0, 0  # generate()'s, for its run
+        self.num_copies = 0  # copy-on-write copies made
+        self.num_blocks = num_blocks
+        self.peak_blocks = (0, 0)  # (blocks in use, blocks the tables list) at the busiest step
+        self._next_id = 0
+        self.joining: list[_Sequence] = []  # sequences forked in this step, running from the next
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, eos_token_id: int | None = None) -> list[list[int]]:
-        """Every prompt's greedy answer (up to ``max_tokens`` tokens, or to ``eos_token_id``), in order."""
-        waiting = [_Sequence(i, list(p), len(p)) for i, p in enumerate(prompts)]
+    def generate(self, prompts: list[list[int]], max_tokens: int, eos_token_id: int | None = None, n: int = 1,
+                 temperature: float = 0.0, seed: int = 0) -> list:
+        """Every prompt's answer (up to ``max_tokens`` tokens, or to ``eos_token_id``), in order: greedy (your
+        sampler), or drawn at ``temperature`` with a generator of its own seeded ``seed + its index``.
+
+        ``n > 1``: ``n`` answers a prompt, as lists in a list. Once its prompt is computed, a request forks ``n - 1``
+        more sequences that share its blocks (the allocator's ``fork``, lesson 05); each draws its own first token
+        from the prompt's logits, and a shared, partly filled last block is copied before one of them writes into it.
+        """
+        waiting = [_Sequence(i, list(p), len(p), request=i) for i, p in enumerate(prompts)]
+        for seq in waiting:
+            seq.generator = torch.Generator().manual_seed(seed) if temperature else None
+        self.n, self.temperature, self.seed, self.num_copies, self.peak_blocks = n, temperature, seed, 0, (0, 0)
+        self._next_id = len(prompts)
         running: list[_Sequence] = []
-        done: dict[int, list[int]] = {}
+        done: dict[tuple[int, int], list[int]] = {}
         while waiting or running:
             self.step(waiting, running)
             for seq in list(running):
                 if seq.output and (len(seq.output) >= max_tokens or seq.output[-1] == eos_token_id):
                     running.remove(seq)
                     self.allocator.free(seq.seq_id)
-                    done[seq.seq_id] = seq.output
-        return [done[i] for i in range(len(prompts))]
+                    done[seq.request, seq.index] = seq.output
+        answers = [[done[i, k] for k in range(n)] for i in range(len(prompts))]
+        return answers if n > 1 else [a[0] for a in answers]
 
     def step(self, waiting: list[_Sequence], running: list[_Sequence]) -> None:
         """One step: the plan (who computes how many tokens), slots for those tokens, one forward pass, and a token
@@ -292,7 +320,12 @@ class MiniEngine:
         self.admit(waiting, running, plan)
         self.give_slots(waiting, running, plan)
         self.run([seq for seq in running if seq.seq_id in plan], plan)
+        running += self.joining  # the answers forked in this step
+        self.joining = []
         self.num_steps += 1
+        used = self.num_blocks - self.allocator.num_free_blocks
+        if used > self.peak_blocks[0]:  # the most blocks in use, and what the tables listed then (shared ones again)
+            self.peak_blocks = (used, sum(len(self.allocator.table(seq.seq_id)) for seq in running))
 
     def admit(self, waiting: list[_Sequence], running: list[_Sequence], plan: dict[int, int]) -> None:
         """The planned waiting requests join, oldest first, while the allocator has blocks for their first chunk
@@ -307,12 +340,24 @@ class MiniEngine:
         slots from ``allocate``; ``waiting``: for engines that preempt, exercise 2)."""
         for seq in running:
             for _ in range(plan.get(seq.seq_id, 0) if seq.computed else 0):
+                table = self.allocator.table(seq.seq_id)
+                length, last = len(table), table[-1]
                 if not self.allocator.append(seq.seq_id):
                     raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
+                if len(table) == length and table[-1] != last:  # copy-on-write: a fresh block took the shared one's place
+                    self.copy_block(last, table[-1])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's keys and values, in every layer (copy-on-write: the allocator chose the blocks)."""
+        for k_cache, v_cache in self.caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+        self.num_copies += 1
 
     def run(self, scheduled: list[_Sequence], plan: dict[int, int]) -> None:
         """Pack the planned tokens of every scheduled sequence into one row and run the model once; a sequence
-        that has then computed all its tokens (a decode, or a prompt's last chunk) samples its next one."""
+        that has then computed all its tokens (a decode, or a prompt's last chunk) samples its next one (a prompt
+        of an ``n > 1`` request forks first: the new sequences wait in ``joining`` for the step to add them)."""
         ids, positions, self.step_info = [], [], _Step()
         for seq in scheduled:  # a prompt brings its next chunk, a decode its last token
             start, n = seq.computed, plan[seq.seq_id]
@@ -331,7 +376,27 @@ class MiniEngine:
             end += n
             seq.computed = start + n
             if seq.computed == len(seq.tokens):
-                seq.tokens.append(self.parts["sample"](logits[end - 1]))  # the row of its last token
+                # its prompt is done: the request's other answers fork, sharing its blocks
+                children = [self.fork(seq, i) for i in range(1, self.n)] if seq.computed == seq.prompt_len else []
+                for each in [seq, *children]:
+                    each.tokens.append(self.draw(logits[end - 1], each))  # the row of its last token
+                self.joining += children
+
+    def fork(self, parent: _Sequence, index: int) -> _Sequence:
+        """Answer ``index`` of the parent's request: its tokens and its blocks, shared (lesson 05's ``fork``)."""
+        child = _Sequence(self._next_id, list(parent.tokens), parent.prompt_len, parent.computed, parent.request, index)
+        if self.temperature:
+            child.generator = torch.Generator().manual_seed(self.seed + index)
+        self._next_id += 1
+        self.allocator.fork(parent.seq_id, child.seq_id)
+        return child
+
+    def draw(self, logits: torch.Tensor, seq: _Sequence) -> int:
+        """The next token: your sampler (greedy), or a draw from the softmax at the temperature."""
+        if not self.temperature:
+            return self.parts["sample"](logits)
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """One layer's attention, as transformers calls it: store this step's keys and values, then attend, each
