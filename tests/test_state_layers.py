@@ -209,7 +209,12 @@ def test_triton_kernels_and_an_fp8_cache_on_a_hybrid_model():
     model = tiny_model("qwen3_next")
     prompts = [list(range(5, 14)), list(range(40, 51))]
     expected = _reference(model, prompts, 5)
-    llm = LLM(model, block_size=4, max_model_len=64, attention_backend="triton")
+    served = model
+    if torch.cuda.is_available():  # compiled kernels take CUDA tensors only (benchmarks/gpu_check.sh runs this)
+        import copy
+
+        served = copy.deepcopy(model).to("cuda")
+    llm = LLM(served, block_size=4, max_model_len=64, attention_backend="triton")
     outputs = llm.generate(prompts, greedy_params(5), use_tqdm=False)
     _assert_generates_tokens(model, prompts, outputs, expected, "triton")
     fp8 = LLM(model, block_size=4, max_model_len=64, kv_cache_dtype="fp8", attention_backend="torch")
