@@ -38,6 +38,9 @@ GIVEN = {
         "120": "the article's static-batching example",
         "240": "the article's static-batching example",
     },
+    "12_build_your_engine.ipynb": {
+        "448": "e4m3's largest number (torch.finfo(torch.float8_e4m3fn).max), the clamp lesson 09 computes",
+    },
     "09_fp8_kv_cache.ipynb": {
         "63": "kvpaging.teach.fp8.measure_pool_capacity's request: 63 prompt tokens and one generated fill 4 blocks",
     },

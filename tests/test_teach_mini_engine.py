@@ -177,3 +177,33 @@ def test_forked_answers_are_those_of_separate_requests(model_and_reference):
     lost = MiniEngine(model, parts, num_blocks=40, block_size=4, max_num_batched_tokens=9)
     lost.copy_block = lambda src, dst: None  # the allocator swaps the block, but its keys and values are not copied
     assert lost.generate(chosen, 10, n=3, temperature=1.0, seed=5) != alone
+
+
+def test_an_fp8_cache_is_calibrated_and_stored_as_kvpaging_does(model_and_reference):
+    """Lesson 09's quantizer calibrates the engine's FP8 cache as kvpaging calibrates its own: the same random
+    calibration pass, so the very same scales; codes are stored as kvpaging's quantize_fp8 makes them, byte for
+    byte. A quantizer whose scales are a quarter of that (the largest keys and values then saturate at 448) gives
+    other answers. (Token for token the two FP8 engines may part: their attention sums in another order, and a
+    difference in the last float bit of a key changes its e4m3 code now and then.)"""
+    from kvpaging import LLM
+    from kvpaging.kernels.fp8 import quantize_fp8
+    from kvpaging.teach.build import reference_quantize_fp8
+    from kvpaging.teach.mini_engine import _fp8_codes
+
+    model, prompts, expected = model_and_reference
+    engine = MiniEngine(model, num_blocks=40, block_size=4, max_num_seqs=3, kv_cache_dtype="fp8")
+    assert all(k.dtype == torch.float8_e4m3fn for k, _ in engine.caches)
+    llm = LLM(model, num_blocks=40, block_size=4, max_model_len=64, kv_cache_dtype="fp8", attention_backend="torch")
+    for (k, v), (mine_k, mine_v) in zip(llm.engine.runner.kv_scales, engine.scales):
+        assert torch.equal(k.flatten(), mine_k) and torch.equal(v.flatten(), mine_v)
+    x = torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(1)) * 3
+    scales = engine.scales[0][0]
+    assert torch.equal(_fp8_codes(x, scales).view(torch.uint8), quantize_fp8(x, scales).view(torch.uint8))
+    mine = engine.generate(prompts, 12)
+    assert all(len(a) == 12 for a in mine)
+
+    def quartered(x):
+        codes, scales = reference_quantize_fp8(x)
+        return codes, scales / 4
+    assert MiniEngine(model, {"quantize": quartered}, num_blocks=40, block_size=4, max_num_seqs=3,
+                      kv_cache_dtype="fp8").generate(prompts, 12) != mine

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from kvpaging.teach import workbook
-from kvpaging.teach.build import check_block_allocator, check_paged_attention, check_step_planner
+from kvpaging.teach.build import check_block_allocator, check_fp8_quantizer, check_paged_attention, check_step_planner
 from kvpaging.teach.mini_engine import ReferenceAllocator, use
 
 # A learner's allocator, different from the reference in its names and its order of blocks (a deque, popped left).
@@ -172,8 +172,20 @@ PLAN = textwrap.dedent('''
 ''')
 
 
+QUANTIZE = textwrap.dedent('''
+    def my_quantize(x):
+        import torch
+        heads = x.shape[-2]
+        amax = x.abs().float().transpose(0, 1).reshape(heads, -1).max(dim=1).values
+        scales = torch.clamp(amax / 448.0, min=1e-12)
+        return (x.float() / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scales
+''')
+
+
 # piece, its lesson, its source, the function's name, its check, what repr names, a mistake in it
 CARRIED = [
+    ("quantize", "09", QUANTIZE, "my_quantize", check_fp8_quantizer, "random key/value tensors",
+     ("amax / 448.0", "amax / 240.0")),  # e4m3fnuz's largest number, not e4m3fn's
     ("paged_attention", "04b", PAGED, "my_paged_attention", check_paged_attention, "random paged caches",
      (" * scale", "")),  # the scale forgotten
     ("plan", "07", PLAN, "plan_step", check_step_planner, "steps of random workloads",

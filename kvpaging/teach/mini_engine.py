@@ -19,10 +19,12 @@ The pieces, each a few lines, each with a reference answer here of the same sign
   gives the engine chunked prefill under a token budget.
 
 - ``sharing_allocator``: lesson 05's allocator with reference counts, ``fork(parent_id, child_id)`` and
-  copy-on-write in ``append``, which gives the engine ``n > 1`` answers a prompt sharing its blocks.
+  copy-on-write in ``append``, which gives the engine ``n > 1`` answers a prompt sharing its blocks;
+- ``quantize(x) -> (codes, scales)``: lesson 09's keys or values to e4m3, one scale per KV head, which calibrates
+  the engine's FP8 cache (``MiniEngine(kv_cache_dtype="fp8")``).
 
-Lesson 04's allocator, lesson 04b's paged attention, lesson 05's sharing allocator and lesson 07's planner carry
-over: once the learner's passed
+Lesson 04's allocator, lesson 04b's paged attention, lesson 05's sharing allocator, lesson 07's planner and lesson
+09's quantizer carry over: once the learner's passed
 its lesson's check, that lesson kept it in their workbook (:mod:`kvpaging.teach.workbook`), and :func:`use` takes
 it from there when this lesson's own cell is left a stub.
 
@@ -42,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpaging.teach.build import (ReferenceAllocator, ReferenceSharingAllocator, check_block_allocator,
-                                  check_paged_attention, check_step_planner, reference_paged_attention,
-                                  reference_plan_step)
+                                  check_fp8_quantizer, check_paged_attention, check_step_planner,
+                                  reference_paged_attention, reference_plan_step, reference_quantize_fp8)
 
 __all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "reference_paged_attention",
            "reference_plan_step", "use", "MiniEngine"]
@@ -91,7 +93,8 @@ def sample(logits: torch.Tensor) -> int:
 
 REFERENCES = {"allocator": ReferenceAllocator, "slot_mapping": slot_mapping, "store_kv": store_kv,
               "attend": attend, "sample": sample, "paged_attention": reference_paged_attention,
-              "plan": reference_plan_step, "sharing_allocator": ReferenceSharingAllocator}
+              "plan": reference_plan_step, "sharing_allocator": ReferenceSharingAllocator,
+              "quantize": reference_quantize_fp8}
 
 # The pieces an earlier lesson asked for: checked by that lesson's own check, and kept in the learner's workbook
 # once they passed it. name: (the lesson, its check, what the check compares against)
@@ -102,6 +105,7 @@ EARLIER = {
     "plan": ("07", check_step_planner, "steps of random workloads, against kvpaging's scheduler"),
     "sharing_allocator": ("05", lambda piece: check_block_allocator(piece, fork=True, workloads=10),
                           "operations of random workloads with forks, against kvpaging's BlockManager"),
+    "quantize": ("09", check_fp8_quantizer, "random key/value tensors, byte for byte, against kvpaging's"),
 }
 
 
@@ -261,7 +265,9 @@ class MiniEngine:
     """
 
     def __init__(self, model, parts: dict | None = None, num_blocks: int = 64, block_size: int = 16,
-                 max_num_seqs: int = 8, max_num_batched_tokens: int = 2048) -> None:
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
+        """``kv_cache_dtype="fp8"``: keys and values stored as e4m3 with one scale per layer and KV head, calibrated
+        by the ``quantize`` piece (lesson 09's) as kvpaging calibrates its own (:meth:`calibrate`)."""
         self.parts = {**REFERENCES, **(parts or {})}
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget
@@ -274,9 +280,12 @@ class MiniEngine:
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
         weight = next(self.model.parameters())
         self.device = weight.device
-        self.caches = [(torch.zeros(shape, dtype=weight.dtype, device=self.device),
-                        torch.zeros(shape, dtype=weight.dtype, device=self.device))
+        dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else weight.dtype
+        self.caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                        torch.zeros(shape, dtype=dtype, device=self.device))
                        for _ in range(config.num_hidden_layers)]
+        self.calibrating: dict | None = None  # during calibrate(): layer -> (keys, values) of the calibration pass
+        self.scales = self.calibrate() if kv_cache_dtype == "fp8" else None  # per layer: (key, value) per KV head
         self.step_info = _Step()
         self.num_steps = 0
         self.n, self.temperature, self.seed = 1, 0.0, 0  # generate()'s, for its run
@@ -398,15 +407,43 @@ class MiniEngine:
         probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
+    @torch.no_grad()
+    def calibrate(self, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """FP8 scales as kvpaging makes them (``ModelRunner.calibrate_fp8_scales``): the model runs unpaged over
+        4 x 256 random token ids from a fixed seed, and your quantizer's scales for all of each layer's keys (and
+        values) are kept: each KV head's largest magnitude over the pass, over 448."""
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        ids = torch.randint(0, vocab, (4, 256), generator=torch.Generator().manual_seed(seed))
+        self.calibrating = {}
+        try:
+            for row in ids:
+                self.model(input_ids=row[None].to(self.device), use_cache=False, logits_to_keep=1, mini_engine=self)
+            seen = [self.calibrating[i] for i in range(len(self.caches))]
+        finally:
+            self.calibrating = None
+        quantize = self.parts["quantize"]
+        return [(quantize(torch.cat(keys).float())[1].float().to(self.device),
+                 quantize(torch.cat(values).float())[1].float().to(self.device)) for keys, values in seen]
+
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """One layer's attention, as transformers calls it: store this step's keys and values, then attend, each
         prompt on its own, every decode (one new token) in one call of lesson 04b's paged attention."""
+        if self.calibrating is not None:  # calibrate()'s unpaged pass
+            return self._calibration_attention(module, query, key, value, attention_mask, scaling)
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
         k_cache, v_cache = self.caches[module.layer_idx]
         scale = scaling or q.shape[-1] ** -0.5
+        if self.scales is not None:  # an FP8 cache (lesson 09): e4m3 codes are stored
+            k, v = (_fp8_codes(t, s) for t, s in zip((k, v), self.scales[module.layer_idx]))
+        first = 0
+        for table, start, n, slots in self.step_info.seqs:  # every sequence's new keys and values, at their slots
+            self.parts["store_kv"](k_cache, v_cache, k[first:first + n], v[first:first + n], slots)
+            first += n
+        if self.scales is not None:  # ... and attention reads what they give back: code x scale
+            k_cache, v_cache = ((c.float() * s[:, None]).to(q.dtype)
+                                for c, s in zip((k_cache, v_cache), self.scales[module.layer_idx]))
         out, first, decodes = torch.empty_like(q), 0, []
         for table, start, n, slots in self.step_info.seqs:
-            self.parts["store_kv"](k_cache, v_cache, k[first:first + n], v[first:first + n], slots)
             if start and n == 1:  # a decode: its one query's row, its table and its length
                 decodes.append((first, table, start + 1))
             else:
@@ -421,6 +458,20 @@ class MiniEngine:
             out[list(rows)] = self.parts["paged_attention"](q[list(rows)], k_cache, v_cache, block_tables, seq_lens,
                                                             scale).to(q.dtype)
         return out.unsqueeze(0), None  # [1, tokens, heads, head_dim]
+
+    def _calibration_attention(self, module, query, key, value, attention_mask, scaling):
+        """calibrate()'s pass: keep the layer's keys and values, attend over the call's tokens as SDPA does."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        keys, values = self.calibrating.setdefault(module.layer_idx, ([], []))
+        keys.append(key[0].transpose(0, 1))
+        values.append(value[0].transpose(0, 1))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
+
+
+def _fp8_codes(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` per KV head, clamped to e4m3's range and cast: lesson 09's codes, with the calibrated scales."""
+    return (x.float() / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def _register() -> None:
