@@ -132,7 +132,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert id(seq) not in ids
         COUNTS["preemptions"] += len(out.preempted)
         for src, dst in out.blocks_to_copy:
-            assert bm.pool.blocks[dst].ref_cnt == 1 and src != dst
+            # a copy goes into a fresh block: held by the sequence that copied it, and by nobody outside this step;
+            # another holder found it in the prefix cache in this same step, once the decode that copied it filled it
+            # (blocks are findable from the step that computes them), and reads what this step copies and writes
+            block = bm.pool.blocks[dst]
+            holders = [seq for seq in [s.seq for s in out.scheduled] + out.children
+                       if dst in bm.get_block_table(seq.seq_id)]
+            assert src != dst and block.ref_cnt == len(holders) >= 1, (src, dst, block)
+            assert len(holders) == 1 or (block.block_hash is not None and block.num_filled == bm.block_size), block
         # copy_blocks runs every pair at once (on a GPU): no block may be both read and written by one call
         sources, destinations = [p[0] for p in out.blocks_to_copy], [p[1] for p in out.blocks_to_copy]
         assert len(set(destinations)) == len(destinations), f"two copies into one block: {out.blocks_to_copy}"
