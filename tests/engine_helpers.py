@@ -106,6 +106,20 @@ def greedy_params(num_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, **kwargs)
 
 
+def forked_and_alone(llm, prompt: list[int], n: int, seed: int, max_tokens: int) -> tuple[list, list]:
+    """One request's ``n`` completions at temperature 1, seeded, and the same ``n`` drawn as separate requests,
+    each with its completion's own seed (``completion_seed``): equal when forking shares the prompt right."""
+    from kvpaging.core.sequence import completion_seed
+
+    def params(**kwargs) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+    together = [c.token_ids for c in llm.generate([prompt], params(n=n, seed=seed), use_tqdm=False)[0].outputs]
+    alone = [llm.generate([prompt], params(seed=completion_seed(seed, i)), use_tqdm=False)[0].outputs[0].token_ids
+             for i in range(n)]
+    return together, alone
+
+
 def build_llm(model, **kwargs) -> LLM:
     """An LLM with a small explicit pool (the default max_model_len, 4096, would need a big one)."""
     settings = {"block_size": 4, "num_blocks": 64, "max_model_len": 64}

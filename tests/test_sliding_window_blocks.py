@@ -15,9 +15,9 @@ import random
 
 import pytest
 import torch
-from engine_helpers import TIE_TOLERANCE, assert_pool_clean, greedy_params
+from engine_helpers import TIE_TOLERANCE, assert_pool_clean, forked_and_alone, greedy_params
 
-from kvpaging import LLM, SamplingParams, blocks_held
+from kvpaging import LLM, blocks_held
 from kvpaging.core.block_manager import NO_HIT, BlockManager
 from kvpaging.models.architectures import tiny_model
 from kvpaging.teach.setup_check import greedy_agreement
@@ -167,14 +167,7 @@ def test_n_completions_on_a_sliding_window_model(mistral):
     """Forked completions after the window passed prompt blocks: seeded samples equal separate requests'."""
     model, prompts, _ = mistral
     llm = LLM(model, block_size=4, num_blocks=40, max_model_len=72, attention_backend="torch")
-    prompt = prompts[4]
-    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
-    together = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
-    from kvpaging.core.sequence import completion_seed
-
-    alone = [llm.generate([prompt], SamplingParams(temperature=1.0, seed=completion_seed(5, i), max_tokens=12,
-                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-             for i in range(3)]
+    together, alone = forked_and_alone(llm, prompts[4], n=3, seed=5, max_tokens=12)
     assert together == alone
     assert_pool_clean(llm)
 

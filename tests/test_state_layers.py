@@ -13,12 +13,11 @@ import logging
 
 import pytest
 import torch
-from engine_helpers import TIE_TOLERANCE, assert_pool_clean, greedy_params
+from engine_helpers import TIE_TOLERANCE, assert_pool_clean, forked_and_alone, greedy_params
 
-from kvpaging import LLM, SamplingParams
-from kvpaging.core.sequence import completion_seed
+from kvpaging import LLM
 from kvpaging.errors import UnsupportedModelError
-from kvpaging.models.architectures import tiny_model
+from kvpaging.models.architectures import reference_tokens, tiny_model
 from kvpaging.teach.setup_check import greedy_agreement
 from kvpaging.worker.kv_layout import NO_KV
 from kvpaging.worker.state_layers import GroupCache, StateSlots, continues_chunks, find_state_layers
@@ -30,15 +29,7 @@ LENGTHS = (9, 14, 3, 23, 1, 30)  # the 1-token prompt starts its state inside a 
 
 
 def _reference(model, prompts, num_tokens=NUM_TOKENS):
-    model.generation_config.eos_token_id = None
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
-                               min_new_tokens=num_tokens, pad_token_id=0)
-        out.append(g[0, len(p):].tolist())
-    return out
+    return [reference_tokens(model, p, num_tokens) for p in prompts]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "lfm2", "jamba"])
@@ -111,12 +102,7 @@ def test_forked_completions_start_from_the_prompts_state():
     equal three separate requests (each computing the prompt itself)."""
     model = tiny_model("qwen3_next")
     llm = LLM(model, block_size=4, max_model_len=64, attention_backend="torch")
-    prompt = list(range(5, 22))
-    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
-    together = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
-    alone = [llm.generate([prompt], SamplingParams(temperature=1.0, seed=completion_seed(5, i), max_tokens=12,
-                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-             for i in range(3)]
+    together, alone = forked_and_alone(llm, list(range(5, 22)), n=3, seed=5, max_tokens=12)
     assert together == alone
     assert len(set(map(tuple, together))) > 1, "temperature 1 on random weights: the completions differ"
     assert_pool_clean(llm)

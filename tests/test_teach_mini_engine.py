@@ -174,6 +174,12 @@ def test_forked_answers_are_those_of_separate_requests(model_and_reference):
     assert all(len({tuple(a) for a in answers}) > 1 for answers in together), "temperature 1: the answers differ"
     greedy = MiniEngine(model, parts, num_blocks=40, block_size=4).generate(chosen, 12, n=2)
     assert greedy == [[expected[1]] * 2, [expected[3]] * 2]
+
+    class Copying(ReferenceSharingAllocator):  # a learner's table() may hand out a copy, not the live list
+        def table(self, seq_id):
+            return list(self.tables[seq_id])
+    copying = MiniEngine(model, {"allocator": Copying}, num_blocks=40, block_size=4, max_num_batched_tokens=9)
+    assert copying.generate(chosen, 10, n=3, temperature=1.0, seed=5) == alone and copying.num_copies == 4
     lost = MiniEngine(model, parts, num_blocks=40, block_size=4, max_num_batched_tokens=9)
     lost.copy_block = lambda src, dst: None  # the allocator swaps the block, but its keys and values are not copied
     assert lost.generate(chosen, 10, n=3, temperature=1.0, seed=5) != alone
@@ -187,20 +193,35 @@ def test_an_fp8_cache_is_calibrated_and_stored_as_kvpaging_does(model_and_refere
     difference in the last float bit of a key changes its e4m3 code now and then.)"""
     from kvpaging import LLM
     from kvpaging.kernels.fp8 import quantize_fp8
-    from kvpaging.teach.build import reference_quantize_fp8
-    from kvpaging.teach.mini_engine import _fp8_codes
+    from kvpaging.teach.build import ReferenceAllocator, reference_quantize_fp8
+
+    class Remembering(ReferenceAllocator):  # keeps each finished sequence's table, to find its slots afterwards
+        last_tables: dict = {}
+
+        def free(self, seq_id):
+            self.last_tables[seq_id] = list(self.tables[seq_id])
+            super().free(seq_id)
 
     model, prompts, expected = model_and_reference
-    engine = MiniEngine(model, num_blocks=40, block_size=4, max_num_seqs=3, kv_cache_dtype="fp8")
+    engine = MiniEngine(model, {"allocator": Remembering}, num_blocks=40, block_size=4, max_num_seqs=3,
+                        kv_cache_dtype="fp8")
     assert all(k.dtype == torch.float8_e4m3fn for k, _ in engine.caches)
     llm = LLM(model, num_blocks=40, block_size=4, max_model_len=64, kv_cache_dtype="fp8", attention_backend="torch")
     for (k, v), (mine_k, mine_v) in zip(llm.engine.runner.kv_scales, engine.scales):
         assert torch.equal(k.flatten(), mine_k) and torch.equal(v.flatten(), mine_v)
-    x = torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(1)) * 3
-    scales = engine.scales[0][0]
-    assert torch.equal(_fp8_codes(x, scales).view(torch.uint8), quantize_fp8(x, scales).view(torch.uint8))
     mine = engine.generate(prompts, 12)
     assert all(len(a) == 12 for a in mine)
+    # the last prompt's layer-0 keys (computed from its embeddings alone, paged or not) stored where its table says,
+    # as kvpaging's quantize_fp8 makes them, byte for byte
+    tokens = prompts[-1] + mine[-1][:-1]  # every token whose keys were stored (the last sampled one was not)
+    engine.calibrating = {}
+    with torch.no_grad():
+        engine.model(input_ids=torch.tensor([tokens]), use_cache=False, logits_to_keep=1, mini_engine=engine)
+    keys = engine.calibrating[0][0][0]
+    engine.calibrating = None
+    table = Remembering.last_tables[len(prompts) - 1]
+    stored = torch.stack([engine.caches[0][0][table[p // 4], p % 4] for p in range(len(tokens))])
+    assert torch.equal(stored.view(torch.uint8), quantize_fp8(keys, engine.scales[0][0]).view(torch.uint8))
 
     def quartered(x):
         codes, scales = reference_quantize_fp8(x)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpaging.kernels.fp8 import dequantize_kv_cache, quantize_fp8
 from kvpaging.teach.build import (ReferenceAllocator, ReferenceSharingAllocator, check_block_allocator,
                                   check_fp8_quantizer, check_paged_attention, check_step_planner,
                                   reference_paged_attention, reference_plan_step, reference_quantize_fp8)
@@ -349,12 +350,12 @@ class MiniEngine:
         slots from ``allocate``; ``waiting``: for engines that preempt, exercise 2)."""
         for seq in running:
             for _ in range(plan.get(seq.seq_id, 0) if seq.computed else 0):
-                table = self.allocator.table(seq.seq_id)
-                length, last = len(table), table[-1]
+                before = list(self.allocator.table(seq.seq_id))
                 if not self.allocator.append(seq.seq_id):
                     raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
-                if len(table) == length and table[-1] != last:  # copy-on-write: a fresh block took the shared one's place
-                    self.copy_block(last, table[-1])
+                after = self.allocator.table(seq.seq_id)
+                if len(after) == len(before) and after[-1] != before[-1]:  # copy-on-write: a fresh block in its place
+                    self.copy_block(before[-1], after[-1])
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's keys and values, in every layer (copy-on-write: the allocator chose the blocks)."""
@@ -433,14 +434,14 @@ class MiniEngine:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
         k_cache, v_cache = self.caches[module.layer_idx]
         scale = scaling or q.shape[-1] ** -0.5
-        if self.scales is not None:  # an FP8 cache (lesson 09): e4m3 codes are stored
-            k, v = (_fp8_codes(t, s) for t, s in zip((k, v), self.scales[module.layer_idx]))
+        if self.scales is not None:  # an FP8 cache (lesson 09): e4m3 codes are stored, as kvpaging makes them
+            k, v = (quantize_fp8(t, s) for t, s in zip((k, v), self.scales[module.layer_idx]))
         first = 0
         for table, start, n, slots in self.step_info.seqs:  # every sequence's new keys and values, at their slots
             self.parts["store_kv"](k_cache, v_cache, k[first:first + n], v[first:first + n], slots)
             first += n
         if self.scales is not None:  # ... and attention reads what they give back: code x scale
-            k_cache, v_cache = ((c.float() * s[:, None]).to(q.dtype)
+            k_cache, v_cache = (dequantize_kv_cache(c, s, q.dtype)
                                 for c, s in zip((k_cache, v_cache), self.scales[module.layer_idx]))
         out, first, decodes = torch.empty_like(q), 0, []
         for table, start, n, slots in self.step_info.seqs:
@@ -467,11 +468,6 @@ class MiniEngine:
         keys.append(key[0].transpose(0, 1))
         values.append(value[0].transpose(0, 1))
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
-
-
-def _fp8_codes(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x / scale`` per KV head, clamped to e4m3's range and cast: lesson 09's codes, with the calibrated scales."""
-    return (x.float() / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def _register() -> None:

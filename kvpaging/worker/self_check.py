@@ -220,10 +220,12 @@ class AttentionProbe:
                 f"value {tuple(value.shape)}, which do not fit the paged cache: {bad}", "kv_shape")
 
     def finish_step(self) -> None:
-        missing = [i for i, c in enumerate(self.calls) if c == 0 and self.kv_layout[i].num_kv_heads]
+        # layers that keep keys and values but called attention fewer times than the sizing pass saw: none at all
+        # (their attention went elsewhere), or some (the number of calls depends on the input)
+        fewer = [i for i, c in enumerate(self.calls) if c < len(self.caches[i]) and self.kv_layout[i].num_kv_heads]
+        missing = [i for i in fewer if not self.calls[i]]
         if missing:
             raise not_routed_error(self.model_name, missing, self.num_layers)
-        fewer = [i for i, c in enumerate(self.calls) if c < len(self.caches[i]) and self.kv_layout[i].num_kv_heads]
         if fewer:
             raise UnsupportedModelError(
                 f"{self.model_name}: layers {fewer} called attention fewer times in a step than in the pass that sized "

@@ -151,9 +151,6 @@ class GroupCache:
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._get("recurrent", state_idx)
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return self._get("conv", state_idx or 0) is not None or self._get("recurrent", state_idx or 0) is not None
-
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
@@ -181,12 +178,14 @@ class GroupCache:
                 self.slots.write((self.layer, kind, index), self.rows, state)
 
 
-def _groups(meta) -> list[tuple[int, int, list[int], list[bool]]]:
+def _groups(meta, slots: StateSlots) -> list[tuple[int, int, list[int], list[bool]]]:
     """The step's sequences as the state layers run them: ``(first token, end, rows, fresh)``, the decodes as
-    one group, then each chunk (worked out once per step, then kept on the step's metadata)."""
+    one group, then each chunk (worked out at the step's first state layer, with room made for its rows, then kept
+    on the step's metadata)."""
     if meta.state_groups is None:
         d = meta.num_decodes
-        rows = [int(r) for r in meta.rows]
+        rows = meta.rows.tolist()
+        slots.reserve(rows)
         seq_lens = meta.seq_lens.tolist()
         groups = [(0, d, rows[:d], [n == 1 for n in seq_lens[:d]])] if d else []
         cu = meta.prefill_cu_seqlens_q.tolist()
@@ -225,10 +224,8 @@ def _serve(module: torch.nn.Module, slots: StateSlots, layer: int, continues: bo
         if meta is None:
             kwargs.pop(ATTN_NAME, None)
             return forward(hidden_states, *args, **kwargs)
-        groups = _groups(meta)
-        slots.reserve([r for g in groups for r in g[2]])
         parts = []
-        for first, end, rows, fresh in groups:
+        for first, end, rows, fresh in _groups(meta, slots):
             if len(rows) > 1:  # the decodes: one token each, as a batch of one-token sequences
                 x = hidden_states[0, first:end].unsqueeze(1)
                 parts.append(_run_group(forward, slots, layer, x, rows, fresh, continues)[:, 0])
