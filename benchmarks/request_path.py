@@ -5,7 +5,8 @@ into another, in the order they first happen, while ``LLM.generate`` serves one 
     python benchmarks/request_path.py --all      # every crossing, helpers included
 
 A hop is a call from a function in one file into a function in another file of the package (``kvpaging/``,
-``kernels/``), counted once however often it repeats. By default only the engine's own stages count: calls into
+``kernels/``), counted once however often it repeats. The script also counts the path the coarser way, as
+hand-offs between files: one per (caller file, callee file) pair, however many functions of the callee it calls. By default only the engine's own stages count: calls into
 ``checks.py``, ``errors.py``, ``progress.py``, private functions (a name with one leading ``_``) and properties
 are helpers, listed with ``--all``, and so are calls between two files of one attention backend (``kernels/``).
 The one call from outside that counts is the model's call of kvpaging's attention function. "Once" hops happen before the first step, "per step" ones from then on
@@ -32,7 +33,7 @@ def _where(code) -> str | None:
     return str(rel) if rel.parts[0] in ("kvpaging", "kernels") else None
 
 
-def trace_one_request(everything: bool) -> tuple[list[str], list[str], int]:
+def trace_one_request(everything: bool) -> tuple[list[str], list[str], list[str], list[tuple[str, str]]]:
     from kvpaging import LLM, SamplingParams
     from kvpaging.models import tiny
 
@@ -43,6 +44,7 @@ def trace_one_request(everything: bool) -> tuple[list[str], list[str], int]:
     seen: set[str] = set()
     in_step = [0]
     scheduler_calls: list[str] = []
+    edges: list[tuple[str, str]] = []  # (caller file, callee file), in the order first seen
 
     steps = [0]
 
@@ -73,6 +75,9 @@ def trace_one_request(everything: bool) -> tuple[list[str], list[str], int]:
         if helper and not everything:
             return
         hop = f"{callee}:{name}"
+        edge = (caller or "(the model)", callee)
+        if edge not in edges:
+            edges.append(edge)
         if hop in seen:
             return
         seen.add(hop)
@@ -83,7 +88,7 @@ def trace_one_request(everything: bool) -> tuple[list[str], list[str], int]:
         llm.generate([list(range(1, 21))], params, use_tqdm=False)  # a 20-token prompt (the tiny model has no tokenizer)
     finally:
         sys.setprofile(None)
-    return once, per_step, sorted(set(scheduler_calls))
+    return once, per_step, sorted(set(scheduler_calls)), edges
 
 
 def main() -> None:
@@ -91,7 +96,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="list helper calls too")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    once, per_step, scheduler_calls = trace_one_request(args.all)
+    once, per_step, scheduler_calls, edges = trace_one_request(args.all)
     print("once per request:")
     for hop in once:
         print("   ", hop)
@@ -101,6 +106,10 @@ def main() -> None:
     files = {h.split(":")[0] for h in once + per_step}
     print(f"{len(once) + len(per_step)} hops ({len(once)} once, {len(per_step)} per step) through {len(files)} files; "
           f"{len(scheduler_calls)} scheduler calls from LLMEngine.step ({', '.join(scheduler_calls)})")
+    print(f"counted as hand-offs between files instead (one per caller file -> callee file, however many of the callee's "
+          f"functions it calls): {len(edges)}")
+    for caller, callee in edges:
+        print(f"    {caller} -> {callee}")
 
 
 if __name__ == "__main__":

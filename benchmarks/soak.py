@@ -45,6 +45,7 @@ import torch
 
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
+from kvpaging.core.invariants import check_block_manager, check_scheduler
 
 MODEL = dict(
     num_hidden_layers=1,
@@ -209,8 +210,8 @@ def make_llm(model, config: SoakConfig, **overrides) -> LLM:
 def check_books(engine) -> None:
     """The pool's and the scheduler's books, and their agreement (between two steps)."""
     bm, sched = engine.block_manager, engine.scheduler
-    bm.check_invariants()
-    sched.check_invariants()
+    check_block_manager(bm)
+    check_scheduler(sched)
     for seq in sched.running:
         assert bm.get_num_tokens(seq.seq_id) == seq.num_computed_tokens, (
             f"sequence {seq.seq_id}: {bm.get_num_tokens(seq.seq_id)} slots for {seq.num_computed_tokens} computed tokens"

@@ -33,7 +33,7 @@ class RequestFailedError(RuntimeError):
 
 
 class InvariantError(AssertionError):
-    """The books disagree: a ``check_invariants()`` scan found an inconsistency (a bug in kvpaging).
+    """The books disagree: a scan of ``kvpaging/core/invariants.py`` found an inconsistency (a bug in kvpaging).
 
     Raised explicitly rather than with ``assert``, so the checks the tests rely on
     still run under ``python -O``.

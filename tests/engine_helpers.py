@@ -13,6 +13,7 @@ import torch
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
 from kvpaging.teach.setup_check import greedy_agreement
+from kvpaging.core.invariants import check_block_manager, check_scheduler
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 NUM_LAYERS = 2  # enough to test layer indexing; keeps every forward cheap on a 2-core CPU
@@ -136,8 +137,8 @@ def assert_pool_clean(engine) -> None:
     assert stats.num_used_blocks == 0, f"{stats.num_used_blocks} blocks still in use"
     assert stats.num_free_blocks == stats.num_blocks
     assert stats.num_sequences == 0
-    engine.block_manager.check_invariants()
-    engine.scheduler.check_invariants()
+    check_block_manager(engine.block_manager)
+    check_scheduler(engine.scheduler)
 
 
 def assert_consistent(engine) -> None:
@@ -146,8 +147,8 @@ def assert_consistent(engine) -> None:
     A running sequence holds slots for exactly the tokens whose KV is computed, and
     its newest token (sampled, or a prompt token still to come) is not computed yet.
     """
-    engine.block_manager.check_invariants()
-    engine.scheduler.check_invariants()
+    check_block_manager(engine.block_manager)
+    check_scheduler(engine.scheduler)
     for seq in engine.scheduler.running:
         assert engine.block_manager.get_num_tokens(seq.seq_id) == seq.num_computed_tokens, (
             f"sequence {seq.seq_id}: {engine.block_manager.get_num_tokens(seq.seq_id)} slots "

@@ -5,6 +5,7 @@ import pytest
 from kvpaging.core.block_manager import NO_HIT, BlockManager, default_block_hash
 from kvpaging.core.block_pool import BlockPool
 from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
+from kvpaging.core.invariants import check_free_queue, check_pool, check_block_manager, check_scheduler
 
 
 def free_order(bm):
@@ -55,7 +56,7 @@ def test_pool_touch_removes_a_free_block_from_the_middle():
     pool.touch(blocks[2])
     assert [x.block_id for x in pool.free_queue] == [0, 1, 3, 4]
     assert blocks[2].ref_cnt == 1
-    pool.check_invariants()
+    check_pool(pool)
 
 
 def test_pool_double_free_is_refused():
@@ -64,7 +65,7 @@ def test_pool_double_free_is_refused():
     pool.free_block(blk)
     with pytest.raises(ValueError, match="block 0 is already free"):
         pool.free_block(blk)
-    pool.check_invariants()
+    check_pool(pool)
 
 
 @pytest.mark.parametrize("bad", [0, 3, 5, 12, 512, -16, 16.0, "16", True, None])
@@ -80,7 +81,7 @@ def test_every_power_of_two_block_size_works(good):
     assert bm.allocate_sequence("s", len(tokens))
     assert bm.get_block_table("s") == [0, 1, 2]
     bm.free("s")
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "8", False, None])
@@ -106,7 +107,7 @@ def test_blocks_are_allocated_only_as_tokens_arrive():
     assert bm.append_slots("a", 6)  # a prefill chunk: fills block 2, then block 3 partly
     assert bm.get_block_table("a") == [0, 1, 2, 3]
     assert [b.num_filled for b in bm.get_sequence_blocks("a").blocks] == [4, 4, 4, 3]
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_free_returns_blocks_last_first_and_stats_go_back_to_zero():
@@ -118,7 +119,7 @@ def test_free_returns_blocks_last_first_and_stats_go_back_to_zero():
     bm.free("b")
     s = bm.stats()
     assert (s.num_used_blocks, s.num_free_blocks, s.num_tokens_stored, s.num_sequences) == (0, 6, 0, 0)
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_not_enough_blocks_returns_false_and_changes_nothing():
@@ -134,7 +135,7 @@ def test_not_enough_blocks_returns_false_and_changes_nothing():
     assert not bm.append_slots("a", 1)
     assert (bm.stats(), free_order(bm), refcounts(bm), bm.get_block_table("a")) == before
     assert bm.get_num_tokens("a") == 12
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_a_sequence_longer_than_the_pool_is_refused_with_a_clear_error():
@@ -145,7 +146,7 @@ def test_a_sequence_longer_than_the_pool_is_refused_with_a_clear_error():
     with pytest.raises(SequenceTooLongError):
         bm.append_slots("a", 1)
     assert bm.get_num_tokens("a") == 8
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_unknown_and_finished_sequences_are_refused():
@@ -173,7 +174,7 @@ def test_num_new_tokens_is_validated(bad):
         with pytest.raises(ValueError, match="num_new_tokens"):
             bm.append_slots("a", bad)
     assert bm.get_num_tokens("a") == 2
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_duplicate_ids_are_refused():
@@ -209,7 +210,7 @@ def test_fork_shares_every_block_and_cow_copies_only_the_partial_last_block():
     assert take_copies(bm) == []
     assert refcounts(bm)[:5] == [3, 3, 1, 1, 1]
     assert bm.stats().num_cow_copies == 2
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def take_copies(bm):
@@ -233,7 +234,7 @@ def test_full_shared_blocks_are_never_copied():
     bm.free("p")
     assert refcounts(bm)[:4] == [1, 1, 1, 0]
     bm.free("c")
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_cow_needs_a_free_block_and_changes_nothing_without_one():
@@ -244,7 +245,7 @@ def test_cow_needs_a_free_block_and_changes_nothing_without_one():
     assert not bm.append_slots("c", 1)
     assert bm.get_block_table("c") == [0, 1]
     assert take_copies(bm) == []
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_grpo_sixteen_rollouts_share_the_prompt():
@@ -264,7 +265,7 @@ def test_grpo_sixteen_rollouts_share_the_prompt():
     for i in range(16):
         bm.free(f"r{i}")
     assert bm.stats().num_used_blocks == 0
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 # -- prefix caching ----------------------------------------------------------------
@@ -282,7 +283,7 @@ def test_prefix_cache_reuses_full_blocks_and_never_the_last_token():
     assert prefill(bm, "c", list(system)) == 4
     s = bm.stats()
     assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (11 + 9 + 8, 12)
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_freed_cached_blocks_stay_findable_until_evicted_lru():
@@ -304,7 +305,7 @@ def test_freed_cached_blocks_stay_findable_until_evicted_lru():
     # block 1 (tokens 3, 4) was evicted; block 0 (tokens 1, 2) is still cached
     assert prefill(bm, "y", [1, 2, 3, 4, 5]) == 2
     assert bm.get_block_table("y")[0] == 0
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_prefix_caching_switch_off():
@@ -341,7 +342,7 @@ def test_a_prefix_computed_twice_keeps_both_tables_and_both_copies_findable():
     bm.free("a")
     bm.reset_prefix_cache()  # a's copy is gone; b's, in use, stays findable
     assert [b.block_id for b in bm.lookup_prefix(tokens).blocks] == [3, 4]
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_a_chain_passes_through_either_twin():
@@ -356,10 +357,10 @@ def test_a_chain_passes_through_either_twin():
     assert [b.block_id for b in bm.lookup_prefix([5, 6, 7, 8, 9]).blocks] == [0, 2]
     bm.free("a")
     bm.free("b")
-    bm.check_invariants()
+    check_block_manager(bm)
     assert prefill(bm, "c", [5, 6, 7, 8, 9]) == 4  # the hit is taken out of the free queue and shared
     assert bm.get_block_table("c")[:2] == [0, 2]
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_a_hash_collision_never_serves_another_requests_blocks():
@@ -372,8 +373,8 @@ def test_a_hash_collision_never_serves_another_requests_blocks():
     bm2 = BlockManager(num_blocks=16, block_size=2, hash_fn=lambda parent, toks: hash(toks))
     prefill(bm2, "a", [1, 2, 3, 4, 5])
     assert prefill(bm2, "b", [7, 7, 3, 4, 5]) == 0
-    bm.check_invariants()
-    bm2.check_invariants()
+    check_block_manager(bm)
+    check_block_manager(bm2)
 
 
 def test_default_hash_is_a_chain():
@@ -408,7 +409,7 @@ def test_stale_prefix_hit_is_refused():
     with pytest.raises(ValueError, match="stale prefix hit"):
         bm.allocate_sequence("b", 1, hit)
     assert not bm.has_sequence("b")
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_invariant_checks_still_check_under_python_O():
@@ -420,15 +421,16 @@ def test_invariant_checks_still_check_under_python_O():
 
     code = textwrap.dedent("""
         from kvpaging.core.block_manager import BlockManager
+        from kvpaging.core.invariants import check_block_manager, check_pool, check_scheduler
         from kvpaging.errors import InvariantError
         from kvpaging.core.scheduler import Scheduler
         assert False, "this assert is stripped under -O"
         bm = BlockManager(8, 4)
         if not bm.allocate_sequence("a", 6):
             raise SystemExit("no room")
-        bm.check_invariants()
-        for obj, name, check in ((bm.pool.blocks[0], "ref_cnt", bm.check_invariants),
-                                 (bm.pool, "num_filled_slots", bm.pool.check_invariants)):
+        check_block_manager(bm)
+        for obj, name, check in ((bm.pool.blocks[0], "ref_cnt", lambda: check_block_manager(bm)),
+                                 (bm.pool, "num_filled_slots", lambda: check_pool(bm.pool))):
             setattr(obj, name, getattr(obj, name) + 1)  # corrupt the books
             try:
                 check()
@@ -440,7 +442,7 @@ def test_invariant_checks_still_check_under_python_O():
         sched = Scheduler(bm)
         sched._unforked_extra_seats = 3
         try:
-            sched.check_invariants()
+            check_scheduler(sched)
         except InvariantError as error:
             print("caught:", error)
         else:
@@ -512,7 +514,7 @@ def test_append_decode_slots_gives_what_append_slots_gives_one_by_one(num_blocks
     assert rows == [s.blocks.row for s in seqs]
     assert positions == [len(s.token_ids) - 1 for s in seqs]
     assert ids == [s.token_ids[-1] for s in seqs]
-    fast.check_invariants()
+    check_block_manager(fast)
 
 
 def test_a_decode_that_fills_its_block_caches_it_as_cache_full_blocks_does():
@@ -535,7 +537,7 @@ def test_a_decode_that_fills_its_block_caches_it_as_cache_full_blocks_does():
             for seq in seqs:
                 assert bm.append_slots(seq.seq_id, 1)
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, len(seq.token_ids))
-        bm.check_invariants()
+        check_block_manager(bm)
         made.append(bm)
     assert _books(made[0]) == _books(made[1])
     bm = made[0]
@@ -550,7 +552,7 @@ def test_a_decode_that_fills_its_block_caches_it_as_cache_full_blocks_does():
     bm.free("x")
     bm.reset_prefix_cache()  # x's blocks leave the cache; y's, in use, stay and are found
     assert [b.block_id for b in bm.lookup_prefix([7, 7, 7, 7, 8, 8, 8, 9, 1]).blocks] == tables["y"]
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_free_blocks_is_free_block_in_order():
@@ -572,7 +574,7 @@ def test_free_blocks_is_free_block_in_order():
             for b in table:
                 pool.free_block(b)
         pool.release_held()
-        pool.check_invariants()
+        check_pool(pool)
         made.append(([b.block_id for b in pool.free_queue], [b.ref_cnt for b in pool.blocks], pool.num_filled_slots,
                      pool.num_cached_free_blocks))
     assert made[0] == made[1]
@@ -615,16 +617,16 @@ def test_free_queue_against_a_plain_list():
             model += some
         assert [b.block_id for b in queue] == [b.block_id for b in model]
         assert len(queue) == len(model)
-        queue.check_links()
+        check_free_queue(queue)
     while model:
         assert queue.popleft() is model.pop(0)
     with pytest.raises(IndexError):
         queue.popleft()
-    queue.check_links()
+    check_free_queue(queue)
     queue.append(blocks[0])
     blocks[0].prev_free = blocks[5]  # a broken back link is caught
     with pytest.raises(InvariantError):
-        queue.check_links()
+        check_free_queue(queue)
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -654,7 +656,7 @@ def test_allocate_slots_is_allocate_or_append_then_cache_full_blocks(caching):
                 else:
                     assert bm.allocate_sequence("s", n, hit)
                 bm.cache_full_blocks("s", tokens, bm.get_num_tokens("s"))
-        bm.check_invariants()
+        check_block_manager(bm)
         made.append(bm)
     assert _books(made[0]) == _books(made[1])
     bm = made[0]

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpaging.core.block_manager import BlockManager
 from kvpaging.worker.block_table import BlockTable
+from kvpaging.core.invariants import check_block_manager
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary, so prefixes repeat and the cache gets hits
 
@@ -130,7 +131,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         bm = self.bm
-        bm.check_invariants()  # used + free = total; ref counts = tables; no block free and referenced
+        check_block_manager(bm)  # used + free = total; ref counts = tables; no block free and referenced
         s = bm.stats()
         held = {b for seq in self.tokens for b in bm.get_block_table(seq)}
         assert s.num_used_blocks == len(held)
@@ -166,7 +167,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
         s = self.bm.stats()
         assert s.num_used_blocks == 0 and s.num_free_blocks == self.bm.num_blocks and s.num_tokens_stored == 0
-        self.bm.check_invariants()
+        check_block_manager(self.bm)
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

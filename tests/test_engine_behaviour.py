@@ -26,6 +26,7 @@ from engine_helpers import (
 )
 
 from kvpaging import RequestFailedError, SamplingParams
+from kvpaging.core.invariants import check_block_manager, check_scheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -291,8 +292,8 @@ def test_abort_frees_blocks_at_once_and_the_others_finish(ref):
     assert bm.stats().num_used_blocks == used - b_blocks
     assert not bm.has_sequence(b_seq.seq_id)
     assert engine.get_num_unfinished_requests() == 2
-    bm.check_invariants()
-    engine.scheduler.check_invariants()
+    check_block_manager(bm)
+    check_scheduler(engine.scheduler)
 
     engine.add_request("d", pd, greedy_params(4))
     engine.abort_request("d")  # aborting a request that never ran
@@ -476,7 +477,7 @@ def test_a_failing_forward_fails_only_its_step(ref, prefix_caching):
         assert len(out.outputs[0].token_ids) == 2  # what they had before the failed step
     stats = engine.block_manager.stats()
     assert stats.num_used_blocks == 0 and engine.get_num_unfinished_requests() == 1  # c still waits
-    engine.block_manager.check_invariants()
+    check_block_manager(engine.block_manager)
 
     # c was never in the failing step; d arrives afterwards with a's prompt: the blocks a computed
     # in good steps may be served from the prefix cache, nothing the failed step wrote may

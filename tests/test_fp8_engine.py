@@ -6,6 +6,8 @@ import torch
 from kvpaging import LLM, SamplingParams, kv_bytes_per_token
 from kvpaging.worker.kv_accuracy import compare_kv_cache_dtypes, teacher_forced_logits
 from kvpaging.models import tiny
+from kvpaging.core.invariants import check_block_manager
+from kvpaging.worker.fp8_scales import calibrate_fp8_scales
 
 
 def model():
@@ -33,7 +35,7 @@ def test_fp8_scales_come_from_the_data():
         assert not torch.allclose(k_scale, torch.ones(2))  # not left at 1.0
     # the calibrated range maps the largest |key| of a calibration pass to 448
     runner = llm.engine.runner
-    again = runner.calibrate_fp8_scales()
+    again = calibrate_fp8_scales(runner)
     for (k1, v1), (k2, v2) in zip(runner.kv_scales, again):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
@@ -44,7 +46,7 @@ def test_fp8_generation_runs_and_frees_everything():
                         use_tqdm=False)
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [6, 6, 6, 6]
     assert llm.engine.block_manager.stats().num_used_blocks == 0
-    llm.engine.block_manager.check_invariants()
+    check_block_manager(llm.engine.block_manager)
 
 
 def test_teacher_forcing_matches_a_plain_forward_on_the_unquantized_cache():

@@ -41,6 +41,7 @@ from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler
 from kvpaging.core.sequence import Request, SequenceStatus
+from kvpaging.core.invariants import check_block_manager, check_scheduler
 
 EOS = 2
 PROMPT_TOKENS = (3, 4, 5)  # a tiny vocabulary, so prefixes repeat and the cache gets hits
@@ -364,8 +365,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------------
     def _check_books(self) -> None:
         sched, bm = self.sched, self.bm
-        bm.check_invariants()
-        sched.check_invariants()
+        check_block_manager(bm)
+        check_scheduler(sched)
         waiting = {id(s) for s in sched.waiting}
         running = {id(s) for s in sched.running}
         assert not waiting & running, "a sequence is both waiting and running"
@@ -415,8 +416,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.bm.stats()
         assert s.num_used_blocks == 0 and s.num_free_blocks == self.bm.num_blocks, s
         assert s.num_sequences == 0 and s.num_tokens_stored == 0 and s.num_table_blocks == 0, s
-        self.bm.check_invariants()
-        self.sched.check_invariants()
+        check_block_manager(self.bm)
+        check_scheduler(self.sched)
 
 
 # A transition is one state change (a request added, a scheduler step, an abort), each followed by every check.

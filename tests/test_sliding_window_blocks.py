@@ -21,6 +21,7 @@ from kvpaging import LLM, blocks_held
 from kvpaging.core.block_manager import NO_HIT, BlockManager
 from kvpaging.models.architectures import tiny_model
 from kvpaging.teach.setup_check import greedy_agreement
+from kvpaging.core.invariants import check_block_manager
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +53,7 @@ def test_a_sequence_holds_what_its_window_reads(window, block_size, prefix_cachi
         start += n
         assert bm.stats().num_used_blocks == blocks_needed(start, start - n, window, block_size)
         bm.step_done()
-        bm.check_invariants()
+        check_block_manager(bm)
     st = bm.get_sequence_blocks("s")
     for _ in range(3 * block_size + 5):  # decodes
         tokens.append(len(tokens))
@@ -61,10 +62,10 @@ def test_a_sequence_holds_what_its_window_reads(window, block_size, prefix_cachi
         assert bm.stats().num_used_blocks == blocks_held(st.num_tokens, block_size, window)  # the formula lessons use
         assert st.block_ids[: st.num_passed] == [-1] * st.num_passed
         bm.step_done()
-        bm.check_invariants()
+        check_block_manager(bm)
     assert st.num_passed > 0
     bm.free("s")
-    bm.check_invariants()
+    check_block_manager(bm)
     assert bm.stats().num_used_blocks == 0
 
 
@@ -82,13 +83,13 @@ def test_passed_blocks_stay_cached_and_the_chain_goes_on():
         tokens.append(500 + t)
         bm.append_decode_slots([Seq(st, tokens)], [], [], [])
         bm.step_done()
-    bm.check_invariants()
+    check_block_manager(bm)
     assert st.num_passed == 6  # the next query, at 32, reads from position 28: block 7 only
     assert bm.pool.num_cached_blocks == 8  # the 6 prompt blocks (4 of them free) and the 2 filled while decoding
     hit = bm.lookup_prefix(tokens + [0])
     assert len(hit.blocks) == 8, "the whole chain, through the passed blocks, is findable"
     bm.free("a")
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_fork_and_copy_on_write_after_blocks_were_passed():
@@ -101,18 +102,18 @@ def test_fork_and_copy_on_write_after_blocks_were_passed():
     bm.step_done()
     parent = bm.get_sequence_blocks("p")
     kids = [bm.fork("p", f"c{i}") for i in range(2)]
-    bm.check_invariants()
+    check_block_manager(bm)
     assert all(k.block_ids == parent.block_ids and k.num_passed == parent.num_passed > 0 for k in kids)
     used = bm.stats().num_used_blocks
     assert used == blocks_needed(22, 10, 6, 4)  # shared, not copied
     for table, seq_tokens in [(parent, prompt + [7]), (kids[0], prompt + [8]), (kids[1], prompt + [9])]:
         bm.append_decode_slots([Seq(table, seq_tokens)], [], [], [])
     bm.step_done()
-    bm.check_invariants()
+    check_block_manager(bm)
     assert bm.stats().num_cow_copies == 2
     for name in ("p", "c0", "c1"):
         bm.free(name)
-    bm.check_invariants()
+    check_block_manager(bm)
     assert bm.stats().num_used_blocks == 0
 
 
@@ -174,7 +175,7 @@ def test_n_completions_on_a_sliding_window_model(mistral):
 
 def test_models_with_a_full_attention_layer_keep_every_block():
     """Gemma 2's global layers read every key: nothing is passed."""
-    from kvpaging.worker.model_runner import passing_window
+    from kvpaging.worker.kv_layout import passing_window
 
     assert passing_window(tiny_model("gemma2", sliding_window=6).config) == 0
     assert passing_window(tiny_model("mistral", sliding_window=6).config) == 6
@@ -227,7 +228,7 @@ def test_a_windowed_sequence_may_outgrow_the_pool():
                 seq.token_ids = tokens[: n + 1]
                 assert bm.append_decode_slots([seq], [], [], []) == 1
                 bm.step_done()
-                bm.check_invariants()
+                check_block_manager(bm)
         except SequenceTooLongError as error:
             assert window == 0 and "only 4 blocks" in str(error)
         else:
@@ -251,7 +252,7 @@ def test_a_long_prefix_hit_takes_only_the_blocks_the_window_still_reads():
     assert len(hit.blocks) == 9
     st = bm.allocate_slots("b", prompt, 4, hit)
     bm.step_done()
-    bm.check_invariants()
+    check_block_manager(bm)
     assert st.num_passed == 7 and st.block_ids[:7] == [-1] * 7
     assert bm.stats().num_used_blocks == blocks_needed(40, 36, 6, 4) == 3  # 2 hit blocks and 1 new
     bm.free("b")

@@ -59,7 +59,8 @@ from typing import Callable, Hashable, Sequence
 
 from kvpaging.checks import check_bool, check_int
 from kvpaging.core.block_pool import BlockPool, KVBlock
-from kvpaging.errors import DuplicateSequenceError, InvariantError, SequenceNotFoundError, SequenceTooLongError
+from kvpaging.core.kv_stats import KVCacheStats
+from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
 
 __all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "SequenceBlocks", "default_block_hash"]
 
@@ -87,53 +88,6 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit()
-
-
-@dataclass(frozen=True)
-class KVCacheStats:
-    """A snapshot of the pool's figures, all exact integers or ratios of them."""
-
-    num_blocks: int
-    block_size: int
-    num_sequences: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int  # blocks findable by the prefix cache (in use or free)
-    num_cached_free_blocks: int  # free, but still holding reusable KV
-    num_tokens_stored: int  # slots holding a token, over blocks in use
-    num_table_blocks: int  # sum of all block-table lengths: blocks needed without sharing
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_cow_copies: int
-    num_evictions: int
-    # High-water marks since the block manager's last reset_peak_stats(), exact: taken after every
-    # change that can raise them, so a peak reached and undone within one engine step still counts.
-    peak_used_blocks: int = 0  # the most blocks in use at once
-    table_blocks_at_peak: int = 0  # what the tables pointed at, at that same moment
-    peak_table_blocks: int = 0  # the most blocks the tables pointed at (possibly at another moment)
-    peak_savings_blocks: int = 0  # the most blocks sharing saved at once (table blocks minus used blocks)
-    num_passed_blocks: int = 0  # table entries given back as a sliding window passed them (all sequences, ever)
-
-    @property
-    def internal_fragmentation(self) -> float:
-        """Allocated slots holding no token, as a fraction of allocated slots."""
-        allocated = self.num_used_blocks * self.block_size
-        return 0.0 if allocated == 0 else 1.0 - self.num_tokens_stored / allocated
-
-    @property
-    def shared_savings_blocks(self) -> int:
-        """Blocks that would exist without sharing minus blocks that do."""
-        return self.num_table_blocks - self.num_used_blocks
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens served from the cache, as a fraction of prompt tokens looked up."""
-        return 0.0 if self.prefix_query_tokens == 0 else self.prefix_hit_tokens / self.prefix_query_tokens
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use (vLLM's "KV cache usage")."""
-        return self.num_used_blocks / self.num_blocks
 
 
 @dataclass(eq=False, slots=True)
@@ -637,44 +591,6 @@ class BlockManager:
                 f"sequence {seq_id!r} would need {needed} blocks at once for its {total_tokens} tokens{window}, "
                 f"but the pool has only {self.num_blocks} blocks of {bs} slots"
             )
-
-    def check_invariants(self) -> None:
-        """Check every table against the pool; raise InvariantError on any inconsistency (tests only)."""
-        pool = self.pool
-        pool.check_invariants()
-        owners: dict[int, int] = {}
-        for seq_id, st in self._seqs.items():
-            _check(st.block_ids == [-1 if b is None else b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
-            _check(all(b is None for b in st.blocks[:st.num_passed]) and None not in st.blocks[st.num_passed:],
-                   f"{seq_id!r}: the entries passed by the window are not the leading {st.num_passed}")
-            _check(st.last is (st.blocks[-1] if st.blocks else None), f"{seq_id!r}: last block out of sync")
-            _check(len(st.blocks) == self.num_blocks_for(st.num_tokens), f"{seq_id!r}: wrong number of blocks")
-            _check(len(st.block_hashes) <= st.num_tokens // self.block_size, f"{seq_id!r}: hashes of unfilled blocks")
-            for i, block in enumerate(st.blocks[st.num_passed:], st.num_passed):
-                _check(pool.blocks[block.block_id] is block, f"{seq_id!r} block {i} is not the pool's")
-                owners[block.block_id] = owners.get(block.block_id, 0) + 1
-                expected_fill = min(self.block_size, st.num_tokens - i * self.block_size)
-                _check(block.num_filled == expected_fill,
-                       f"{seq_id!r} block {i} (id {block.block_id}) holds {block.num_filled}, expected {expected_fill}")
-            if self.enable_prefix_caching:
-                for i, h in enumerate(st.block_hashes):
-                    b = st.blocks[i]
-                    _check(b is None or b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch")
-        for block in pool.blocks:
-            _check(block.ref_cnt == owners.get(block.block_id, 0),
-                   f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
-        _check(self._num_table_blocks == sum(len(st.blocks) - st.num_passed for st in self._seqs.values()),
-               "table block count")
-        used = self.pool.num_used_blocks
-        _check(self._peak_used_blocks >= used, "high-water mark of used blocks below the present")
-        _check(self._peak_table_blocks >= self._num_table_blocks, "high-water mark of table blocks below the present")
-        _check(self._peak_savings_blocks >= self._num_table_blocks - used, "high-water mark of savings below the present")
-        _check(self._table_blocks_at_peak <= self._peak_table_blocks, "tables at the peak above the tables' peak")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvariantError(message)
 
 
 def _runner_row(st: SequenceBlocks) -> list[int]:

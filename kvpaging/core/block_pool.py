@@ -28,7 +28,7 @@ queue, which a linked list does in O(1) -- the reason for the list instead of a
 ``deque``.
 
 Every operation on the hot path is O(1). Two scan: :meth:`BlockPool.reset_prefix_cache`
-(every cached block, on request) and :meth:`BlockPool.check_invariants` (tests only).
+(every cached block, on request) and the checks of ``invariants.py`` (tests only).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from kvpaging.checks import check_block_size, check_int
-from kvpaging.errors import InvariantError
 
 __all__ = ["KVBlock", "FreeBlockQueue", "BlockPool"]
 
@@ -111,15 +110,6 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free_blocks
 
-    def check_links(self) -> None:
-        """Walk the list both ways: every link has its reverse, and the count is right (tests only)."""
-        before, block, count = self._head, self._head.next_free, 0
-        while block is not self._tail:
-            _check(block is not None and block.prev_free is before,
-                   f"free queue: the block after {before.block_id} does not link back to it")
-            before, block, count = block, block.next_free, count + 1
-        _check(self._tail.prev_free is before, "free queue: the tail does not link back to the last block")
-        _check(count == self.num_free_blocks, f"free queue holds {count} blocks, counted {self.num_free_blocks}")
 
     def __iter__(self) -> Iterator[KVBlock]:
         block = self._head.next_free
@@ -270,9 +260,11 @@ class BlockPool:
         return self._find(block_hash, token_ids, -1 if parent is None else parent.cache_id)
 
     def _find(self, block_hash: int, token_ids: tuple[int, ...], parent_cache_id: int) -> KVBlock | None:
-        for block in self._cached.get(block_hash, {}).values():
-            if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
-                return block
+        same_hash = self._cached.get(block_hash)  # (no default dict made: most lookups miss)
+        if same_hash is not None:
+            for block in same_hash.values():
+                if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
+                    return block
         return None
 
     def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
@@ -325,39 +317,3 @@ class BlockPool:
             self._uncache(block)
         self.num_cached_free_blocks -= len(stale)
         return len(stale)
-
-    # -- checking ------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Scan everything and raise InvariantError on any inconsistency (tests only: O(num_blocks))."""
-        free_ids = [b.block_id for b in self.free_queue]
-        _check(len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free queue corrupt")
-        self.free_queue.check_links()
-        free = set(free_ids) | {b.block_id for b in self._held}
-        for block in self.blocks:
-            _check(block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}")
-            _check((block.ref_cnt == 0) == (block.block_id in free),
-                   f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free}")
-            _check(0 <= block.num_filled <= self.block_size, f"block {block.block_id} holds {block.num_filled}")
-            if block.block_hash is not None:
-                _check(self._cached.get(block.block_hash, {}).get(block.block_id) is block,
-                       f"block {block.block_id} hash not indexed")
-                _check(block.token_ids is not None and len(block.token_ids) == self.block_size,
-                       f"cached block {block.block_id} does not hold a full block of tokens")
-                _check(block.num_filled == self.block_size, f"cached block {block.block_id} is not full")
-        for h, same_hash in self._cached.items():
-            _check(bool(same_hash), f"hash {h} indexed with no block")
-            for block_id, block in same_hash.items():
-                _check(block.block_hash == h and block.block_id == block_id,
-                       f"block {block.block_id} indexed under another hash or id")
-        _check(self.num_cached_blocks == sum(map(len, self._cached.values())), "num_cached_blocks out of step")
-        _check(self.num_used_blocks + self.num_free_blocks == self.num_blocks, "used + free != all blocks")
-        _check(all(b.ref_cnt == 0 and b.block_id in self._hold_on_free for b in self._held), "held block not held")
-        _check(self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None),
-               "num_cached_free_blocks out of step")
-        _check(self.num_filled_slots == sum(b.num_filled for b in self.blocks if b.ref_cnt > 0),
-               "num_filled_slots out of step")
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvariantError(message)

@@ -38,7 +38,6 @@ from kvpaging.config import SCHEDULING
 from kvpaging.core.block_manager import NO_HIT, BlockManager, SequenceBlocks
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput, UpdateResult
 from kvpaging.core.sequence import Request, Sequence, SequenceStatus
-from kvpaging.errors import InvariantError
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +210,7 @@ class Scheduler:
         seats = len(self.running) + self._unforked_extra_seats
         while self.waiting and batch.budget > 0:
             seq = self.waiting[0]
-            need = _seats(seq)
+            need = seats_of(seq)
             if seats + need > self.max_num_seqs:
                 return
             # a request that wants its prompt's log-probabilities computes its whole prompt (vLLM's rule)
@@ -273,7 +272,7 @@ class Scheduler:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front of the queue."""
         self.bm.free(seq.seq_id)
         seq.blocks = None
-        self._unforked_extra_seats -= _seats(seq) - 1
+        self._unforked_extra_seats -= seats_of(seq) - 1
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -426,7 +425,7 @@ class Scheduler:
             self.bm.free(seq.seq_id)
             seq.blocks = None
         if was is SequenceStatus.RUNNING:
-            self._unforked_extra_seats -= _seats(seq) - 1
+            self._unforked_extra_seats -= seats_of(seq) - 1
         if remove:
             if was is SequenceStatus.RUNNING:
                 self.running.remove(seq)
@@ -435,31 +434,8 @@ class Scheduler:
         if seq.request.is_finished and self.requests.pop(seq.request.request_id, None) is not None:
             self._count_extras(seq.request, -1)
 
-    # -- checking (tests) -------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Scan the queues against the block manager; raise InvariantError on any inconsistency (tests)."""
-        running_ids = {id(s) for s in self.running}
-        _check(len(running_ids) == len(self.running), "a sequence is running twice")
-        _check(not running_ids & {id(s) for s in self.waiting}, "a sequence is both waiting and running")
-        extra = sum(_seats(s) - 1 for s in self.running)
-        _check(extra == self._unforked_extra_seats, f"seat count {self._unforked_extra_seats} != {extra}")
-        _check(len(self.running) + extra <= self.max_num_seqs, "more sequences than max_num_seqs")
-        for seq in self.running:
-            _check(seq.status is SequenceStatus.RUNNING, f"running sequence {seq.seq_id} is {seq.status}")
-            _check(self.bm.has_sequence(seq.seq_id), f"running sequence {seq.seq_id} holds no blocks")
-            _check(self.bm.get_num_tokens(seq.seq_id) >= seq.num_computed_tokens,
-                   f"sequence {seq.seq_id} has fewer slots than computed tokens")
-        for seq in self.waiting:
-            _check(seq.status is SequenceStatus.WAITING, f"waiting sequence {seq.seq_id} is {seq.status}")
-            _check(not self.bm.has_sequence(seq.seq_id), f"waiting sequence {seq.seq_id} holds blocks")
 
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise InvariantError(message)
-
-
-def _seats(seq: Sequence) -> int:
+def seats_of(seq: Sequence) -> int:
     """Batch seats a sequence takes: an n > 1 request not yet forked holds seats for all n completions."""
     request = seq.request
     return 1 if request.forked or request.params.n == 1 else request.params.n

@@ -74,6 +74,7 @@ from kvpaging.config import EngineConfig
 from kvpaging.core.scheduler_output import SchedulerOutput
 from kvpaging.distributed.plan import shard_styles
 from kvpaging.errors import TensorParallelError
+from kvpaging.worker.fp8_scales import calibrate_fp8_scales
 from kvpaging.worker.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger("kvpaging")
@@ -392,7 +393,7 @@ def _calibrate_fp8(runner: ModelRunner, tp: int) -> None:
     ids span the whole vocabulary (a rank's LM head holds 1/tp of it), so they are those of one process."""
     if runner.kv_cache_dtype == torch.float8_e4m3fn:
         vocab = runner.model.get_output_embeddings().weight.shape[0] * tp
-        runner.kv_scales = runner.calibrate_fp8_scales(vocab_size=vocab)
+        runner.kv_scales = calibrate_fp8_scales(runner, vocab_size=vocab)
 
 
 def _worker_context():

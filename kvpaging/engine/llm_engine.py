@@ -36,12 +36,17 @@ from kvpaging.core.scheduler import Scheduler, SchedulerOutput
 from kvpaging.core.sequence import Request, Sequence
 from kvpaging.engine.input_processor import InputProcessor, normalize_batch
 from kvpaging.engine.outputs import RequestOutput, request_output
+from kvpaging.engine.prompt_logprobs import record_prompt_logprobs
 from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
+from kvpaging.engine.structured_outputs import advance_grammars
 from kvpaging.errors import DuplicateSequenceError, RequestFailedError
 from kvpaging.sampling_params import RequestOutputKind, SamplingParams
-from kvpaging.worker.model_runner import ModelRunner, check_model_supported, passing_window
-from kvpaging.worker.sampler import RowHistory, Sampler, SamplerOutput, make_generator
-from kvpaging.worker.self_check import CHECKED, SelfCheckResult, measure_kv_layout, model_fingerprint, run_self_check
+from kvpaging.worker.kv_layout import passing_window
+from kvpaging.worker.model_runner import ModelRunner
+from kvpaging.worker.logits_processors import RowHistory
+from kvpaging.worker.sampler import Sampler, SamplerOutput, make_generator
+from kvpaging.worker.self_check import (CHECKED, SelfCheckResult, check_model_supported, measure_kv_layout,
+                                        model_fingerprint, run_self_check)
 
 logger = logging.getLogger("kvpaging")
 
@@ -294,11 +299,11 @@ class LLMEngine:
             logits = self.runner.execute(out)  # one row per sequence whose chunk reached its end
             if out.prompt_logprob_chunks:  # then one row per token of those chunks
                 num_rows = len(out.samples) - len(out.children)
-                self._record_prompt_logprobs([out.chunks[k] for k in out.prompt_logprob_chunks], logits[num_rows:])
+                record_prompt_logprobs([out.chunks[k] for k in out.prompt_logprob_chunks], logits[num_rows:])
                 logits = logits[:num_rows]
             sampled, failed_rows = self._sample(out, logits)
             if sched.num_structured:
-                failed_rows = self._advance_grammars(out.samples, sampled.token_ids, failed_rows)
+                failed_rows = advance_grammars(out.samples, sampled.token_ids, failed_rows)
         except BaseException as error:  # noqa: BLE001 - the step's requests fail, the engine lives on
             # The scheduler has already given this step's sequences their slots, and nothing
             # can take them back half way: fail the step's requests so that the books balance,
@@ -318,32 +323,6 @@ class LLMEngine:
         if listening:
             self.observers.emit(out, start, sched, finished, result.sampled, result.released_tables)
         return self._outputs(result.sampled, finished)
-
-    @staticmethod
-    def _record_prompt_logprobs(chunks, logits: torch.Tensor) -> None:
-        """Each prompt position's log-probabilities, from the logits of the position before it (raw: a
-        log-softmax of the model's logits): its own token's, and the k most likely there."""
-        offset = 0
-        for chunk in chunks:
-            request = chunk.seq.request
-            rows = logits[offset:offset + chunk.num_new_tokens]
-            offset += chunk.num_new_tokens
-            have = request.prompt_logprobs
-            # row j holds the distribution of the token at position start + j + 1; the prompt's tokens only, and
-            # only those not yet scored (a recomputed chunk after a preemption scores nothing twice)
-            first = len(have) - 1 - chunk.start
-            last = min(chunk.num_new_tokens, request.prompt_len - 1 - chunk.start)
-            if last <= first:
-                continue
-            lp = rows[first:last].log_softmax(dim=-1)
-            targets = torch.tensor(request.prompt_token_ids[chunk.start + first + 1:chunk.start + last + 1],
-                                   device=lp.device)
-            own = lp.gather(-1, targets[:, None]).squeeze(-1).tolist()
-            top = lp.topk(min(request.params.prompt_logprobs, lp.shape[-1]), dim=-1)  # k = 0: empty rows
-            for token, value, ids, values in zip(targets.tolist(), own, top.indices.tolist(), top.values.tolist()):
-                entry = dict(zip(ids, values))
-                entry[token] = value
-                have.append(entry)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[SamplerOutput, dict | None]:
         """One token per sampling sequence, and the rows that could not get one (row -> error), if any.
@@ -406,18 +385,6 @@ class LLMEngine:
         if request.grammar is not None and seq.matcher is None:
             seq.matcher = self.inputs.grammars.matcher(request.grammar)
         return RowHistory(seq.token_ids, request.prompt_len, seq.stop_ids, request.bad_words_token_ids, seq.matcher)
-
-    def _advance_grammars(self, samples: list[Sequence], token_ids: list[int], failed: dict | None) -> dict | None:
-        """Feed each structured completion's new token to its matcher; a token it refuses fails that request."""
-        for k, seq in enumerate(samples):
-            matcher = seq.matcher
-            if matcher is None or (failed and k in failed) or matcher.is_stopped():
-                continue  # (a finished grammar allows only EOS, which needs no feeding)
-            if not matcher.consume_token(token_ids[k]):
-                failed = dict(failed or {})
-                failed[k] = ValueError(f"structured_outputs: token {token_ids[k]} breaks the grammar: "
-                                       f"{matcher.get_error()}")
-        return failed
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         """A seeded completion's own generator, made from its seed the first time it samples."""

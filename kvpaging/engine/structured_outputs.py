@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["StructuredOutputsParams", "GrammarCompiler"]
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "advance_grammars"]
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: the compiler remembers each one's grammar
@@ -142,3 +142,16 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     n = min(vocab_size, bits.size)
     allowed[:n] = bits[:n].astype(bool)
     return allowed
+
+
+def advance_grammars(samples: list, token_ids: list[int], failed: dict | None) -> dict | None:
+    """Feed each structured completion's new token to its matcher; a token it refuses fails that request."""
+    for k, seq in enumerate(samples):
+        matcher = seq.matcher
+        if matcher is None or (failed and k in failed) or matcher.is_stopped():
+            continue  # (a finished grammar allows only EOS, which needs no feeding)
+        if not matcher.consume_token(token_ids[k]):
+            failed = dict(failed or {})
+            failed[k] = ValueError(f"structured_outputs: token {token_ids[k]} breaks the grammar: "
+                                   f"{matcher.get_error()}")
+    return failed

@@ -410,7 +410,7 @@ class MiniEngine:
 
     @torch.no_grad()
     def calibrate(self, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """FP8 scales as kvpaging makes them (``ModelRunner.calibrate_fp8_scales``): the model runs unpaged over
+        """FP8 scales as kvpaging makes them (``kvpaging.worker.fp8_scales.calibrate_fp8_scales``): the model runs unpaged over
         4 x 256 random token ids from a fixed seed, and your quantizer's scales for all of each layer's keys (and
         values) are kept: each KV head's largest magnitude over the pass, over 448."""
         vocab = self.model.get_output_embeddings().weight.shape[0]

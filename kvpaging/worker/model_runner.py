@@ -33,57 +33,15 @@ from kvpaging.errors import UnsupportedModelError
 from kvpaging.kernels.backends import get_backend
 from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
-from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, not_routed_error, register_attention
+from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
 from kvpaging.worker.block_table import BlockTable
-from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout, layer_windows, passing_window
-from kvpaging.worker.state_layers import install_state_layers, no_kv_layers
+from kvpaging.worker.fp8_scales import calibrate_fp8_scales
+from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout
+from kvpaging.worker.state_layers import install_state_layers
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["ModelRunner", "StepInputs", "check_model_supported", "prepare_step_inputs"]
-
-
-def check_model_supported(model) -> None:
-    """Refuse models whose config declares what kvpaging cannot serve, saying which feature is the problem.
-
-    What the config does not say (attention outside ``AttentionInterface``, arguments the kernels
-    ignore, keys of another shape) the load-time self-check finds (``kvpaging/worker/self_check.py``).
-    """
-    config = model.config
-    name = type(model).__name__
-
-    def refuse(message: str) -> UnsupportedModelError:
-        return UnsupportedModelError(f"{name} {message}", "architecture")
-
-    if getattr(config, "is_encoder_decoder", False):
-        raise refuse("is an encoder-decoder model; kvpaging serves decoder-only causal LMs")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config and getattr(config, "num_attention_heads", None) is None:
-        raise refuse(f"is a composite model ({type(config).__name__}, its language model's settings in a sub-config "
-                     f"{type(text).__name__}); kvpaging serves text-only causal LMs: load the language model "
-                     "alone (AutoModelForCausalLM.from_config(config.get_text_config()) and its weights)")
-    state_layers = no_kv_layers(model)  # layers with a recurrent or convolution state, or feed-forward only
-    for field in ("num_hidden_layers", "num_attention_heads"):
-        value = getattr(config, field, None)
-        if field == "num_attention_heads" and value is None and state_layers:
-            continue  # a state-space model (Mamba): no attention, a state per sequence in every layer
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise refuse(f"has no attention layers kvpaging can size a KV cache for: its config's {field} is "
-                         f"{value!r}, and no layer keeps a state through transformers' cache API (get_conv_state, "
-                         "get_recurrent_state), which is how kvpaging serves recurrent and state-space layers")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        other = sorted({str(t) for i, t in enumerate(layer_types)
-                        if t not in ("full_attention", "sliding_attention") and i not in state_layers})
-        if other:
-            raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers, and "
-                         "layers that keep a recurrent or convolution state through transformers' cache API")
-    windows = layer_windows(config)
-    if any(windows) and not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows if w):
-        raise refuse(f"has sliding windows {sorted(set(map(repr, windows)))}; kvpaging serves windows of a positive "
-                     "number of tokens")
-    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-        raise refuse("has no language-model head; pass a causal LM (AutoModelForCausalLM)")
+__all__ = ["ModelRunner", "StepInputs", "prepare_step_inputs"]
 
 
 class ModelRunner:
@@ -95,7 +53,7 @@ class ModelRunner:
         model (the engine passes what it sized the pool by); None: as the config describes them."""
         if not config.is_resolved:
             raise ValueError("ModelRunner needs a resolved EngineConfig (EngineConfig.resolve(model))")
-        # (LLMEngine has run check_model_supported on the model before sizing the pool for it)
+        # (LLMEngine has run self_check.check_model_supported on the model before sizing the pool for it)
         model = self.model = private_copy(model).eval()
         self.block_size = config.block_size
         config_hf = model.config
@@ -111,13 +69,7 @@ class ModelRunner:
         self.kv_cache_dtype = config.kv_torch_dtype
         self.backend_name = config.attention_backend
         self.backend = get_backend(config.attention_backend)  # an AttentionBackend (kernels/backends.py)
-        # zeros, not empty: masked-out positions are multiplied by a probability of 0, and 0 * NaN is NaN
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for shape in ((config.num_blocks, self.block_size, layer.num_kv_heads, layer.width)
-                          for layer in self.kv_layout)
-        ]
+        self.kv_caches = self._allocate_kv_caches(config.num_blocks)
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(self.kv_layout)
         self.cache_indexes = cache_indexes(self.kv_layout, self.num_layers)  # None: one attention call per layer
         register_attention()
@@ -132,7 +84,7 @@ class ModelRunner:
         # with tensor parallelism every rank calibrates once the all-reduces are in place (its forward pass is a
         # part of the model's, not a whole one): kvpaging/distributed/tensor_parallel.py calls calibrate_fp8_scales then
         if self.kv_cache_dtype == torch.float8_e4m3fn and config.tensor_parallel_size == 1:
-            self.kv_scales = self.calibrate_fp8_scales(calibration_tokens)
+            self.kv_scales = calibrate_fp8_scales(self, calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.block_table = BlockTable()  # the live block tables, from each step's table_updates
@@ -141,6 +93,14 @@ class ModelRunner:
         self._config = config
         if capture_graphs:
             self.capture_graphs()
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One K and one V tensor ``[num_blocks, block_size, kv_heads, width]`` per cache (per layer, and per further
+        attention call of a layer that makes two); zeros, not empty: masked-out positions are multiplied by a
+        probability of 0, and 0 * NaN is NaN."""
+        shapes = [(num_blocks, self.block_size, layer.num_kv_heads, layer.width) for layer in self.kv_layout]
+        return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)) for shape in shapes]
 
     @property
     def uses_graphs(self) -> bool:
@@ -168,38 +128,6 @@ class ModelRunner:
         elif not config.enforce_eager and self.device.type == "cuda":
             logger.info("the %s attention backend runs eagerly: CUDA graphs capture the Triton kernels only",
                         config.attention_backend)
-
-    @torch.inference_mode()
-    def calibrate_fp8_scales(self, calibration_tokens: list[list[int]] | None = None, seed: int = 0,
-                             vocab_size: int | None = None):
-        """Per-layer, per-KV-head FP8 scales from the data: amax / 448 over a calibration pass.
-
-        The model runs once, unpaged, over a few calibration sequences (by
-        default 4 x 256 random token ids from a fixed seed, since nothing is
-        downloaded), while the attention function records the largest |key| and
-        |value| of every KV head in every layer. Values beyond the calibrated
-        range are clamped to +-448 when stored (saturation), never turned to NaN.
-        ``vocab_size``: the range of the random ids (default: the LM head's rows; a tensor-parallel rank
-        holds only a share of them and passes the whole model's, so every rank draws the same ids).
-        """
-        from kvpaging.kernels.fp8 import FP8_MAX, MIN_SCALE
-        from kvpaging.worker.attention import CALIBRATION_KWARG
-
-        if calibration_tokens is None:
-            vocab = vocab_size or self.model.get_output_embeddings().weight.shape[0]
-            g = torch.Generator().manual_seed(seed)
-            calibration_tokens = torch.randint(0, vocab, (4, 256), generator=g).tolist()
-        amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for tokens in calibration_tokens:
-            ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
-            self.model(input_ids=ids, use_cache=False, logits_to_keep=1, **{CALIBRATION_KWARG: amax})
-        missing = [i for i in range(self.num_layers) if i not in amax and self.kv_layout[i].num_kv_heads]
-        if missing:  # those layers' attention never came to our function (attention.not_routed_error names it)
-            raise not_routed_error(type(self.model).__name__, missing, self.num_layers)
-        # (a layer's further calls, in caches after the layers', take its scales: calibrated over all its calls)
-        return [((amax[i][0] / FP8_MAX).clamp(min=MIN_SCALE), (amax[i][1] / FP8_MAX).clamp(min=MIN_SCALE))
-                if i in amax else (None, None) for i in (kv.of_layer if kv.of_layer >= 0 else j
-                                                          for j, kv in enumerate(self.kv_layout))]
 
     def shutdown(self) -> None:
         """Nothing to release here (a tensor-parallel runner stops its worker processes)."""

@@ -4,10 +4,8 @@ One step of the engine ends with a ``[batch, vocab]`` tensor of logits, one row
 per running sequence, and every sequence may have its own ``SamplingParams``.
 The sampler turns that into one token id per row:
 
-0. Rows whose params change the logits get them changed, in vLLM's order:
-   the grammar's mask (structured outputs), only the allowed tokens kept, bad words banned, stop tokens banned while
-   the completion is shorter than ``min_tokens``, ``logit_bias`` added, then
-   the penalties (repetition, then frequency and presence), from the tokens so far.
+0. Rows whose params change the logits (structured outputs, allowed tokens, bad words, min_tokens,
+   logit_bias, penalties) get them changed, in vLLM's order (``logits_processors.py``).
 1. Greedy rows (temperature 0) take the argmax. A batch that is all greedy
    stops here: no softmax, no sort.
 2. Sampled rows are divided by their temperature, then filtered in the same
@@ -26,12 +24,11 @@ values, from a single sort of the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from kvpaging.engine.structured_outputs import allowed_tokens
 from kvpaging.sampling_params import SamplingParams, SamplingType
+from kvpaging.worker.logits_processors import RowHistory, apply_logits_processors  # noqa: F401 (RowHistory: re-exported)
 
 
 @dataclass
@@ -50,16 +47,6 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
-
-
-class RowHistory(NamedTuple):
-    """What the sampler may need to know of a row besides its logits (``histories[i]``)."""
-
-    token_ids: list[int]  # prompt then completion so far
-    prompt_len: int
-    stop_ids: frozenset[int] = frozenset()  # what would end it: banned while shorter than min_tokens
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id spellings of its bad words
-    matcher: object | None = None  # with structured outputs: the completion's grammar matcher, where it is now
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -110,7 +97,7 @@ class Sampler:
                 if histories is None or len(histories) != len(params):
                     raise ValueError("rows with penalties, min_tokens or bad_words need histories: one "
                                      "(token ids, prompt length, ...) per row")
-            logits = _processed(raw, params, histories)
+            logits = apply_logits_processors(raw, params, histories)
 
         # the answer for greedy rows; ties go to the first index. (max's indices are argmax's, ties and NaN alike,
         # and torch's CPU max runs about 4x faster than its argmax: a millisecond a step over a 49k vocabulary)
@@ -125,71 +112,6 @@ class Sampler:
 
         logprobs, top_logprobs = _logprobs(raw, token_ids, params)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
-
-
-def _processed(logits: torch.Tensor, params: list[SamplingParams], histories) -> torch.Tensor:
-    """A copy of the logits with each row's params applied (the raw logits stay for the logprobs)."""
-    out = logits.clone()
-    neg_inf = float("-inf")
-    for row, p in enumerate(params):
-        if not p.changes_logits:
-            continue
-        x = out[row]
-        h = RowHistory(*histories[row]) if p.needs_history else None
-        if h is not None and h.matcher is not None:  # the grammar first: only tokens that keep the text valid
-            allowed = torch.from_numpy(allowed_tokens(h.matcher, x.shape[-1])).to(x.device)
-            x.masked_fill_(~allowed, neg_inf)
-        if p.allowed_token_ids is not None:
-            keep = torch.zeros_like(x, dtype=torch.bool)
-            keep[torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=x.device)] = True
-            x.masked_fill_(~keep, neg_inf)
-        if p.bad_words is not None:
-            banned = _bad_word_bans(h)
-            if banned:
-                x[torch.tensor(banned, dtype=torch.int64, device=x.device)] = neg_inf
-        if p.min_tokens and h.stop_ids and len(h.token_ids) - h.prompt_len < p.min_tokens:
-            x[torch.tensor(sorted(h.stop_ids), dtype=torch.int64, device=x.device)] = neg_inf
-        if p.logit_bias is not None:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=x.device)
-            x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
-        if p.has_penalties:
-            _penalize(x, p, h)
-        if not bool(torch.isfinite(x).any()):  # what softmax and argmax would turn into nonsense
-            raise ValueError(f"row {row}: structured_outputs, allowed_token_ids, bad_words and min_tokens leave no "
-                             "token to choose")
-    return out
-
-
-def _bad_word_bans(h: RowHistory) -> list[int]:
-    """The tokens that would complete a bad word now: a one-token word always, a longer one when the
-    completion so far ends with all of it but its last token (vLLM's rule)."""
-    output = h.token_ids[h.prompt_len:]
-    banned = []
-    for word in h.bad_words:
-        *head, last = word
-        if not head or (len(output) >= len(head) and output[len(output) - len(head):] == head):
-            banned.append(last)
-    return banned
-
-
-def _penalize(x: torch.Tensor, p: SamplingParams, h: RowHistory) -> None:
-    """One row's penalties, in place.
-
-    Repetition (every token of the prompt and the completion so far): a positive logit is divided by
-    the penalty, a negative one multiplied, so the token always becomes less likely for a penalty > 1.
-    Then frequency (times the token's count in the completion) and presence (once, if it occurs there)
-    are subtracted. Only the completion counts for those two, as in OpenAI's API and vLLM.
-    """
-    vocab = x.shape[-1]
-    tokens, prompt_len = h.token_ids, h.prompt_len
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-        seen[torch.tensor(tokens, dtype=torch.int64, device=x.device)] = True
-        x.copy_(torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x))
-    if p.frequency_penalty or p.presence_penalty:
-        generated = torch.tensor(tokens[prompt_len:], dtype=torch.int64, device=x.device)
-        counts = torch.bincount(generated, minlength=vocab)[:vocab].to(x.dtype)
-        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
 def _check_inputs(logits: torch.Tensor, params: list[SamplingParams], generators) -> None:

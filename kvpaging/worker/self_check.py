@@ -53,11 +53,10 @@ from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from kvpaging.errors import TensorParallelError, UnsupportedModelError
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
-from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV, cache_indexes
-from kvpaging.worker.model_runner import layer_windows
+from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV, cache_indexes, layer_windows
 from kvpaging.worker.state_layers import no_kv_layers
 
-__all__ = ["SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
+__all__ = ["check_model_supported", "SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
 
 # Arguments transformers passes to attention that change nothing the kernels compute, whatever their value:
 # positions and cache flags (the metadata says where every token goes), our own metadata.
@@ -73,6 +72,49 @@ TOLERANCES = {torch.float32: 1e-3, torch.float16: 0.02, torch.bfloat16: 0.08, to
 
 # the two prompts' lengths: 21 tokens cross a 16-token block boundary inside a chunk read over cached tokens
 LENGTHS = (21, 13)
+
+
+def check_model_supported(model) -> None:
+    """Refuse models whose config declares what kvpaging cannot serve, saying which feature is the problem.
+
+    What the config does not say (attention outside ``AttentionInterface``, arguments the kernels
+    ignore, keys of another shape) the load-time self-check finds (``kvpaging/worker/self_check.py``).
+    """
+    config = model.config
+    name = type(model).__name__
+
+    def refuse(message: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{name} {message}", "architecture")
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise refuse("is an encoder-decoder model; kvpaging serves decoder-only causal LMs")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and getattr(config, "num_attention_heads", None) is None:
+        raise refuse(f"is a composite model ({type(config).__name__}, its language model's settings in a sub-config "
+                     f"{type(text).__name__}); kvpaging serves text-only causal LMs: load the language model "
+                     "alone (AutoModelForCausalLM.from_config(config.get_text_config()) and its weights)")
+    state_layers = no_kv_layers(model)  # layers with a recurrent or convolution state, or feed-forward only
+    for field in ("num_hidden_layers", "num_attention_heads"):
+        value = getattr(config, field, None)
+        if field == "num_attention_heads" and value is None and state_layers:
+            continue  # a state-space model (Mamba): no attention, a state per sequence in every layer
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(f"has no attention layers kvpaging can size a KV cache for: its config's {field} is "
+                         f"{value!r}, and no layer keeps a state through transformers' cache API (get_conv_state, "
+                         "get_recurrent_state), which is how kvpaging serves recurrent and state-space layers")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({str(t) for i, t in enumerate(layer_types)
+                        if t not in ("full_attention", "sliding_attention") and i not in state_layers})
+        if other:
+            raise refuse(f"has {other} layers; kvpaging serves full-attention and sliding-window layers, and "
+                         "layers that keep a recurrent or convolution state through transformers' cache API")
+    windows = layer_windows(config)
+    if any(windows) and not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows if w):
+        raise refuse(f"has sliding windows {sorted(set(map(repr, windows)))}; kvpaging serves windows of a positive "
+                     "number of tokens")
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise refuse("has no language-model head; pass a causal LM (AutoModelForCausalLM)")
 
 
 @dataclass(frozen=True)
