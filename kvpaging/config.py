@@ -207,18 +207,7 @@ class EngineConfig:
         if tp > 1:
             from kvpaging.distributed.plan import check_tensor_parallel
 
-            if not all(layer.num_kv_heads for layer in layout):
-                raise UnsupportedModelError(
-                    f"tensor_parallel_size={tp}: {type(model).__name__} has layers that keep a recurrent or "
-                    "convolution state instead of keys and values (kvpaging/worker/state_layers.py), which the "
-                    "tensor-parallel plan does not shard; serve it with tensor_parallel_size=1", "state_layers")
-            if layout != config_layout(config, len(layout)):
-                raise UnsupportedModelError(
-                    f"tensor_parallel_size={tp}: {type(model).__name__}'s keys and values are not the "
-                    "num_key_value_heads x head_dim its config describes (kvpaging/worker/kv_layout.py), and the "
-                    "tensor-parallel plan shards the heads the config names; serve it with tensor_parallel_size=1",
-                    "kv_shape")
-            check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers)
+            check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers, layout)
         return layout
 
     def _num_blocks(self, model, dev: torch.device, layout: list, dtype: torch.dtype, max_model_len: int) -> int:

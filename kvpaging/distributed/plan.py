@@ -13,6 +13,9 @@ import re
 import torch
 from torch import nn
 
+from kvpaging.errors import UnsupportedModelError
+from kvpaging.worker.kv_layout import config_layout
+
 __all__ = ["check_tensor_parallel", "shard_styles"]
 
 
@@ -57,10 +60,22 @@ def shard_styles(model) -> dict[str, str]:
     return styles
 
 
-def check_tensor_parallel(model, tp: int, kv_cache_dtype: str = "auto", cpu_fast_layers: bool = False) -> None:
-    """Refuse, with a ValueError naming the value, a ``tensor_parallel_size`` this model or machine cannot run."""
+def check_tensor_parallel(model, tp: int, kv_cache_dtype: str = "auto", cpu_fast_layers: bool = False,
+                          layout: list | None = None) -> None:
+    """Refuse, with a ValueError naming the value, a ``tensor_parallel_size`` this model or machine cannot run; with
+    ``UnsupportedModelError`` a model whose keys and values (``layout``, as measured) the plan cannot shard."""
     name = type(model).__name__
     config = model.config
+    if layout is not None and not all(layer.num_kv_heads for layer in layout):
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={tp}: {name} has layers that keep a recurrent or convolution state instead of "
+            "keys and values (kvpaging/worker/state_layers.py), which the tensor-parallel plan does not shard; serve "
+            "it with tensor_parallel_size=1", "state_layers")
+    if layout is not None and layout != config_layout(config, len(layout)):
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={tp}: {name}'s keys and values are not the num_key_value_heads x head_dim its "
+            "config describes (kvpaging/worker/kv_layout.py), and the tensor-parallel plan shards the heads the "
+            "config names; serve it with tensor_parallel_size=1", "kv_shape")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
