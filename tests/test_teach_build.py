@@ -188,3 +188,38 @@ def test_fp8_quantizer_checker():
         result = check_fp8_quantizer(wrong)
         assert not result.passed and says in result.difference, (wrong.__name__, result)
     assert "float8_e4m3fn" in check_fp8_quantizer(lambda x: (x, torch.ones(x.shape[1]))).difference
+
+
+def test_block_hashes_checker():
+    """A chained hash passes; the mistakes a learner makes are caught, each with its reason: a hash of the block's
+    own tokens (two prompts' equal blocks after different prefixes collide), a hash for the partly filled last
+    block, a hash that looks ahead, an unhashable value; a stub runs the reference and says so."""
+    from kvpaging.teach.build import check_block_hashes, reference_block_hashes
+
+    def chained(token_ids, block_size):  # a learner's: strings, not kvpaging's ints, and its own first value
+        out, previous = [], "start"
+        for i in range(0, len(token_ids) - block_size + 1, block_size):
+            previous = f"{previous}|{token_ids[i:i + block_size]}"
+            out.append(previous)
+        return out
+
+    assert check_block_hashes(reference_block_hashes).ok
+    ok = check_block_hashes(chained)
+    assert ok.ok and ok.cases > 50 and "equal hashes go to exactly" in repr(ok)
+    wrong = {
+        "own tokens only": (lambda t, b: [hash(tuple(t[i:i + b])) for i in range(0, len(t) - b + 1, b)],
+                            "after different prefixes"),
+        "a partial block too": (lambda t, b: [hash(tuple(t[:i + b])) for i in range(0, len(t), b)], "one per full block"),
+        "looks ahead": (lambda t, b: [hash((len(t), tuple(t[:i + b]))) for i in range(0, len(t) - b + 1, b)],
+                        "never on what comes after"),
+        "unhashable": (lambda t, b: [list(t[:i + b]) for i in range(0, len(t) - b + 1, b)], "unhashable"),
+        "not deterministic": (lambda t, b: [object() for _ in range(len(t) // b)], "hashed twice"),
+    }
+    for name, (fn, says) in wrong.items():
+        result = check_block_hashes(fn)
+        assert result.written and not result.passed and says in result.difference, (name, result)
+
+    def stub(token_ids, block_size):
+        raise NotImplementedError
+    result = check_block_hashes(stub)
+    assert not result.written and result.passed and "NOT WRITTEN YET" in repr(result)

@@ -228,3 +228,41 @@ def test_an_fp8_cache_is_calibrated_and_stored_as_kvpaging_does(model_and_refere
         return codes, scales / 4
     assert MiniEngine(model, {"quantize": quartered}, num_blocks=40, block_size=4, max_num_seqs=3,
                       kv_cache_dtype="fp8").generate(prompts, 12) != mine
+
+
+def test_a_prefix_cache_on_the_learners_hashes(model_and_reference):
+    """MiniEngine(prefix_caching=True): a prompt computed once leaves its full blocks findable by lesson 05's chained
+    hashes; a later prompt that starts alike skips computing them (kvpaging's hits, token for token the answers
+    without the cache). Holders are freed when the pool runs short. A hash of a block's own tokens alone hands a
+    prompt keys computed after another prefix, and the answers change."""
+    from kvpaging import LLM, SamplingParams
+    from kvpaging.teach.build import ReferenceSharingAllocator
+
+    model, prompts, expected = model_and_reference
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 500, (10,), generator=g).tolist()
+    chats = [shared + torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 6, 1, 9)]
+    parts = {"allocator": ReferenceSharingAllocator}
+    plain = MiniEngine(model, parts, num_blocks=40, block_size=4).generate(chats, 8)
+    engine = MiniEngine(model, parts, num_blocks=40, block_size=4, prefix_caching=True)
+    answers, hits = [], []
+    for group in (chats[:1], chats[1:]):
+        answers += engine.generate(group, 8)
+        hits += engine.hit_tokens
+    assert answers == plain
+    llm = LLM(model, num_blocks=40, block_size=4, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = [o for group in (chats[:1], chats[1:]) for o in llm.generate(group, params, use_tqdm=False)]
+    assert hits == [o.num_cached_tokens for o in outs] == [0, 8, 8, 8]  # 10 shared tokens: two whole blocks of 4
+    assert engine.holders and engine.allocator.num_free_blocks < 40  # the cache holds the blocks it can find
+
+    tight = MiniEngine(model, parts, num_blocks=12, block_size=4, prefix_caching=True)
+    assert [tight.generate([c], 8)[0] for c in chats] == plain  # holders freed as the pool runs short
+    assert len(tight.holders) < len(chats)
+
+    own_only = lambda t, b: [hash(tuple(t[i:i + b])) for i in range(0, len(t) - b + 1, b)]  # noqa: E731
+    twisted = [[7, 7, 7, 7] + shared[:4] + [9], shared[:4] + [1, 2, 3]]  # block 1 of the first = block 0 of the second
+    fooled = MiniEngine(model, {**parts, "block_hashes": own_only}, num_blocks=40, block_size=4, prefix_caching=True)
+    first = fooled.generate(twisted[:1], 8)
+    assert first + fooled.generate(twisted[1:], 8) != MiniEngine(model, parts, num_blocks=40,
+                                                                  block_size=4).generate(twisted, 8)

@@ -10,6 +10,8 @@ figures written down here: the reference is the engine's own code.
   :class:`kvpaging.BlockManager` with prefix caching off.
 - :func:`check_paged_attention`: a decode attention that reads keys and values
   through block tables, against :func:`kvpaging.kernels.reference.paged_decode_attention`.
+- :func:`check_block_hashes` (lesson 05): one hash per full block, covering its whole prefix, telling blocks
+  apart exactly as the block manager's chained hashes do.
 - :func:`check_fp8_quantizer` (lesson 09): keys or values to e4m3 with one scale per KV head, against
   the engine's own ``compute_kv_scales`` and ``quantize_fp8``, byte for byte.
 - :func:`check_step_planner` (lesson 07): one step of continuous batching with
@@ -19,7 +21,7 @@ figures written down here: the reference is the engine's own code.
 The build-its ship as stubs that raise ``NotImplementedError``. Until the learner's piece exists, each
 checker runs the same check on a reference answer kept here (:class:`ReferenceAllocator`,
 :class:`ReferenceSharingAllocator`, :func:`reference_paged_attention`, :func:`reference_plan_step`,
-:func:`reference_quantize_fp8`) and says so,
+:func:`reference_quantize_fp8`, :func:`reference_block_hashes`) and says so,
 so a lesson runs from top to bottom before anything is written.
 
 Block ids are the allocator's own business (which free block comes next is a
@@ -37,7 +39,8 @@ import torch
 
 __all__ = ["AllocatorCheck", "check_block_allocator", "AttentionCheck", "check_paged_attention", "PlannerCheck",
            "check_step_planner", "ReferenceAllocator", "ReferenceSharingAllocator", "reference_paged_attention",
-           "reference_plan_step", "FP8Check", "check_fp8_quantizer", "reference_quantize_fp8"]
+           "reference_plan_step", "FP8Check", "check_fp8_quantizer", "reference_quantize_fp8", "HashCheck",
+           "check_block_hashes", "reference_block_hashes"]
 
 NOT_WRITTEN = ("NOT WRITTEN YET: yours raises NotImplementedError, so this ran on the reference answer "
                "(kvpaging.teach.build.{}) instead. Write yours and run the check again.\n")
@@ -199,6 +202,18 @@ def reference_plan_step(running, waiting, budget, max_num_seqs):
         budget -= planned[seq_id]
         seats += 1
     return planned
+
+
+def reference_block_hashes(token_ids, block_size):
+    """Lesson 05's: one hash per full block, each covering the block's tokens and the hash of the block before it
+    (so the whole prefix up to the block's end), as kvpaging's block manager chains them."""
+    from kvpaging.core.block_manager import default_block_hash
+
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = default_block_hash(parent, tuple(token_ids[start:start + block_size]))
+        hashes.append(parent)
+    return hashes
 
 
 # -- the block allocator -------------------------------------------------------------------------
@@ -533,6 +548,93 @@ def check_step_planner(plan, workloads: int = 30, seed: int = 0) -> PlannerCheck
             capped += bool(sched.waiting) and len(sched.running) >= cap
             sched.update(out, [7] * len(out.samples))
     return PlannerCheck(True, workloads, steps, chunked, capped)
+
+
+# -- prefix caching: a hash per full block, covering its whole prefix ------------------------------
+@dataclass(repr=False)
+class HashCheck(_Check):
+    """What :func:`check_block_hashes` found. ``passed`` is True when the learner's hashes tell blocks apart
+    exactly as kvpaging's do."""
+
+    passed: bool
+    cases: int  # blocks compared
+    difference: str = ""
+    written: bool = True
+    noun, reference = "block hashes", "reference_block_hashes"
+
+    def report(self, subject: str) -> str:
+        if self.passed:
+            return (f"OK: with {subject}, equal hashes go to exactly the blocks kvpaging's hashes call equal (the same "
+                    f"tokens after the same prefix), over {self.cases} blocks of random prompts that share prefixes "
+                    "and repeat blocks; and a block's hash never changes as its sequence grows.")
+        return f"DIFFERS: {self.difference}"
+
+
+def check_block_hashes(fn, prompts: int = 24, block_size: int = 4, seed: int = 0) -> HashCheck:
+    """Run ``fn(token_ids, block_size) -> list`` (one hash per full block) against kvpaging's chained block hashes.
+
+    The prompts are built to tempt a hash that looks only at a block's own tokens: they branch off a few common
+    trunks (the same prefix: the same hashes) and repeat whole blocks at other places (the same tokens after
+    another prefix: other hashes). Two blocks must get equal hashes exactly when kvpaging's are equal; a prompt's
+    hashes must be one per full block, and a prompt's first ``k`` blocks must hash as they do alone.
+    """
+    if _is_stub(lambda: fn([1, 2, 3, 4, 5], 2)):
+        return replace(check_block_hashes(reference_block_hashes, prompts, block_size, seed), written=False)
+    rng = random.Random(seed)
+    vocab = lambda n: [rng.randrange(50) for _ in range(n)]  # noqa: E731
+    trunks = [vocab(block_size * rng.randint(1, 4)) for _ in range(3)]
+    pieces = [vocab(block_size) for _ in range(4)]  # whole blocks that recur after different prefixes
+    seqs = []
+    for _ in range(prompts):
+        seq = list(rng.choice(trunks)) if rng.random() < 0.7 else []
+        for _ in range(rng.randint(1, 4)):
+            seq += list(rng.choice(pieces)) if rng.random() < 0.5 else vocab(block_size)
+        seqs.append(seq + vocab(rng.randrange(block_size)))  # and a partly filled last block
+    first: dict = {}  # kvpaging's hash -> the first (prompt, block) with it, and the learner's hash there
+    seen: dict = {}  # the learner's hash -> the first (prompt, block) with it, and kvpaging's hash there
+    count = 0
+    for i, seq in enumerate(seqs):
+        want = reference_block_hashes(seq, block_size)
+        try:
+            got = list(fn(list(seq), block_size))
+            again = list(fn(list(seq), block_size))
+            shorter = list(fn(list(seq[:block_size * (len(want) // 2) + 1]), block_size))
+        except Exception as exc:  # noqa: BLE001 - the learner's code: report, don't crash the checker
+            return HashCheck(False, count, f"prompt {i} ({len(seq)} tokens): yours raised {type(exc).__name__}: {exc}")
+        if len(got) != len(want):
+            return HashCheck(False, count, f"prompt {i} has {len(seq)} tokens, {len(want)} full blocks of "
+                             f"{block_size}, and yours gave {len(got)} hashes: one per full block, none for a "
+                             "partly filled last block")
+        if again != got:
+            return HashCheck(False, count, f"prompt {i}, hashed twice, gave {got} and then {again}: a hash must depend "
+                             "on the tokens alone (Python's hash of a tuple of ints does; id() or a random number "
+                             "do not)")
+        if shorter != got[:len(shorter)]:
+            return HashCheck(False, count, f"prompt {i}: its first {len(shorter)} blocks alone hash to {shorter}, "
+                             f"but within the whole prompt to {got[:len(shorter)]}: a block's hash may depend on "
+                             "the tokens before it and its own, never on what comes after")
+        for j, (mine, theirs) in enumerate(zip(got, want)):
+            count += 1
+            where = f"prompt {i} block {j} ({seq[j * block_size:(j + 1) * block_size]})"
+            try:
+                hash(mine)
+            except TypeError:
+                return HashCheck(False, count, f"{where}: {mine!r} cannot be a dictionary key (unhashable)")
+            if theirs in first and first[theirs][1] != mine:
+                (pi, pj), _ = first[theirs]
+                return HashCheck(False, count, f"{where} and prompt {pi} block {pj} hold the same tokens after the same "
+                                 f"prefix, but yours hash them differently ({mine!r} and {first[theirs][1]!r}): "
+                                 "equal prefixes must give equal hashes, or the cache never finds them")
+            if mine in seen and seen[mine][1] != theirs:
+                (pi, pj), _ = seen[mine]
+                same = seq[j * block_size:(j + 1) * block_size] == seqs[pi][pj * block_size:(pj + 1) * block_size]
+                why = ("hold the same tokens, but after different prefixes: a block's hash must cover every token "
+                       "before it (chain in the hash of the block before)" if same else "hold different tokens")
+                return HashCheck(False, count, f"{where} and prompt {pi} block {pj} {why}, yet yours hash both to "
+                                 f"{mine!r}: the cache would hand one's keys and values to the other")
+            first.setdefault(theirs, ((i, j), mine))
+            seen.setdefault(mine, ((i, j), theirs))
+    return HashCheck(True, count)
 
 
 # -- FP8: keys and values to e4m3, one scale per KV head -------------------------------------------

@@ -21,10 +21,12 @@ The pieces, each a few lines, each with a reference answer here of the same sign
 - ``sharing_allocator``: lesson 05's allocator with reference counts, ``fork(parent_id, child_id)`` and
   copy-on-write in ``append``, which gives the engine ``n > 1`` answers a prompt sharing its blocks;
 - ``quantize(x) -> (codes, scales)``: lesson 09's keys or values to e4m3, one scale per KV head, which calibrates
-  the engine's FP8 cache (``MiniEngine(kv_cache_dtype="fp8")``).
+  the engine's FP8 cache (``MiniEngine(kv_cache_dtype="fp8")``);
+- ``block_hashes(token_ids, block_size) -> list``: lesson 05's hash per full block, covering its whole prefix,
+  which gives the engine a prefix cache (``MiniEngine(prefix_caching=True)``).
 
-Lesson 04's allocator, lesson 04b's paged attention, lesson 05's sharing allocator, lesson 07's planner and lesson
-09's quantizer carry over: once the learner's passed
+Lesson 04's allocator, lesson 04b's paged attention, lesson 05's sharing allocator and block hashes, lesson 07's
+planner and lesson 09's quantizer carry over: once the learner's passed
 its lesson's check, that lesson kept it in their workbook (:mod:`kvpaging.teach.workbook`), and :func:`use` takes
 it from there when this lesson's own cell is left a stub.
 
@@ -45,8 +47,9 @@ import torch
 
 from kvpaging.kernels.fp8 import dequantize_kv_cache, quantize_fp8
 from kvpaging.teach.build import (ReferenceAllocator, ReferenceSharingAllocator, check_block_allocator,
-                                  check_fp8_quantizer, check_paged_attention, check_step_planner,
-                                  reference_paged_attention, reference_plan_step, reference_quantize_fp8)
+                                  check_block_hashes, check_fp8_quantizer, check_paged_attention, check_step_planner,
+                                  reference_block_hashes, reference_paged_attention, reference_plan_step,
+                                  reference_quantize_fp8)
 
 __all__ = ["ReferenceAllocator", "slot_mapping", "store_kv", "attend", "sample", "reference_paged_attention",
            "reference_plan_step", "use", "MiniEngine"]
@@ -95,7 +98,7 @@ def sample(logits: torch.Tensor) -> int:
 REFERENCES = {"allocator": ReferenceAllocator, "slot_mapping": slot_mapping, "store_kv": store_kv,
               "attend": attend, "sample": sample, "paged_attention": reference_paged_attention,
               "plan": reference_plan_step, "sharing_allocator": ReferenceSharingAllocator,
-              "quantize": reference_quantize_fp8}
+              "quantize": reference_quantize_fp8, "block_hashes": reference_block_hashes}
 
 # The pieces an earlier lesson asked for: checked by that lesson's own check, and kept in the learner's workbook
 # once they passed it. name: (the lesson, its check, what the check compares against)
@@ -107,6 +110,8 @@ EARLIER = {
     "sharing_allocator": ("05", lambda piece: check_block_allocator(piece, fork=True, workloads=10),
                           "operations of random workloads with forks, against kvpaging's BlockManager"),
     "quantize": ("09", check_fp8_quantizer, "random key/value tensors, byte for byte, against kvpaging's"),
+    "block_hashes": ("05", check_block_hashes, "blocks of random prompts that share prefixes, against kvpaging's "
+                     "chained hashes"),
 }
 
 
@@ -239,6 +244,7 @@ class _Sequence:
     request: int = 0  # the prompt it answers
     index: int = 0  # which of its request's n answers
     generator: torch.Generator | None = None  # its own random draws (temperature > 0)
+    hit: list[int] | None = None  # with a prefix cache: the cached blocks its prompt starts with, once looked up
 
     @property
     def output(self) -> list[int]:
@@ -260,15 +266,19 @@ class MiniEngine:
     """A paged engine in one screen: continuous batching with chunked prefill under a token budget, over a block
     pool, with the learner's pieces.
 
-    No prefix cache, no preemption (a request waits until the pool has blocks for its first chunk): what kvpaging
-    adds to this is lesson 05's prefix cache, 07's preemption, 08 and 09. ``parts`` maps each piece's name to the
-    function (or, for ``"allocator"``, the class) to use; a missing one is the reference.
+    No preemption (a request waits until the pool has blocks for its first chunk): what kvpaging adds to this is
+    07's preemption and 08. ``parts`` maps each piece's name to the function (or, for ``"allocator"``, the class) to
+    use; a missing one is the reference.
     """
 
     def __init__(self, model, parts: dict | None = None, num_blocks: int = 64, block_size: int = 16,
-                 max_num_seqs: int = 8, max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 2048, kv_cache_dtype: str = "auto",
+                 prefix_caching: bool = False) -> None:
         """``kv_cache_dtype="fp8"``: keys and values stored as e4m3 with one scale per layer and KV head, calibrated
-        by the ``quantize`` piece (lesson 09's) as kvpaging calibrates its own (:meth:`calibrate`)."""
+        by the ``quantize`` piece (lesson 09's) as kvpaging calibrates its own (:meth:`calibrate`).
+        ``prefix_caching``: a prompt's full blocks stay findable by their ``block_hashes`` (lesson 05's) once it is
+        computed, and a later prompt that starts with the same blocks copies them instead of computing them
+        (:meth:`look_up`)."""
         self.parts = {**REFERENCES, **(parts or {})}
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # the step's token budget
@@ -295,6 +305,11 @@ class MiniEngine:
         self.peak_blocks = (0, 0)  # (blocks in use, blocks the tables list) at the busiest step
         self._next_id = 0
         self.joining: list[_Sequence] = []  # sequences forked in this step, running from the next
+        self.prefix_caching = prefix_caching
+        self.cached: dict = {}  # block hash -> the block that holds those keys and values
+        self.holders: list[tuple[object, list]] = []  # (holder id, the hashes it keeps findable), oldest first
+        self.num_holders_made = 0
+        self.hit_tokens: list[int] = []  # the last generate()'s prompts: tokens each found in the cache
 
     def generate(self, prompts: list[list[int]], max_tokens: int, eos_token_id: int | None = None, n: int = 1,
                  temperature: float = 0.0, seed: int = 0) -> list:
@@ -310,6 +325,7 @@ class MiniEngine:
             seq.generator = torch.Generator().manual_seed(seed) if temperature else None
         self.n, self.temperature, self.seed, self.num_copies, self.peak_blocks = n, temperature, seed, 0, (0, 0)
         self._next_id = len(prompts)
+        self.hit_tokens = [0] * len(prompts)
         running: list[_Sequence] = []
         done: dict[tuple[int, int], list[int]] = {}
         while waiting or running:
@@ -326,10 +342,18 @@ class MiniEngine:
         """One step: the plan (who computes how many tokens), slots for those tokens, one forward pass, and a token
         for each sequence that has then computed all it had."""
         left = lambda seqs: [(seq.seq_id, len(seq.tokens) - seq.computed) for seq in seqs]  # noqa: E731
+        if self.prefix_caching:
+            for seq in waiting:
+                if seq.hit is None:
+                    self.look_up(seq)
         plan = dict(self.parts["plan"](left(running), left(waiting), self.max_num_batched_tokens, self.max_num_seqs))
         self.admit(waiting, running, plan)
         self.give_slots(waiting, running, plan)
-        self.run([seq for seq in running if seq.seq_id in plan], plan)
+        scheduled = [seq for seq in running if seq.seq_id in plan]
+        if not scheduled and not self.holders:  # nothing runs, and nothing can be freed for the first in line
+            raise RuntimeError("the pool cannot hold the first waiting prompt's first chunk (give it more blocks)")
+        if scheduled:  # (none when the cache's blocks were just freed for the first in line: it joins next step)
+            self.run(scheduled, plan)
         running += self.joining  # the answers forked in this step
         self.joining = []
         self.num_steps += 1
@@ -341,8 +365,13 @@ class MiniEngine:
         """The planned waiting requests join, oldest first, while the allocator has blocks for their first chunk
         (one it has none for waits, and everyone after it)."""
         while waiting and waiting[0].seq_id in plan:
-            if not self.allocator.allocate(waiting[0].seq_id, plan[waiting[0].seq_id]):
+            seq = waiting[0]
+            if not self.allocator.allocate(seq.seq_id, seq.computed + plan[seq.seq_id]):
+                if self.holders:  # blocks kept only for the cache go first; the queue looks again next step
+                    self.evict(waiting)
                 return
+            for source, block in zip(seq.hit or (), self.allocator.table(seq.seq_id)):
+                self.copy_block(source, block, cow=False)  # a cache hit: copied, not computed
             running.append(waiting.pop(0))
 
     def give_slots(self, waiting: list[_Sequence], running: list[_Sequence], plan: dict[int, int]) -> None:
@@ -351,18 +380,55 @@ class MiniEngine:
         for seq in running:
             for _ in range(plan.get(seq.seq_id, 0) if seq.computed else 0):
                 before = list(self.allocator.table(seq.seq_id))
-                if not self.allocator.append(seq.seq_id):
-                    raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
+                while not self.allocator.append(seq.seq_id):
+                    if not self.holders:
+                        raise RuntimeError("the pool is full: this engine has no preemption (give it more blocks)")
+                    self.evict(waiting)
                 after = self.allocator.table(seq.seq_id)
                 if len(after) == len(before) and after[-1] != before[-1]:  # copy-on-write: a fresh block in its place
                     self.copy_block(before[-1], after[-1])
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's keys and values, in every layer (copy-on-write: the allocator chose the blocks)."""
+    def copy_block(self, src: int, dst: int, cow: bool = True) -> None:
+        """Copy one block's keys and values, in every layer (copy-on-write: the allocator chose the blocks; or,
+        ``cow=False``, a prefix-cache hit)."""
         for k_cache, v_cache in self.caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
-        self.num_copies += 1
+        self.num_copies += cow
+
+    def look_up(self, seq: _Sequence) -> None:
+        """The cached blocks a waiting prompt starts with, found by its blocks' hashes in order: its first
+        ``len(seq.hit) * block_size`` tokens need no computing. Its last token is always computed (its logits give
+        the first new token), so at most ``(len(prompt) - 1) // block_size`` blocks are taken."""
+        seq.hit = []
+        for h in self.parts["block_hashes"](seq.tokens[:seq.prompt_len - 1], self.block_size):
+            if h not in self.cached:
+                break
+            seq.hit.append(self.cached[h])
+        seq.computed = len(seq.hit) * self.block_size
+        self.hit_tokens[seq.request] = seq.computed
+
+    def keep(self, seq: _Sequence) -> None:
+        """A prompt just computed: its full blocks not in the cache yet become findable, held by a fork of it
+        (the allocator's ``fork``: one more reference on each block, so none is reused while it is cached)."""
+        table = self.allocator.table(seq.seq_id)
+        hashes = self.parts["block_hashes"](seq.tokens[:seq.prompt_len], self.block_size)
+        new = [(h, table[k]) for k, h in enumerate(hashes) if h not in self.cached]
+        if new:
+            holder = ("cached", self.num_holders_made)  # an id no sequence has, in this call or a later one
+            self.num_holders_made += 1
+            self.allocator.fork(seq.seq_id, holder)
+            self.cached.update(new)
+            self.holders.append((holder, [h for h, _ in new]))
+
+    def evict(self, waiting: list[_Sequence]) -> None:
+        """Free the oldest holder's blocks: its hashes leave the cache, so waiting prompts look again."""
+        holder, hashes = self.holders.pop(0)
+        self.allocator.free(holder)
+        for h in hashes:
+            del self.cached[h]
+        for seq in waiting:
+            seq.hit, seq.computed = None, 0
 
     def run(self, scheduled: list[_Sequence], plan: dict[int, int]) -> None:
         """Pack the planned tokens of every scheduled sequence into one row and run the model once; a sequence
@@ -388,6 +454,8 @@ class MiniEngine:
             if seq.computed == len(seq.tokens):
                 # its prompt is done: the request's other answers fork, sharing its blocks
                 children = [self.fork(seq, i) for i in range(1, self.n)] if seq.computed == seq.prompt_len else []
+                if self.prefix_caching and seq.computed == seq.prompt_len:
+                    self.keep(seq)
                 for each in [seq, *children]:
                     each.tokens.append(self.draw(logits[end - 1], each))  # the row of its last token
                 self.joining += children
