@@ -13,6 +13,7 @@ run, and the step's distance to the larger one:
 
     python benchmarks/decode_step.py --dtype bfloat16 --cpu-fast-layers
     python benchmarks/decode_step.py --dtype float32
+    python benchmarks/decode_step.py --dtype float32 --compile mlp     # torch.compile, the CPU's counterpart of graphs
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpu-fast-layers", action="store_true")
+    ap.add_argument("--compile", choices=("none", "mlp", "model"), default="none",
+                    help="torch.compile (inductor's CPU backend, a C++ compiler) the engine's copy of the model: each "
+                         "decoder layer's MLP, or the whole decoder stack (kvpaging's attention breaks the graph)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -70,6 +74,12 @@ def main() -> None:
     work = serving.make_chat_workload(AutoTokenizer.from_pretrained(trained_path("smollm2")), args.batch, 128)
     llm = serving.kvpaging_llm(model, work, cpu_fast_layers=args.cpu_fast_layers)
     engine = llm.engine
+    start = time.perf_counter()
+    if args.compile == "mlp":
+        for layer in engine.runner.model.model.layers:
+            layer.mlp = torch.compile(layer.mlp, dynamic=True)
+    elif args.compile == "model":
+        engine.runner.model.model.forward = torch.compile(engine.runner.model.model.forward, dynamic=True)
     for i, (prompt, _) in enumerate(work.requests):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.token_ids) - 1
@@ -77,6 +87,7 @@ def main() -> None:
         engine.step()
     for _ in range(3):
         engine.step()  # warm
+    warm = time.perf_counter() - start  # the prompts and three decode steps (with --compile, the compiling too)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -109,7 +120,8 @@ def main() -> None:
     flop_floor = 2 * params * len(engine.scheduler.running) / rate
     print(f"machine: {platform.machine()} {platform.processor() or ''} | torch {torch.__version__} | "
           f"{args.threads} thread(s) | {args.dtype} | cpu_fast_layers={args.cpu_fast_layers} | "
-          f"attention backend {engine.config.attention_backend}")
+          f"attention backend {engine.config.attention_backend} | compiled: {args.compile}")
+    print(f"prompts and three warm-up steps: {warm:.1f} s")
     print(f"decode step at batch {len(engine.scheduler.running)} ({context} tokens of context): "
           f"{step * 1e3:.1f} ms (median of {args.steps}; {min(times) * 1e3:.1f} to {max(times) * 1e3:.1f})")
     profiled = sum(groups.values())
