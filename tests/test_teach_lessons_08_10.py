@@ -262,7 +262,7 @@ def test_static_breakdown_and_where_the_positions_come_from():
     static = serving.time_breakdown_static(tiny("qwen3", **SMALL), work, batch_size=2)
     assert static.output_lengths == paged.output_lengths == (2, 5, 3)
     assert static.positions == serving.token_positions(work, 2, static.output_lengths)[1]
-    assert static.steps == 5 + 3 and static.linear_s > 0 and static.attention_s > 0 and static.python_s >= 0
+    assert static.steps == 5 + 3 and static.linear_s > 0 and static.attention_s > 0 and static.python_s > 0
     assert static.profiled_wall_s >= static.linear_s + static.attention_s + static.other_ops_s
     causes = serving.position_causes(work, 2, paged.output_lengths, paged.positions)
     assert causes[-1] == ("token positions through the layers", static.positions, paged.positions)
@@ -275,6 +275,13 @@ def test_static_breakdown_and_where_the_positions_come_from():
                           ("prompt tokens found in the prefix cache", 0, -32)]
     table = serving.breakdown_comparison_markdown(static, paged)
     assert f"| {static.positions:,} | {paged.positions:,} |" in table and "forward passes" in table
+    # a race's wall times given: no plain runs, the same profiled split (lesson 10 reuses its race's runs)
+    again = serving.time_breakdown_static(tiny("qwen3", **SMALL), work, batch_size=2, wall_s=1.25)
+    assert again.wall_s == 1.25 and again.output_lengths == static.output_lengths and again.python_s > 0
+    assert again.profiled_wall_s >= again.linear_s + again.attention_s + again.other_ops_s
+    paged_again = serving.time_breakdown(LLM(tiny("qwen3", **SMALL), max_model_len=64, block_size=4,
+                                             kv_cache_memory_bytes=1 << 20), work, wall_s=0.5)
+    assert paged_again.wall_s == 0.5 and paged_again.positions == paged.positions
 
 
 def test_reset_prefix_cache_forgets_cached_prompts():

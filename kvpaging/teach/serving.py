@@ -194,7 +194,7 @@ def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_la
     return _run_static_generate(model, work, batch_size)
 
 
-def _run_static_generate(model, work: Workload, batch_size: int) -> Run:
+def _run_static_generate(model, work: Workload, batch_size: int, warm_up: bool = True) -> Run:
     device = _device(model)
     pad = 0
     eos = _eos_ids(model)
@@ -217,7 +217,8 @@ def _run_static_generate(model, work: Workload, batch_size: int) -> Run:
             useful.append(tuple(row[: min(end, n)]))  # past its own budget a request's tokens are waste
         return useful
 
-    batch_generate(warmup_requests(work, 2))  # warm-up
+    if warm_up:
+        batch_generate(warmup_requests(work, 2))
     _sync(device)
     t0 = time.perf_counter()
     tokens = tuple(t for i in range(0, len(work.requests), batch_size) for t in batch_generate(work.requests[i : i + batch_size]))
@@ -370,18 +371,20 @@ def _self_seconds(prof) -> dict[str, float]:
     return {name: ns / 1e9 for name, ns in self_ns.items()}
 
 
-def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) -> TimeBreakdown:
+def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1,
+                   wall_s: float | None = None) -> TimeBreakdown:
     """Run ``work`` through ``llm`` plainly for the wall time (the median of ``repeats`` runs), then
     once under the torch profiler (prefix cache reset before each run), and split the time by kind
-    of work. A short warm-up on other prompts comes first, unless ``warm_up=False``.
+    of work. A short warm-up on other prompts comes first, unless ``warm_up=False``. ``wall_s``: the
+    plain run's wall time, measured already (a race's: :func:`compare_engines`); no plain run then.
 
     Meant for the CPU: on a GPU the profiler's CPU times show kernel launches, not the kernels.
     """
     if warm_up:
         _warm_up(llm, work, 2)
     prompts, params = _greedy(work.requests, work.stop_at_eos)
-    walls = []
-    for _ in range(repeats):
+    walls = [] if wall_s is None else [wall_s]
+    for _ in range(repeats if wall_s is None else 0):
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -403,14 +406,19 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1) 
     return _split(prof, wall, profiled, len(records), sum(r.num_batched_tokens for r in records), lengths)
 
 
-def time_breakdown_static(model, work: Workload, batch_size: int = 8) -> TimeBreakdown:
+def time_breakdown_static(model, work: Workload, batch_size: int = 8, wall_s: float | None = None) -> TimeBreakdown:
     """:func:`time_breakdown` for transformers' static ``generate()`` on ``work`` (the race's runner, fixed batches
-    of ``batch_size``, left-padded): its wall time, then the same run under the profiler, split the same four ways.
-    Its attention is SDPA over the padded batch and its growing cache; its KV cache's concatenations count among
-    the other tensor ops. ``steps`` is the forward passes: each batch's longest output, summed."""
-    wall = _run_static_generate(model, work, batch_size).seconds  # warms up first
+    of ``batch_size``, left-padded): its wall time (or ``wall_s``, measured already), then the same run under the
+    profiler, split the same four ways. Its attention is SDPA over the padded batch and its growing cache; its KV
+    cache's concatenations count among the other tensor ops. ``steps`` is the forward passes: each batch's longest
+    output, summed."""
+    if wall_s is None:
+        wall = _run_static_generate(model, work, batch_size).seconds  # warms up first
+    else:
+        wall = wall_s
+        _run_static_generate(model, Workload(warmup_requests(work, 2), work.stop_at_eos), batch_size, warm_up=False)
     with _native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        run = _run_static_generate(model, work, batch_size)  # its own warm-up runs first, untimed
+        run = _run_static_generate(model, work, batch_size, warm_up=False)  # warm already: profile the run alone
     steps = sum(max(run.output_lengths[i : i + batch_size]) for i in range(0, len(work.requests), batch_size))
     positions = token_positions(work, batch_size, run.output_lengths)[1]
     return _split(prof, wall, run.seconds, steps, positions, run.output_lengths)
