@@ -2,7 +2,7 @@
 
 With a window of ``W`` on every layer, a query at position ``q`` reads only keys after ``q - W``. Once a
 sequence's next query is at ``q``, every block whose tokens all lie at or before ``q - W`` is read by nobody
-again: the block manager frees it (``BlockManager(sliding_window=W)``, which the engine sets from the model's
+again: the block manager frees it (``SlidingWindowBlockManager``, which the engine sets from the model's
 config when every layer slides). The accounting is checked against a count made here from positions alone (the
 blocks holding a position some future query reads, or a slot already given); the tokens against the model's own
 ``generate()``, with the passed blocks taken over by other sequences in a tight pool, so that a kernel reading a
@@ -19,6 +19,7 @@ from engine_helpers import TIE_TOLERANCE, assert_pool_clean, forked_and_alone, g
 
 from kvpaging import LLM, blocks_held
 from kvpaging.core.block_manager import NO_HIT, BlockManager
+from kvpaging.core.sliding_window import SlidingWindowBlockManager
 from kvpaging.models.architectures import tiny_model
 from kvpaging.teach.setup_check import greedy_agreement
 from kvpaging.core.invariants import check_block_manager
@@ -44,7 +45,7 @@ class Seq:
 def test_a_sequence_holds_what_its_window_reads(window, block_size, prefix_caching):
     """Prefill in chunks, then decode one token at a time: after every step the sequence holds exactly the blocks
     a position count says it needs, the rest are free, and every invariant holds."""
-    bm = BlockManager(64, block_size, enable_prefix_caching=prefix_caching, sliding_window=window)
+    bm = SlidingWindowBlockManager(64, block_size, window, enable_prefix_caching=prefix_caching)
     tokens = [random.Random(window).randrange(1000) for _ in range(40)]
     chunks = [13, 9, 18]  # a 40-token prompt in three chunks
     start = 0
@@ -72,7 +73,7 @@ def test_a_sequence_holds_what_its_window_reads(window, block_size, prefix_cachi
 def test_passed_blocks_stay_cached_and_the_chain_goes_on():
     """A passed block joins the free queue still cached: the same prompt again hits from its first block, and
     blocks filled after a passed one are cached after it (their parent's identity kept by the table)."""
-    bm = BlockManager(64, 4, enable_prefix_caching=True, sliding_window=5)
+    bm = SlidingWindowBlockManager(64, 4, 5, enable_prefix_caching=True)
     prompt = list(range(100, 124))  # 6 full blocks
     bm.allocate_slots("a", prompt, len(prompt), NO_HIT)
     bm.step_done()
@@ -94,7 +95,7 @@ def test_passed_blocks_stay_cached_and_the_chain_goes_on():
 
 def test_fork_and_copy_on_write_after_blocks_were_passed():
     """n > 1: children share the live blocks only; each child's own decodes copy the shared last block."""
-    bm = BlockManager(32, 4, enable_prefix_caching=True, sliding_window=6)
+    bm = SlidingWindowBlockManager(32, 4, 6, enable_prefix_caching=True)
     prompt = list(range(1, 23))  # 22 tokens: a partly filled last block
     bm.allocate_slots("p", prompt, 10, NO_HIT)  # in two chunks: the second one's queries read from position 5
     bm.step_done()
@@ -217,7 +218,7 @@ def test_a_windowed_sequence_may_outgrow_the_pool():
 
     tokens = list(range(100, 160))
     for window in (6, 0):
-        bm = BlockManager(4, 4, enable_prefix_caching=True, sliding_window=window)
+        bm = SlidingWindowBlockManager(4, 4, window, enable_prefix_caching=True) if window else BlockManager(4, 4)
         try:
             for start in range(0, 20, 4):  # a 20-token prompt in chunks of 4
                 assert bm.allocate_slots("s", tokens, 4, NO_HIT if start == 0 else None) is not None
@@ -233,7 +234,7 @@ def test_a_windowed_sequence_may_outgrow_the_pool():
             assert window == 0 and "only 4 blocks" in str(error)
         else:
             assert window == 6 and st.num_tokens == 60 and bm.stats().num_used_blocks <= 3
-    bm = BlockManager(4, 4, sliding_window=6)
+    bm = SlidingWindowBlockManager(4, 4, 6)
     with pytest.raises(SequenceTooLongError, match="window"):  # a chunk longer than the pool, window or not
         bm.allocate_slots("t", tokens, 20, NO_HIT)
 
@@ -242,7 +243,7 @@ def test_a_long_prefix_hit_takes_only_the_blocks_the_window_still_reads():
     """A second request with the same 40-token prompt hits 9 blocks, but its first query (at position 36) reads
     only the last 6 positions: it takes 2 of them (and a new block), the 7 before are passed from the start (and stay
     findable)."""
-    bm = BlockManager(16, 4, enable_prefix_caching=True, sliding_window=6)
+    bm = SlidingWindowBlockManager(16, 4, 6, enable_prefix_caching=True)
     prompt = list(range(1, 41))
     for start in range(0, 40, 8):
         bm.allocate_slots("a", prompt, 8, NO_HIT if start == 0 else None)

@@ -41,19 +41,13 @@ before it attends). So requests that arrive together with one system prompt
 compute it once. Should the step fail, ``step_done(failed=True)`` takes the blocks
 cached for it out of the cache again: their data was never written.
 
-With a sliding window on every layer (``sliding_window``: Mistral, Phi-3, Starcoder2), a query at
-position ``p`` reads only the keys after ``p - sliding_window``, so a block whose last token lies at or
-before ``q - sliding_window``, where ``q`` is the first position a sequence still has to compute, will
-never be read by that sequence again: ``allocate_slots`` and ``append_decode_slots`` give such blocks
-back to the pool as the window passes them (vLLM does the same). The table keeps its length; a passed
-entry holds -1 (no block) here and block 0 in the model runner's copy, which the attention kernels never
-read into a result (they start at the window, or mask it). A sequence then holds about ``sliding_window / block_size + 1`` blocks however long it grows. The
-passed blocks stay findable in the prefix cache until they are evicted, like any freed block.
+A model whose every layer attends through one sliding window gets a :class:`SlidingWindowBlockManager`
+(``sliding_window.py``), which gives blocks back to the pool as the window passes them; this class keeps every
+block a sequence was given (``num_passed`` in a table record counts the entries such a subclass gave back).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -110,24 +104,20 @@ class SequenceBlocks:
 class BlockManager:
     """Block tables over a :class:`BlockPool`, with copy-on-write and automatic prefix caching."""
 
+    sliding_window = 0  # every block kept (SlidingWindowBlockManager: the window, in tokens)
+
     def __init__(
         self,
         num_blocks: int,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_fn: Callable[[int | None, tuple[int, ...]], int] = default_block_hash,
-        sliding_window: int = 0,
     ) -> None:
         check_bool("enable_prefix_caching", enable_prefix_caching)
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = self.pool.block_size
         self.num_blocks = num_blocks
-        self.sliding_window = check_int("sliding_window", sliding_window, 0)  # 0: keep every block
-        # the most tokens one sequence can ever hold (a decode never needs more): with a window, about the window's
-        # blocks are all a decode holds, so any length fits once the pool holds those (see _check_fits)
-        self.max_tokens_per_sequence = num_blocks * self.block_size
-        if sliding_window and num_blocks >= (sliding_window - 1) // self.block_size + 2:
-            self.max_tokens_per_sequence = sys.maxsize
+        self.max_tokens_per_sequence = num_blocks * self.block_size  # the most one sequence can ever hold
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self._seqs: dict[Hashable, SequenceBlocks] = {}
@@ -304,9 +294,6 @@ class BlockManager:
         Returns its table record, or None, changing nothing, when the pool lacks free blocks right now (the
         scheduler then preempts someone, or waits)."""
         if prefix_hit is None:
-            if self.sliding_window:  # first, whatever follows: no query of this sequence reads them again
-                st = self._state(seq_id)
-                self._give_back_passed(st, st.num_tokens)
             if not self.append_slots(seq_id, num_new_tokens):
                 return None
         elif not self.allocate_sequence(seq_id, num_new_tokens, prefix_hit):
@@ -355,11 +342,8 @@ class BlockManager:
         return True
 
     def _passed_in(self, num_hit_blocks: int) -> int:
-        """How many leading blocks of a prefix hit this long the window has passed before its sequence computes
-        anything (0 without a window): the first query, right after the hit, reads none of them."""
-        if not self.sliding_window:
-            return 0
-        return max(0, num_hit_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+        """How many leading blocks of a prefix hit this long its sequence will never read (none here)."""
+        return 0
 
     def _hit_table(self, prefix_hit: PrefixHit, skip: int) -> SequenceBlocks:
         """A new table holding a prefix hit, its first ``skip`` blocks already passed (-1, not taken)."""
@@ -425,9 +409,6 @@ class BlockManager:
         filling = []  # unshared last blocks with room: one more slot each, filled by the pool below
         full = []  # decodes that fill their last block: cached once filled
         caching = self.enable_prefix_caching
-        if self.sliding_window:  # first, whatever follows: no query of these sequences reads them again
-            for seq in seqs:
-                self._give_back_passed(seq.blocks, seq.blocks.num_tokens)
         for seq in seqs:
             st = seq.blocks
             n = st.num_tokens
@@ -455,27 +436,6 @@ class BlockManager:
         if slow:
             self._note_peak()
         return len(rows) - served
-
-    def _give_back_passed(self, st: SequenceBlocks, first_query: int) -> None:
-        """Free the blocks the sliding window has passed: every token of block ``j`` lies at or before
-        ``first_query - sliding_window`` (no query from ``first_query`` on reads it), that is
-        ``(j + 1) * block_size <= first_query - sliding_window + 1``. (A full last block goes too when the window
-        is 1: the sequence's next token then opens a new one.)"""
-        passed = (first_query - self.sliding_window + 1) // self.block_size  # at most len(st.blocks)
-        if passed <= st.num_passed:
-            return  # (most calls: the window crosses a block boundary once every block_size tokens)
-        for j in range(st.num_passed, passed):
-            block = st.blocks[j]
-            st.passed_cache_id = block.cache_id if block.block_hash is not None else None
-            self.pool.free_block(block)  # one owner fewer: a forked sibling may still hold it
-            st.blocks[j] = None
-            st.block_ids[j] = -1
-        self._num_table_blocks -= passed - st.num_passed
-        self._num_passed_blocks += passed - st.num_passed
-        st.num_passed = passed
-        if passed == len(st.blocks):
-            st.last = None
-        self._table_updates.append((st.row, 0, _runner_row(st)))  # (from column 0: the whole table)
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool
@@ -580,17 +540,21 @@ class BlockManager:
 
     def _check_fits(self, seq_id: Hashable, total_tokens: int, first_query: int) -> None:
         """Raise SequenceTooLongError when the pool could never hold the blocks a sequence needs at once to give
-        slots up to ``total_tokens`` to queries from ``first_query`` on: all of them, or with a window only those
-        from the block holding ``first_query - sliding_window + 1`` (the ones before have gone back)."""
+        slots up to ``total_tokens`` to queries from ``first_query`` on: all of them (with a window, only those
+        the window has not passed: ``_first_held_block``)."""
         bs = self.block_size
-        first = max(0, first_query - self.sliding_window + 1) // bs if self.sliding_window else 0
-        needed = self.num_blocks_for(total_tokens) - first
+        needed = self.num_blocks_for(total_tokens) - self._first_held_block(first_query)
         if needed > self.num_blocks:
             window = f" (the {self.sliding_window}-token window included)" if self.sliding_window else ""
             raise SequenceTooLongError(
                 f"sequence {seq_id!r} would need {needed} blocks at once for its {total_tokens} tokens{window}, "
                 f"but the pool has only {self.num_blocks} blocks of {bs} slots"
             )
+
+
+    def _first_held_block(self, first_query: int) -> int:
+        """The first block a sequence must hold for queries from ``first_query`` on: its first, here."""
+        return 0
 
 
 def _runner_row(st: SequenceBlocks) -> list[int]:

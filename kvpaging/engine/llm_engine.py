@@ -33,6 +33,7 @@ import torch
 from kvpaging.config import EngineConfig
 from kvpaging.core.block_manager import BlockManager
 from kvpaging.core.scheduler import Scheduler, SchedulerOutput
+from kvpaging.core.sliding_window import SlidingWindowBlockManager
 from kvpaging.core.sequence import Request, Sequence
 from kvpaging.engine.input_processor import InputProcessor, normalize_batch
 from kvpaging.engine.outputs import RequestOutput, request_output
@@ -82,10 +83,11 @@ class LLMEngine:
         self.self_check = self._check_model(model, fingerprint, layout)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
+        window = passing_window(model.config)  # a window on every layer: blocks it has passed go back to the pool
         self.scheduler = Scheduler(
-            # with a window on every layer, blocks the window has passed go back to the pool
-            BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                         sliding_window=passing_window(model.config)),
+            SlidingWindowBlockManager(config.num_blocks, config.block_size, window, enable_prefix_caching=
+                                      config.enable_prefix_caching) if window else
+            BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,

@@ -117,7 +117,7 @@ def layer_windows(config) -> list:
 
 def passing_window(config) -> int:
     """The window after which no layer reads a key again, so a sequence's older blocks can go back to the pool
-    (``BlockManager(sliding_window=...)``): the widest window when every layer slides (Mistral, Phi-3,
+    (``SlidingWindowBlockManager``): the widest window when every layer slides (Mistral, Phi-3,
     Starcoder2), 0 when some layer attends to everything (Gemma 2 and 3's global layers keep every block)."""
     windows = layer_windows(config)
     return max(windows) if windows and all(windows) else 0
