@@ -667,3 +667,18 @@ def test_step_outputs_follow_each_requests_output_kind(ref):
     with pytest.raises(ValueError, match="no DELTA outputs"):
         greedy_params(4, output_kind=RequestOutputKind.DELTA)
     assert_pool_clean(llm)
+
+
+def test_a_batch_reports_only_final_outputs_and_leaves_its_params_alone(ref):
+    """LLM.generate (run_batch) serves CUMULATIVE params as final-only: one output per request, none kept
+    streaming, and the caller's SamplingParams are not copied into a changed kind nor changed."""
+    from kvpaging.sampling_params import RequestOutputKind
+
+    llm = build_llm(make_model(ARCH))
+    params = greedy_params(3)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    outs = llm.generate(list(prompts_of(4, 5, seed=43)), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3] and all(o.finished for o in outs)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE and not llm.engine._streaming
+    assert_pool_clean(llm)
+

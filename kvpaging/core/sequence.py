@@ -53,7 +53,7 @@ class Sequence:
     seq_id: int
     request: Request
     index: int  # which of the request's n completions
-    # The fields read for every sequence at every step come first, so that they share a cache line or two.
+    # what every step reads of every sequence first, then what ends it, then the rest
     token_ids: list[int]  # prompt followed by generated tokens
     num_computed_tokens: int = 0
     # the block manager's live record of this sequence's table (block ids, row in its table array) while it

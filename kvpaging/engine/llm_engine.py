@@ -162,13 +162,15 @@ class LLMEngine:
             raise DuplicateSequenceError(f"request_id {request_id!r} is already in use by an unfinished request")
         self._queue(self.inputs.process(request_id, prompt, params, arrival_time))
 
-    def _queue(self, request: Request) -> None:
+    def _queue(self, request: Request, final_only: bool = False) -> None:
         self.scheduler.add_request(request)
-        if request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+        if not final_only and request.params.output_kind != RequestOutputKind.FINAL_ONLY:
             self._streaming.add(request.request_id)
 
-    def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-") -> list[str]:
-        """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued."""
+    def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-",
+                     final_only: bool = False) -> list[str]:
+        """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued.
+        ``final_only``: each reports only its final output, whatever its ``output_kind`` says."""
         self._check_thread()
         requests = []
         for prompt, sp in zip(prompts, params):
@@ -177,7 +179,7 @@ class LLMEngine:
                 request_id = f"{prefix}{next(self._batch_ids)}"
             requests.append(self.inputs.process(request_id, prompt, sp, None))
         for request in requests:
-            self._queue(request)
+            self._queue(request, final_only)
         return [request.request_id for request in requests]
 
     def run_batch(self, prompts: list, params: list[SamplingParams], prefix: str = "req-", on_step=None,
@@ -201,10 +203,7 @@ class LLMEngine:
                 f"the engine is not idle: {len(pending)} request(s) added with add_request are unfinished "
                 f"({', '.join(pending[:5])}{', ...' if len(pending) > 5 else ''}); step them to the end or abort them "
                 "before a batch run (LLM.generate, Dashboard.run)")
-        final_only = [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                      if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY
-                      else sp for sp in params]  # (anything else is refused by add_requests' checks)
-        request_ids = self.add_requests(prompts, final_only, prefix=prefix)
+        request_ids = self.add_requests(prompts, params, prefix=prefix, final_only=True)
         results: dict[str, RequestOutput] = {}
         try:
             if on_added is not None:
