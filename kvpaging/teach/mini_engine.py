@@ -452,9 +452,10 @@ class MiniEngine:
             end += n
             seq.computed = start + n
             if seq.computed == len(seq.tokens):
-                # its prompt is done: the request's other answers fork, sharing its blocks
-                children = [self.fork(seq, i) for i in range(1, self.n)] if seq.computed == seq.prompt_len else []
-                if self.prefix_caching and seq.computed == seq.prompt_len:
+                prompt_done = seq.computed == seq.prompt_len
+                # its prompt is done: the request's other answers fork, sharing its blocks; its blocks are cached
+                children = [self.fork(seq, i) for i in range(1, self.n)] if prompt_done else []
+                if prompt_done and self.prefix_caching:
                     self.keep(seq)
                 for each in [seq, *children]:
                     each.tokens.append(self.draw(logits[end - 1], each))  # the row of its last token

@@ -383,13 +383,14 @@ def time_breakdown(llm, work: Workload, warm_up: bool = True, repeats: int = 1,
     if warm_up:
         _warm_up(llm, work, 2)
     prompts, params = _greedy(work.requests, work.stop_at_eos)
-    walls = [] if wall_s is None else [wall_s]
-    for _ in range(repeats if wall_s is None else 0):
+
+    def plain_run() -> float:
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - t0)
-    wall = statistics.median(walls)
+        return time.perf_counter() - t0
+
+    wall = statistics.median(plain_run() for _ in range(repeats)) if wall_s is None else wall_s
     llm.reset_prefix_cache()  # the profiled run computes the same prompts again, from nothing
     engine = llm.engine
     kept = engine.keep_trace, engine.trace
