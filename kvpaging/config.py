@@ -37,6 +37,7 @@ SCHEDULING = ("continuous", "static")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: the CPU has no "free device memory" to size from
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class EngineConfig:
     block_size: token slots per KV block (a power of two, 1 to 256).
     num_blocks: KV blocks in the pool; None sizes the pool from memory
         (``gpu_memory_utilization`` on a GPU, ``kv_cache_memory_bytes`` or 1 GiB on a CPU).
-    max_num_seqs: most sequences in one step (each completion of an n > 1 request counts).
+    max_num_seqs: most sequences in one step (each completion of an n > 1 request counts). None: 256, or
+        fewer for a hybrid model whose state slots for 256 sequences would take over half the memory budget
+        (the log says so).
     max_num_batched_tokens: most tokens in one step (prompt chunks and decode tokens together).
     max_model_len: longest sequence, prompt plus output; None: the model's max_position_embeddings.
     enable_prefix_caching: reuse the KV blocks of prompts seen before.
@@ -76,7 +79,7 @@ class EngineConfig:
 
     block_size: int = 16
     num_blocks: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -96,7 +99,8 @@ class EngineConfig:
         check_block_size(self.block_size)
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1)
-        check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_seqs is not None:
+            check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
@@ -119,7 +123,7 @@ class EngineConfig:
     # -- resolving "auto" --------------------------------------------------------------------
     @property
     def is_resolved(self) -> bool:
-        return (self.num_blocks is not None and self.max_model_len is not None
+        return (self.num_blocks is not None and self.max_model_len is not None and self.max_num_seqs is not None
                 and self.attention_backend != "auto" and self.kv_cache_dtype != "auto")
 
     @property
@@ -129,21 +133,24 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype is still 'auto': resolve the config against its model first")
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
-    def resolve(self, model, kv_layout: list | None = None) -> EngineConfig:
+    def resolve(self, model, kv_layout: list | None = None, state_bytes: int = 0) -> EngineConfig:
         """This config with every "auto" replaced by what runs for ``model``, and every setting that
         depends on the model checked. Raises ValueError, naming the value, for what cannot run.
 
         ``kv_layout``: each layer's keys and values as ``kvpaging.worker.self_check.measure_kv_layout`` read them
-        off the model, which the pool is sized by; None: as the config describes them."""
+        off the model, which the pool is sized by; None: as the config describes them. ``state_bytes``: one
+        sequence's recurrent and convolution states (a hybrid model's, ``state_layers.state_bytes_per_sequence``):
+        ``max_num_seqs`` of them come out of the memory budget before the pool is sized."""
         param = next(model.parameters())
         dev = param.device
         backend = self._attention_backend(dev)
         kv_dtype = self._kv_dtype(param.dtype)
         max_model_len = self._max_model_len(model.config)
         layout = self._layout(model, kv_layout)
-        num_blocks = self.num_blocks
+        num_blocks, max_num_seqs = self.num_blocks, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         if num_blocks is None:
-            num_blocks = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype], max_model_len)
+            num_blocks, max_num_seqs = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype], max_model_len,
+                                                        state_bytes)
         window = passing_window(model.config)
         needed = whole = -(-max_model_len // self.block_size)
         if window:  # blocks a window has passed go back: a prompt chunk and the window before it are what one holds
@@ -151,17 +158,19 @@ class EngineConfig:
         if num_blocks < needed:
             what = (f"one step of max_num_batched_tokens={self.max_num_batched_tokens} tokens after the model's "
                     f"{window}-token window" if needed < whole else f"one sequence of max_model_len={max_model_len}")
+            states = (f", what the memory budget holds beside the state slots of max_num_seqs={max_num_seqs} "
+                      f"sequences ({state_bytes:,} bytes each)" if state_bytes and self.num_blocks is None else "")
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
-                f"tokens) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
-                + (" or max_num_batched_tokens" if window else "")
+                f"tokens{states}) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
+                + (" or max_num_batched_tokens" if window else "") + (" or max_num_seqs" if states else "")
             )
         if self.cpu_fast_layers and dev.type != "cpu":
             raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")
         if not self.enforce_eager and dev.type != "cuda":
             logger.debug("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
         return dataclasses.replace(self, attention_backend=backend, kv_cache_dtype=kv_dtype,
-                                   max_model_len=max_model_len, num_blocks=num_blocks)
+                                   max_model_len=max_model_len, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
 
     def _attention_backend(self, dev: torch.device) -> str:
         backend = self.attention_backend
@@ -210,21 +219,38 @@ class EngineConfig:
             check_tensor_parallel(model, tp, self.kv_cache_dtype, self.cpu_fast_layers, layout)
         return layout
 
-    def _num_blocks(self, model, dev: torch.device, layout: list, dtype: torch.dtype, max_model_len: int) -> int:
-        """As many blocks as the memory budget holds (``kv_cache_memory_bytes``; else ``gpu_memory_utilization``
-        of the GPU, or ``DEFAULT_CPU_KV_CACHE_BYTES`` on the CPU). A model without attention layers (Mamba)
-        keeps no keys and values: its blocks cost nothing, and there are enough for ``max_num_seqs`` sequences
-        of ``max_model_len`` tokens."""
+    def _num_blocks(self, model, dev: torch.device, layout: list, dtype: torch.dtype, max_model_len: int,
+                    state_bytes: int) -> tuple[int, int]:
+        """``(num_blocks, max_num_seqs)``: as many blocks as the memory budget holds (``kv_cache_memory_bytes``; else
+        ``gpu_memory_utilization`` of the GPU, or ``DEFAULT_CPU_KV_CACHE_BYTES`` on the CPU) once the state slots of
+        ``max_num_seqs`` sequences are taken out of it (a hybrid model's; ``max_num_seqs`` left at None becomes as
+        many as half the budget holds, at most 256). A model without attention layers (Mamba) keeps no keys and
+        values: its blocks cost nothing, and there are enough for ``max_num_seqs`` sequences of ``max_model_len``."""
         tp = self.tensor_parallel_size
         # each rank holds 1/tp of the KV heads, so a block costs each rank 1/tp of the bytes
         bytes_per_block = layout_bytes_per_token(layout, dtype) * self.block_size // tp
-        if not bytes_per_block:
-            return self.max_num_seqs * -(-max_model_len // self.block_size)
         # rank 0's shard is not on the device yet (the user's whole model may be): leave room for it
         shard_bytes = 0
         if tp > 1 and dev.type == "cuda":
             shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) // tp
-        return _size_pool(dev, bytes_per_block, self.gpu_memory_utilization, self.kv_cache_memory_bytes, shard_bytes)
+        budget = _memory_budget(dev, self.gpu_memory_utilization, self.kv_cache_memory_bytes) - shard_bytes
+        seqs = self.max_num_seqs
+        if seqs is None:
+            seqs = DEFAULT_MAX_NUM_SEQS
+            if state_bytes * seqs > budget // 2:
+                seqs = max(1, budget // 2 // state_bytes)
+                logger.info("max_num_seqs=%d: the state slots of %d sequences (%s bytes each) would take over half of "
+                            "the %s-byte memory budget; set max_num_seqs or the budget to choose otherwise", seqs,
+                            DEFAULT_MAX_NUM_SEQS, f"{state_bytes:,}", f"{budget:,}")
+        left = budget - seqs * state_bytes
+        if left < max(bytes_per_block, 1):
+            states = (f" after the state slots of max_num_seqs={seqs} sequences ({state_bytes:,} bytes each)"
+                      if state_bytes else "")
+            raise ValueError(f"no memory left for the KV cache: budget {budget:,} bytes{states}, one block needs "
+                             f"{bytes_per_block:,}" + (": lower max_num_seqs or raise the budget" if states else ""))
+        if not bytes_per_block:
+            return seqs * -(-max_model_len // self.block_size), seqs
+        return left // bytes_per_block, seqs
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -234,19 +260,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"the model's dtype {dtype} cannot be a KV cache dtype; use float32, bfloat16 or float16")
 
 
-def _size_pool(dev: torch.device, bytes_per_block: int, utilization: float, budget: int | None,
-               still_to_allocate: int = 0) -> int:
-    if budget is None:
-        if dev.type == "cuda":
-            free, total = torch.cuda.mem_get_info(dev)
-            # like vLLM: the whole process may use `utilization` of the device; the KV pool gets what is left
-            budget = int(total * utilization) - (total - free) - still_to_allocate
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(f"no memory left for the KV cache: budget {budget} bytes, one block needs {bytes_per_block}")
-    return int(num_blocks)
+def _memory_budget(dev: torch.device, utilization: float, budget: int | None) -> int:
+    """The bytes the KV pool (and a hybrid model's state slots) may take."""
+    if budget is not None:
+        return budget
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        # like vLLM: the whole process may use `utilization` of the device; the KV pool gets what is left
+        return int(total * utilization) - (total - free)
+    return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def auto_attention_backend(dev: torch.device) -> str:

@@ -20,7 +20,9 @@ from kvpaging.errors import UnsupportedModelError
 from kvpaging.models.architectures import reference_tokens, tiny_model
 from kvpaging.teach.setup_check import greedy_agreement
 from kvpaging.worker.kv_layout import NO_KV
-from kvpaging.worker.state_layers import GroupCache, StateSlots, continues_chunks, find_state_layers
+from kvpaging.sampling_params import SamplingParams
+from kvpaging.worker.state_layers import (GroupCache, StateSlots, continues_chunks, find_state_layers,
+                                        state_bytes_per_sequence)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -224,3 +226,51 @@ def test_a_state_space_model_without_attention(name):
     assert llm.engine.scheduler.num_preemptions > 0
     assert LLM(model, max_model_len=64, max_num_seqs=3).engine.config.num_blocks == 3 * 4, \
         "blocks that cost nothing: enough for max_num_seqs sequences of max_model_len"
+
+
+def test_state_slots_come_out_of_the_memory_budget():
+    """The slots of max_num_seqs sequences are reserved before the pool is sized, so serving never needs memory
+    the budget did not count: the pool gets exactly what the states leave, and the states measured before sizing
+    are the ones the engine keeps."""
+    model = tiny_model("qwen3_next")
+    state = state_bytes_per_sequence(model)
+    budget = 100_000_000
+    llm = LLM(model, block_size=4, max_model_len=64, kv_cache_memory_bytes=budget, max_num_seqs=8)
+    runner = llm.engine.runner
+    per_block = runner.kv_cache_bytes // llm.engine.config.num_blocks
+    assert llm.engine.config.num_blocks == (budget - 8 * state) // per_block
+    assert runner.kv_cache_bytes + runner.state_slots.reserved_bytes <= budget
+    assert runner.state_slots.bytes_per_sequence == state and runner.state_slots.num_rows == 8
+    with pytest.raises(ValueError, match=r"max_num_seqs=20 sequences \(6,684,672 bytes each\)") as info:
+        LLM(model, block_size=4, max_model_len=64, kv_cache_memory_bytes=budget, max_num_seqs=20)
+    assert "lower max_num_seqs" in str(info.value)
+    with pytest.raises(ValueError, match="no memory left"):
+        LLM(tiny_model("mamba"), max_model_len=64, kv_cache_memory_bytes=1000, max_num_seqs=4)
+
+
+def test_max_num_seqs_left_unset_fits_the_states_in_half_the_budget(caplog):
+    model = tiny_model("qwen3_next")
+    state = state_bytes_per_sequence(model)
+    with caplog.at_level(logging.INFO, logger="kvpaging"):
+        llm = LLM(model, block_size=4, max_model_len=64, kv_cache_memory_bytes=200_000_000)
+    assert llm.engine.config.max_num_seqs == 100_000_000 // state < 256
+    assert f"max_num_seqs={100_000_000 // state}: the state slots of 256 sequences" in caplog.text
+    dense = LLM(tiny_model("llama"), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    assert dense.engine.config.max_num_seqs == 256, "a model without states keeps vLLM's default"
+
+
+def test_the_slots_never_outgrow_max_num_seqs():
+    """A block-table row (a state slot) belongs to a sequence that holds blocks, and at most max_num_seqs do at
+    once: n = 2 forks, a pool that preempts and sequences that end and give their rows to others never need a
+    row past max_num_seqs, so the reserved slots are all the engine ever makes."""
+    model = tiny_model("qwen3_next")
+    llm = LLM(model, block_size=4, max_model_len=64, max_num_seqs=5, num_blocks=16, max_num_batched_tokens=9,
+              attention_backend="torch")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 2, 11, 23, 8, 3)]
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(c.token_ids) == 10 for out in outputs for c in out.outputs)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager._num_rows <= 5 and llm.engine.runner.state_slots.num_rows == 5
+    assert_pool_clean(llm)

@@ -43,6 +43,7 @@ from kvpaging.engine.structured_outputs import advance_grammars
 from kvpaging.errors import DuplicateSequenceError, RequestFailedError
 from kvpaging.sampling_params import RequestOutputKind, SamplingParams
 from kvpaging.worker.kv_layout import passing_window
+from kvpaging.worker.state_layers import state_bytes_per_sequence
 from kvpaging.worker.model_runner import ModelRunner
 from kvpaging.worker.logits_processors import RowHistory
 from kvpaging.worker.sampler import Sampler, SamplerOutput, make_generator
@@ -68,7 +69,8 @@ class LLMEngine:
         config = config if config is not None else EngineConfig()
         layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers,
                                                                          refuse=config.self_check)
-        config = config.resolve(model, layout)
+        # a hybrid model's states per sequence: the slots of max_num_seqs sequences come out of the memory budget
+        config = config.resolve(model, layout, state_bytes_per_sequence(model) if config.num_blocks is None else 0)
         self.config = config
         self.runner = _make_runner(model, config, layout)
         if config.enable_prefix_caching and getattr(self.runner, "state_slots", None) is not None:

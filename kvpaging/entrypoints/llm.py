@@ -38,7 +38,7 @@ class LLM:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,

@@ -1239,7 +1239,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
     engine.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
-    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default: 256, or fewer where a hybrid model's state slots would take over half the memory")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -75,7 +75,7 @@ class ModelRunner:
         register_attention()
         model.set_attn_implementation(ATTN_NAME)  # on the private copy: the user's model keeps its attention
         # a hybrid model's linear-attention / state-space layers: a state slot per sequence (kvpaging/worker/state_layers.py)
-        self.state_slots = install_state_layers(model)
+        self.state_slots = install_state_layers(model, config.max_num_seqs)
         self.fast_layers = FastLayers()
         if config.cpu_fast_layers:  # opt-in: oneDNN linears and one-pass C RMSNorms (kernels/cpu/layers.py)
             from kvpaging.kernels.cpu.layers import enable_fast_layers

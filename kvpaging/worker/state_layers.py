@@ -44,7 +44,7 @@ from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP
 logger = logging.getLogger("kvpaging")
 
 __all__ = ["find_state_layers", "no_kv_layers", "StateSlots", "GroupCache", "install_state_layers",
-           "continues_chunks", "STATELESS_LAYER_TYPES"]
+           "continues_chunks", "state_bytes_per_sequence", "STATELESS_LAYER_TYPES"]
 
 # layer types (a config's ``layer_types``) that neither attend nor keep state: a feed-forward block alone (Nemotron-H)
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
@@ -80,7 +80,11 @@ class StateSlots:
     """Every state layer's states, one row per block-table row of the model runner (one per live sequence).
 
     ``tensors[(layer, kind, index)]`` is ``[rows, *shape]``, made at the first write (transformers' layers make
-    their states at their first call too) and grown, doubling, when a higher row comes.
+    their states at their first call too). The engine makes it with ``max_num_seqs`` rows, which its memory budget
+    holds (``EngineConfig.resolve``): a block-table row belongs to a sequence that holds blocks, and no more than
+    ``max_num_seqs`` do at once, so the rows never run out (were one ever missing, they would grow, doubling). The
+    rows are not zeroed: a sequence's first step reads no state (``GroupCache``'s ``fresh``), so a row is written
+    before it is read, and on a CPU the memory of rows never used is never touched.
     """
 
     def __init__(self, num_rows: int = 8, layers: tuple[str, ...] = ()) -> None:
@@ -95,7 +99,7 @@ class StateSlots:
         while self.num_rows < top:
             self.num_rows *= 2
         for key, t in self.tensors.items():
-            self.tensors[key] = torch.cat([t, t.new_zeros((self.num_rows - t.shape[0], *t.shape[1:]))])
+            self.tensors[key] = torch.cat([t, t.new_empty((self.num_rows - t.shape[0], *t.shape[1:]))])
 
     def read(self, key, rows: list[int]) -> torch.Tensor | None:
         t = self.tensors.get(key)
@@ -104,7 +108,7 @@ class StateSlots:
     def write(self, key, rows: list[int], value: torch.Tensor) -> None:
         t = self.tensors.get(key)
         if t is None:
-            t = self.tensors[key] = value.new_zeros((self.num_rows, *value.shape[1:]))
+            t = self.tensors[key] = value.new_empty((self.num_rows, *value.shape[1:]))
         t[rows] = value
 
     @torch.inference_mode()
@@ -119,6 +123,11 @@ class StateSlots:
     @property
     def bytes_per_sequence(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Every row's states (the engine's memory budget counts ``max_num_seqs`` rows)."""
+        return self.num_rows * self.bytes_per_sequence
 
 
 class GroupCache:
@@ -252,14 +261,30 @@ def continues_chunks(module: torch.nn.Module, hidden_size: int) -> bool:
     return bool(diff <= 1e-2 * (whole[:, 3:].float().pow(2).mean().sqrt() + 1e-6))
 
 
-def install_state_layers(model) -> StateSlots | None:
-    """Wrap each state layer of ``model`` (the engine's private copy) to run over per-sequence slots; the slots,
-    or None for a model without state layers."""
+@torch.inference_mode()
+def state_bytes_per_sequence(model) -> int:
+    """The bytes of one sequence's states over all of ``model``'s state layers (0 without any), measured as the
+    engine keeps them: each layer run once over one token, fresh, on slots of one row. This runs the layers'
+    own ``forward`` (as ``generate()`` does) with the engine's cache object; nothing is set on the model."""
+    total = 0
+    hidden = model.config.get_text_config().hidden_size
+    for index, module in enumerate(find_state_layers(model)):
+        param = next(module.parameters())
+        slots = StateSlots(1)
+        _run_group(module.forward, slots, index, param.new_zeros((1, 1, hidden)), [0], [True], True)
+        total += slots.bytes_per_sequence
+    return total
+
+
+def install_state_layers(model, max_num_seqs: int = 8) -> StateSlots | None:
+    """Wrap each state layer of ``model`` (the engine's private copy) to run over per-sequence slots; the slots
+    (``max_num_seqs`` rows, one per sequence that may hold blocks at once), or None for a model without state
+    layers."""
     layers = find_state_layers(model)
     if not layers:
         return None
     names = {id(m): name for name, m in model.named_modules()}
-    slots = StateSlots(layers=tuple(names[id(m)] for m in layers))
+    slots = StateSlots(max_num_seqs, layers=tuple(names[id(m)] for m in layers))
     hidden = model.config.get_text_config().hidden_size
     measured: dict[type, bool] = {}
     for index, module in enumerate(layers):
