@@ -16,7 +16,7 @@ CORE = [
     "kvpaging/core/block_pool.py", "kvpaging/core/sequence.py",
     "kvpaging/engine/llm_engine.py", "kvpaging/engine/input_processor.py", "kvpaging/engine/outputs.py",
     "kvpaging/engine/step_record.py", "kvpaging/engine/detokenizer.py",
-    "kvpaging/worker/model_runner.py", "kvpaging/worker/block_table.py", "kvpaging/worker/cuda_graphs.py",
+    "kvpaging/worker/model_runner.py", "kvpaging/worker/cuda_graphs.py",
     "kvpaging/worker/sampler.py",
     "kvpaging/worker/attention.py", "kvpaging/entrypoints/llm.py", "kvpaging/config.py", "kvpaging/sampling_params.py",
 ]

@@ -42,8 +42,7 @@ import statistics
 import time
 
 from kvpaging.core.block_manager import BlockManager
-from kvpaging.worker.block_table import BlockTable
-from kvpaging.worker.model_runner import prepare_step_inputs
+from kvpaging.worker.model_runner import BlockTable, prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler
 from kvpaging.core.sequence import Request

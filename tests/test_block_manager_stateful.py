@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpaging.core.block_manager import BlockManager
-from kvpaging.worker.block_table import BlockTable
+from kvpaging.worker.model_runner import BlockTable
 from kvpaging.core.invariants import check_block_manager
 
 TOKENS = st.integers(0, 2)  # a tiny vocabulary, so prefixes repeat and the cache gets hits

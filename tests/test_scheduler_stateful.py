@@ -36,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import torch
 
 from kvpaging.core.block_manager import BlockManager
-from kvpaging.worker.block_table import BlockTable
+from kvpaging.worker.model_runner import BlockTable
 from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler

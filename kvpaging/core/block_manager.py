@@ -28,7 +28,7 @@ counts. Tables only grow: a block, once in a table, stays at its place until the
 sequence is freed (the one exception is copy-on-write, which gives a sequence its
 own copy of a shared, partly filled last block). Every change is also written down
 as a ``(row, column, block_ids)`` triple, which the model runner applies to its own copy of the
-tables (``kvpaging/worker/block_table.py``). Copy-on-write copies it decides on are queued as
+tables (``BlockTable`` in ``kvpaging/worker/model_runner.py``). Copy-on-write copies it decides on are queued as
 ``(src, dst)`` block-id pairs, which the runner makes before the forward. The scheduler hands both
 over in its output (:meth:`take_step_changes`), and reports the step done after the forward
 (:meth:`step_done`): until then a
@@ -92,7 +92,7 @@ class SequenceBlocks:
     block_ids: list[int]  # kept beside ``blocks`` so the runner gets a table without a loop
     num_tokens: int  # token slots assigned
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
-    row: int = -1  # this table's row in the model runner's BlockTable (kvpaging/worker/block_table.py)
+    row: int = -1  # this table's row in the model runner's BlockTable (kvpaging/worker/model_runner.py)
     seq_id: Hashable = None  # whose table it is
     last: KVBlock | None = None  # blocks[-1] (None while empty): read at every decode, so kept at hand
     # with a sliding window: the leading entries given back to the pool (None in ``blocks``, -1 in ``block_ids``),

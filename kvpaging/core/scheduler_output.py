@@ -72,7 +72,7 @@ class SchedulerOutput:
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
     children: list[Sequence] = field(default_factory=list)  # the completions forked this step
     # every change to the block tables since the last step's output, in order: (row, column, block ids), which the
-    # runner applies to its own copy of the tables before it reads them (kvpaging/worker/block_table.py)
+    # runner applies to its own copy of the tables before it reads them (BlockTable, kvpaging/worker/model_runner.py)
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     block_size: int = 16
 

@@ -169,11 +169,13 @@ class LLMEngine:
         if not final_only and request.params.output_kind != RequestOutputKind.FINAL_ONLY:
             self._streaming.add(request.request_id)
 
-    def add_requests(self, prompts: list, params: list[SamplingParams], prefix: str = "req-",
-                     final_only: bool = False) -> list[str]:
+    def add_requests(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                     prefix: str = "req-", final_only: bool = False) -> list[str]:
         """Queue a batch under fresh ids, all or nothing: every prompt is checked before any is queued.
-        ``final_only``: each reports only its final output, whatever its ``output_kind`` says."""
+        ``prompts``: one prompt or a list; ``params``: one SamplingParams for all, one each, or None (the
+        defaults). ``final_only``: each reports only its final output, whatever its ``output_kind`` says."""
         self._check_thread()
+        prompts, params = normalize_batch(prompts, params)
         requests = []
         for prompt, sp in zip(prompts, params):
             request_id = f"{prefix}{next(self._batch_ids)}"
@@ -184,9 +186,10 @@ class LLMEngine:
             self._queue(request, final_only)
         return [request.request_id for request in requests]
 
-    def run_batch(self, prompts: list, params: list[SamplingParams], prefix: str = "req-", on_step=None,
-                  on_finish=None, on_added=None) -> list[RequestOutput]:
-        """Serve a batch to completion on an idle engine; the final outputs, in the order given.
+    def run_batch(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, prefix: str = "req-",
+                  on_step=None, on_finish=None, on_added=None) -> list[RequestOutput]:
+        """Serve a batch to completion on an idle engine (``prompts`` and ``params`` as :meth:`add_requests` takes
+        them); the final outputs, in the order given.
 
         The engine must be idle (a request added by hand and not yet finished would
         have its results mixed into this batch's loop): that is refused before

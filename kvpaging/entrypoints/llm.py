@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from kvpaging.config import EngineConfig
-from kvpaging.engine.llm_engine import LLMEngine, normalize_batch
+from kvpaging.engine.llm_engine import LLMEngine
 from kvpaging.engine.outputs import RequestOutput
 from kvpaging.models import load_model, load_tokenizer
 from kvpaging.sampling_params import SamplingParams
@@ -147,15 +147,19 @@ class LLM:
         failed in the model's forward pass, ``RequestFailedError`` is raised once the
         batch is done, with every output attached (see ``LLMEngine.run_batch``).
         """
-        prompts, params = normalize_batch(prompts, sampling_params)
-        bar = None
-        if use_tqdm:
-            from kvpaging.progress import progress_bar
+        if not use_tqdm:
+            return self.engine.run_batch(prompts, sampling_params, prefix="gen-")
+        from kvpaging.progress import progress_bar
 
-            bar = progress_bar(total=len(prompts), desc="Processed prompts", unit="req")
+        bar = None
+
+        def start_bar(request_ids: list[str]) -> None:  # once the batch is checked and queued
+            nonlocal bar
+            bar = progress_bar(total=len(request_ids), desc="Processed prompts", unit="req")
+
         try:
-            return self.engine.run_batch(prompts, params, prefix="gen-",
-                                         on_finish=None if bar is None else lambda _: bar.update(1))
+            return self.engine.run_batch(prompts, sampling_params, prefix="gen-", on_added=start_bar,
+                                         on_finish=lambda _output: bar.update(1))
         finally:
             if bar is not None:
                 bar.close()

@@ -550,7 +550,7 @@ VLLM_NAMES: list[tuple[str, str, str, str]] = [
     ("a sequence's logical -> physical block list", "BlockManager.get_block_table(seq_id)",
      "block table (KVCacheManager / BlockTable)", "kvpaging.core.block_manager:BlockManager.get_block_table"),
     ("the model runner's own copy of the block tables", "ModelRunner.block_table, from SchedulerOutput.table_updates",
-     "BlockTable in the worker's InputBatch, from new_block_ids", "kvpaging.worker.block_table:BlockTable"),
+     "BlockTable in the worker's InputBatch, from new_block_ids", "kvpaging.worker.model_runner:BlockTable"),
     ("cache slot of every new token", "StepInputs.slot_mapping (prepare_step_inputs)",
      "slot_mapping (attention metadata)", "kvpaging.worker.model_runner:prepare_step_inputs"),
     ("reuse KV of shared prompt prefixes", "LLM(enable_prefix_caching=True)", "enable_prefix_caching",

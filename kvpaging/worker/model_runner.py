@@ -34,14 +34,13 @@ from kvpaging.kernels.backends import get_backend
 from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
-from kvpaging.worker.block_table import BlockTable
 from kvpaging.worker.fp8_scales import calibrate_fp8_scales
 from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout
 from kvpaging.worker.state_layers import install_state_layers
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["ModelRunner", "StepInputs", "prepare_step_inputs"]
+__all__ = ["ModelRunner", "BlockTable", "StepInputs", "prepare_step_inputs"]
 
 
 class ModelRunner:
@@ -205,6 +204,38 @@ class ModelRunner:
             inputs.rows,
         )
         return logits[0].float()
+
+
+class BlockTable:
+    """The runner's own copy of the block tables (vLLM v1's worker-side ``BlockTable``): one row per live sequence,
+    rows of one int32 array that grows (doubling) when a row or column is missing.
+
+    The block manager owns the tables and decides every change; it does not hand its records over. It writes
+    each change down as a ``(row, column, block_ids)`` triple (a new table from column 0, a block appended at its
+    column, a copy-on-write's new last block), the scheduler passes the step's triples on in
+    ``SchedulerOutput.table_updates``, and :meth:`apply` writes them here before the step's inputs are read. Tables
+    only grow, so a step brings few triples; a row whose sequence ended is taken by a later one, whose first
+    triple rewrites it from column 0 and clears what lies past it. A step then takes the rows it needs in one
+    fancy-indexing call (copying each table from a Python list every step would cost a microsecond or more each).
+    """
+
+    def __init__(self, rows: int = 64, cols: int = 64) -> None:
+        self.array = np.zeros((rows, cols), dtype=np.int32)
+
+    def apply(self, updates: list[tuple[int, int, list[int]]]) -> None:
+        """Write each ``(row, column, block_ids)`` in order: ``block_ids`` from ``column`` on, and from column 0,
+        zeros after them (a row written from its first column is the whole table)."""
+        for row, col, block_ids in updates:
+            end = col + len(block_ids)
+            rows, cols = self.array.shape
+            if row >= rows or end > cols:
+                grown = np.zeros((rows if row < rows else max(2 * rows, row + 1),
+                                  cols if end <= cols else max(2 * cols, end)), dtype=np.int32)
+                grown[:rows, :cols] = self.array
+                self.array = grown
+            self.array[row, col:end] = block_ids
+            if col == 0:
+                self.array[row, end:] = 0
 
 
 @dataclass(eq=False)
