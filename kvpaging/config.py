@@ -24,7 +24,7 @@ import torch
 
 from kvpaging.checks import check_block_size, check_bool, check_choice, check_int
 from kvpaging.errors import UnsupportedModelError
-from kvpaging.worker.kv_layout import config_layout, layout_bytes_per_token, passing_window
+from kvpaging.worker.kv_layout import config_layout, layer_groups, layout_bytes_per_token, passing_window
 
 logger = logging.getLogger("kvpaging")
 
@@ -147,23 +147,30 @@ class EngineConfig:
         kv_dtype = self._kv_dtype(param.dtype)
         max_model_len = self._max_model_len(model.config)
         layout = self._layout(model, kv_layout)
+        # sliding layers among full ones: a table per layer group, a block a page of one group's layers
+        groups = layer_groups(model.config, layout, max_model_len, self.tensor_parallel_size)
         num_blocks, max_num_seqs = self.num_blocks, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         if num_blocks is None:
-            num_blocks, max_num_seqs = self._num_blocks(model, dev, layout, KV_CACHE_DTYPES[kv_dtype], max_model_len,
+            page = layout[: groups.group_size] if groups else layout
+            num_blocks, max_num_seqs = self._num_blocks(model, dev, page, KV_CACHE_DTYPES[kv_dtype], max_model_len,
                                                         state_bytes)
-        window = passing_window(model.config)
-        needed = whole = -(-max_model_len // self.block_size)
-        if window:  # blocks a window has passed go back: a prompt chunk and the window before it are what one holds
-            needed = min(whole, (window + self.max_num_batched_tokens - 2) // self.block_size + 2)
+        windows = groups.windows if groups else (passing_window(model.config),)
+        whole = -(-max_model_len // self.block_size)
+        # blocks a window has passed go back: a prompt chunk and the window before it are what a window holds
+        needed = sum(min(whole, (w + self.max_num_batched_tokens - 2) // self.block_size + 2) if w else whole
+                     for w in windows)
         if num_blocks < needed:
-            what = (f"one step of max_num_batched_tokens={self.max_num_batched_tokens} tokens after the model's "
-                    f"{window}-token window" if needed < whole else f"one sequence of max_model_len={max_model_len}")
+            window = windows[0]
+            what = (f"one sequence of max_model_len={max_model_len} in the tables of its {len(windows)} layer groups"
+                    if groups else f"one step of max_num_batched_tokens={self.max_num_batched_tokens} tokens after "
+                    f"the model's {window}-token window" if needed < whole else
+                    f"one sequence of max_model_len={max_model_len}")
             states = (f", what the memory budget holds beside the state slots of max_num_seqs={max_num_seqs} "
                       f"sequences ({state_bytes:,} bytes each)" if state_bytes and self.num_blocks is None else "")
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
                 f"tokens{states}) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
-                + (" or max_num_batched_tokens" if window else "") + (" or max_num_seqs" if states else "")
+                + (" or max_num_batched_tokens" if any(windows) else "") + (" or max_num_seqs" if states else "")
             )
         if self.cpu_fast_layers and dev.type != "cpu":
             raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")

@@ -36,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import torch
 
 from kvpaging.core.block_manager import BlockManager
+from kvpaging.core.layer_groups import GroupedBlockManager
 from kvpaging.worker.model_runner import BlockTable
 from kvpaging.worker.model_runner import prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
@@ -62,11 +63,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         colliding_hash=st.booleans(),
         scheduling=st.sampled_from(["continuous", "continuous", "static"]),
         max_len=st.integers(2, 24),
+        # one table; or a table per layer group (sliding layers among full ones), the sliding ones windowed
+        windows=st.sampled_from([None, None, (0, 1), (0, 3), (0, 2, 2), (5, 0)]),
     )
-    def setup(self, block_size, num_blocks, max_num_seqs, budget, caching, colliding_hash, scheduling, max_len):
+    def setup(self, block_size, num_blocks, max_num_seqs, budget, caching, colliding_hash, scheduling, max_len,
+              windows):
         kwargs = {"hash_fn": lambda parent, toks: sum(toks) % 3} if colliding_hash else {}
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, **kwargs)
-        self.max_model_len = min(max_len, num_blocks * block_size)  # like LLM(): the pool holds one whole sequence
+        if windows is None:
+            self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, **kwargs)
+            self.max_model_len = min(max_len, num_blocks * block_size)  # like LLM(): the pool holds one whole sequence
+        else:
+            num_blocks *= len(windows)
+            self.bm = GroupedBlockManager(windows, num_blocks, block_size, caching, **kwargs)
+            # like LLM(): every group's table holds one whole sequence (a window's: a step's tokens after it)
+            def need(n):
+                whole = -(-n // block_size)
+                return sum(min(whole, (w + budget - 2) // block_size + 2) if w else whole for w in windows)
+            self.max_model_len = max(n for n in range(1, max_len + 1) if n == 1 or need(n) <= num_blocks)
+            if need(self.max_model_len) > num_blocks:
+                num_blocks = need(self.max_model_len)
+                self.bm = GroupedBlockManager(windows, num_blocks, block_size, caching, **kwargs)
+        self.members = getattr(self.bm, "groups", [self.bm])  # each layer group's manager
         self.sched = Scheduler(
             self.bm,
             max_num_seqs=max_num_seqs,
@@ -76,7 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             eos_token_ids=frozenset({EOS}),
         )
         self.bs = block_size
-        self.tables = BlockTable()  # the model runner's copy of the tables, from each step's table_updates
+        self.tables = [BlockTable() for _ in self.members]  # the model runner's copies, from each step's table_updates
         self.content: dict[int, list] = {b: [None] * block_size for b in range(self.bm.num_blocks)}
         self.expected_tokens: dict[int, list[int]] = {}  # seq id -> its tokens, kept by this model
         self.next_request = 0
@@ -94,11 +111,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         return req.params.n if len(req.seqs) < req.params.n else 1
 
     def _written_slots(self, out):
-        """(block id, slot, position, seq) of every token the step's forward writes."""
-        for k, s in enumerate(out.scheduled):
-            table = self.bm.get_block_table(s.seq.seq_id)
-            for p in range(s.start, s.start + s.num_new_tokens):
-                yield table[p // self.bs], p % self.bs, p, s.seq
+        """(block id, slot, position, seq) of every token the step's forward writes (in every layer group)."""
+        for member in self.members:
+            for k, s in enumerate(out.scheduled):
+                table = member.get_block_table(s.seq.seq_id)
+                for p in range(s.start, s.start + s.num_new_tokens):
+                    assert table[p // self.bs] >= 0, f"a window passed position {p} of its own step"
+                    yield table[p // self.bs], p % self.bs, p, s.seq
+
+    def _holders(self, block_id: int) -> set:
+        """The sequences whose tables (any group's) hold ``block_id``."""
+        return {sid for m in self.members for sid in m._seqs if block_id in m.get_block_table(sid)}
 
     def _check_output(self, out) -> None:
         """A SchedulerOutput, right after schedule(): limits, chunks, preemptions, where its writes go."""
@@ -138,7 +161,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             # (blocks are findable from the step that computes them), and reads what this step copies and writes
             block = bm.pool.blocks[dst]
             holders = [seq for seq in [s.seq for s in out.scheduled] + out.children
-                       if dst in bm.get_block_table(seq.seq_id)]
+                       if seq.seq_id in self._holders(dst)]
             assert src != dst and block.ref_cnt == len(holders) >= 1, (src, dst, block)
             assert len(holders) == 1 or (block.block_hash is not None and block.num_filled == bm.block_size), block
         # copy_blocks runs every pair at once (on a GPU): no block may be both read and written by one call
@@ -153,14 +176,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for block_id, slot, p, seq in self._written_slots(out):
             block = bm.pool.blocks[block_id]
             # a block is findable from the step that computes it, never one that an earlier step computed
-            cached_now = any(block is c for c in bm._cached_in_step)
+            cached_now = any(block is c for m in self.members for c in m._cached_in_step)
             assert block.block_hash is None or cached_now, (
                 f"seq {seq.seq_id} writes position {p} into block {block_id}, cached before this step")
             # a written block is the writer's alone, but for the completions forked from it in this very step
             # (they share its prompt, so the keys and values it writes are theirs too) and, once it is cached
             # for this step, the sequences of this step that found it there (they read what it writes)
             if cached_now:
-                holders = {sid for sid in bm._seqs if block_id in bm.get_block_table(sid)}
+                holders = self._holders(block_id)
                 assert seq.seq_id in holders and holders <= in_step, (
                     f"block {block_id}, written by seq {seq.seq_id}, is held by {holders - in_step} outside the step")
             else:
@@ -172,8 +195,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _check_inputs(self, out) -> None:
         """The model runner's input tensors for the step, against plain lists built from this model's own
         record of the tokens and the block manager's tables: decodes first, then the chunks."""
-        self.tables.apply(out.table_updates)
-        inputs = prepare_step_inputs(out, self.tables.array)
+        grouped = len(self.members) > 1
+        for table, updates in zip(self.tables, out.table_updates if grouped else [out.table_updates]):
+            table.apply(updates)
+        inputs = prepare_step_inputs(out, [t.array for t in self.tables] if grouped else self.tables[0].array)
+        assert (inputs.group_tables is not None) == grouped
+        for member, (slots, tables) in zip(self.members, inputs.group_tables or []):
+            expected_slots, expected_tables = self._slots_and_tables(out, member)
+            assert slots.tolist() == expected_slots and tables.tolist() == expected_tables
         COUNTS["decode_only_steps"] += not out.chunks  # the runner's shorter path
         bs = self.bs
         ids, positions, slots, seq_lens, tables, logits, cu = [], [], [], [], [], [], [0]
@@ -184,7 +213,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
             seq_lens.append(span.stop)
-            tables.append(list(table))
+            tables.append([max(b, 0) for b in table])  # an entry a window passed is block 0 in the runner's
             if s.sample:
                 logits.append(len(ids) - 1)
             if k >= len(out.decodes):  # a chunk: where the next one's queries start
@@ -199,6 +228,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert inputs.prefill_cu_seqlens_q.tolist() == cu
         assert inputs.input_ids.dtype == inputs.positions.dtype == inputs.slot_mapping.dtype == torch.int64
         assert inputs.block_tables.dtype == inputs.seq_lens.dtype == inputs.prefill_cu_seqlens_q.dtype == torch.int32
+
+    def _slots_and_tables(self, out, member) -> tuple[list[int], list[list[int]]]:
+        """The step's slot of each token and block table of each sequence in one group's tables, as plain lists
+        (an entry a window passed reads as block 0, padding as 0)."""
+        bs, slots, tables = self.bs, [], []
+        for s in out.scheduled:
+            table = [max(b, 0) for b in member.get_block_table(s.seq.seq_id)]
+            slots += [table[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_new_tokens)]
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        return slots, [t + [0] * (width - len(t)) for t in tables]
 
     def _forward(self, out, ok: bool) -> None:
         """What the model runner does to the KV data: copies first, then every token's K/V into its slot."""
@@ -387,13 +427,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert bm.get_num_tokens(seq.seq_id) == n < len(seq.token_ids), (
                 f"seq {seq.seq_id}: {bm.get_num_tokens(seq.seq_id)} slots, {n} computed, {len(seq.token_ids)} tokens"
             )
-            table = bm.get_block_table(seq.seq_id)
-            for p in range(n):  # every computed slot holds this very sequence's prefix
-                held = self.content[table[p // self.bs]][p % self.bs]
-                assert held == tuple(seq.token_ids[: p + 1]), (
-                    f"seq {seq.seq_id} position {p} (block {table[p // self.bs]}) holds {held}, "
-                    f"expected {tuple(seq.token_ids[: p + 1])}"
-                )
+            for member in self.members:
+                table = member.get_block_table(seq.seq_id)
+                window = member.sliding_window
+                for p in range(n):  # every computed slot holds this very sequence's prefix (a window's: its last)
+                    if table[p // self.bs] < 0:
+                        assert window and (p // self.bs + 1) * self.bs <= n - window, f"seq {seq.seq_id}: {p} passed"
+                        continue
+                    held = self.content[table[p // self.bs]][p % self.bs]
+                    assert held == tuple(seq.token_ids[: p + 1]), (
+                        f"seq {seq.seq_id} position {p} (block {table[p // self.bs]}) holds {held}, "
+                        f"expected {tuple(seq.token_ids[: p + 1])}"
+                    )
         for block in bm.pool.cached_blocks():  # anything findable holds the data it claims
             slots = self.content[block.block_id]
             assert all(isinstance(x, tuple) for x in slots), f"cached block {block.block_id} holds {slots}"

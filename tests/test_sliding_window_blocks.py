@@ -174,8 +174,9 @@ def test_n_completions_on_a_sliding_window_model(mistral):
     assert_pool_clean(llm)
 
 
-def test_models_with_a_full_attention_layer_keep_every_block():
-    """Gemma 2's global layers read every key: nothing is passed."""
+def test_models_with_a_full_attention_layer_pass_nothing_in_one_table():
+    """Gemma 2's global layers read every key: no window passes a block of a table all layers share (its
+    sliding layers give blocks back from a table of their own instead: tests/test_layer_groups.py)."""
     from kvpaging.worker.kv_layout import passing_window
 
     assert passing_window(tiny_model("gemma2", sliding_window=6).config) == 0

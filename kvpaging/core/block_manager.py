@@ -112,9 +112,15 @@ class BlockManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_fn: Callable[[int | None, tuple[int, ...]], int] = default_block_hash,
+        pool: BlockPool | None = None,
+        root_cache_id: int = -1,
     ) -> None:
+        """``pool``: a pool shared with other layer groups' managers (``layer_groups.py``), each with its own
+        ``root_cache_id``, the parent identity of its tables' first blocks (so no group's prefix-cache lookup
+        can find another group's block); None: a pool of its own."""
         check_bool("enable_prefix_caching", enable_prefix_caching)
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size) if pool is None else pool
+        self.root_cache_id = root_cache_id
         self.block_size = self.pool.block_size
         self.num_blocks = num_blocks
         self.max_tokens_per_sequence = num_blocks * self.block_size  # the most one sequence can ever hold
@@ -231,7 +237,7 @@ class BlockManager:
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.hash_fn(parent_hash, toks)
-            block = self.pool.lookup(h, toks, parent)
+            block = self.pool.lookup(h, toks, parent, self.root_cache_id)
             if block is None:
                 break
             blocks.append(block)
@@ -272,13 +278,13 @@ class BlockManager:
                 self._cached_in_step.append(block)
             hashes.append(h)
 
-    @staticmethod
-    def _parent_cache_id(st: SequenceBlocks, i: int) -> int | None:
-        """The prefix-cache identity of block ``i - 1`` of ``st`` (-1 before block 0; None if not cached). A block
+    def _parent_cache_id(self, st: SequenceBlocks, i: int) -> int | None:
+        """The prefix-cache identity of block ``i - 1`` of ``st`` (``root_cache_id`` before block 0; None if not
+        cached). A block
         the window passed is gone from the table: it is the last one passed (blocks are offered to the cache in
         the step that fills them, before the window can pass the next one), whose identity the table kept."""
         if i == 0:
-            return -1
+            return self.root_cache_id
         parent = st.blocks[i - 1]
         if parent is None:
             return st.passed_cache_id
@@ -308,25 +314,12 @@ class BlockManager:
         Returns False, changing nothing, when the pool lacks free blocks right
         now; raises SequenceTooLongError when the pool could never hold it.
         """
-        if seq_id in self._seqs:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} already holds blocks")
-        check_int("num_new_tokens", num_new_tokens, 1)
+        if self.blocks_to_allocate(seq_id, num_new_tokens, prefix_hit) > self.pool.free_queue.num_free_blocks:
+            return False
         pool = self.pool
         hit = prefix_hit.blocks
-        for block, h in zip(hit, prefix_hit.block_hashes):
-            if block.block_hash != h:
-                raise ValueError(
-                    f"stale prefix hit: block {block.block_id} was evicted since lookup_prefix; "
-                    "look up and allocate in the same scheduling step"
-                )
-        total = len(hit) * self.block_size + num_new_tokens
-        self._check_fits(seq_id, total, len(hit) * self.block_size)
         skip = self._passed_in(len(hit))  # with a window, hit blocks it has passed already are not taken at all
         live = hit[skip:]
-        # Cached blocks with no owner sit in the free queue: reviving them uses up free blocks too.
-        needed = self.num_blocks_for(total) - len(hit) + sum(1 for b in live if b.ref_cnt == 0)
-        if needed > pool.free_queue.num_free_blocks:
-            return False
         for block in live:
             pool.touch(block)
         st = self._hit_table(prefix_hit, skip)
@@ -340,6 +333,25 @@ class BlockManager:
         self._grow(st, num_new_tokens)
         self._note_peak()
         return True
+
+    def blocks_to_allocate(self, seq_id: Hashable, num_new_tokens: int, prefix_hit: PrefixHit = NO_HIT) -> int:
+        """The free blocks ``allocate_sequence`` would use (changing nothing); raises for a sequence that holds
+        blocks already, a stale hit, or one the pool could never hold."""
+        if seq_id in self._seqs:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already holds blocks")
+        check_int("num_new_tokens", num_new_tokens, 1)
+        hit = prefix_hit.blocks
+        for block, h in zip(hit, prefix_hit.block_hashes):
+            if block.block_hash != h:
+                raise ValueError(
+                    f"stale prefix hit: block {block.block_id} was evicted since lookup_prefix; "
+                    "look up and allocate in the same scheduling step"
+                )
+        total = len(hit) * self.block_size + num_new_tokens
+        self._check_fits(seq_id, total, len(hit) * self.block_size)
+        # Cached blocks with no owner sit in the free queue: reviving them uses up free blocks too.
+        revived = sum(1 for b in hit[self._passed_in(len(hit)):] if b.ref_cnt == 0)
+        return self.num_blocks_for(total) - len(hit) + revived
 
     def _passed_in(self, num_hit_blocks: int) -> int:
         """How many leading blocks of a prefix hit this long its sequence will never read (none here)."""
@@ -373,17 +385,22 @@ class BlockManager:
             self.pool.fill(last, 1)
             st.num_tokens = n + 1
             return True
-        check_int("num_new_tokens", num_new_tokens, 1)
-        total = n + num_new_tokens
-        self._check_fits(seq_id, total, n)
-        cow = 1 if (n % bs and last is not None and last.ref_cnt > 1) else 0
-        if self.num_blocks_for(total) - len(st.blocks) + cow > self.pool.free_queue.num_free_blocks:
+        if self.blocks_to_append(st, num_new_tokens) > self.pool.free_queue.num_free_blocks:
             return False
-        if cow:
+        if n % bs and last is not None and last.ref_cnt > 1:
             self._copy_on_write(st, last)
         self._grow(st, num_new_tokens)
         self._note_peak()
         return True
+
+    def blocks_to_append(self, st: SequenceBlocks, num_new_tokens: int) -> int:
+        """The free blocks ``append_slots`` would use for the sequence of table ``st`` (changing nothing): new
+        blocks, and a copy of a shared, partly filled last block; raises for one the pool could never hold."""
+        check_int("num_new_tokens", num_new_tokens, 1)
+        n = st.num_tokens
+        self._check_fits(st.seq_id, n + num_new_tokens, n)
+        cow = 1 if (n % self.block_size and st.last is not None and st.last.ref_cnt > 1) else 0
+        return self.num_blocks_for(n + num_new_tokens) - len(st.blocks) + cow
 
     def append_decode_slots(self, seqs: list, rows: list[int], positions: list[int], input_ids: list[int]) -> int:
         """One more slot for each of ``seqs``, decodes the scheduler found (each has one token to compute, its

@@ -246,8 +246,10 @@ class BlockPool:
             self._enqueue_free(block)
 
     # -- prefix cache --------------------------------------------------------
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
-        """A cached block holding ``token_ids`` right after ``parent``, or None.
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None,
+               root_cache_id: int = -1) -> KVBlock | None:
+        """A cached block holding ``token_ids`` right after ``parent`` (None: first in a table whose first blocks
+        have the parent identity ``root_cache_id``), or None.
 
         A hash match alone is not trusted: the tokens must be equal and the
         candidate must have been computed after ``parent``'s very content
@@ -257,7 +259,7 @@ class BlockPool:
         """
         if parent is not None and parent.block_hash is None:
             return None  # an uncached parent has no identity to match against
-        return self._find(block_hash, token_ids, -1 if parent is None else parent.cache_id)
+        return self._find(block_hash, token_ids, root_cache_id if parent is None else parent.cache_id)
 
     def _find(self, block_hash: int, token_ids: tuple[int, ...], parent_cache_id: int) -> KVBlock | None:
         same_hash = self._cached.get(block_hash)  # (no default dict made: most lookups miss)

@@ -65,10 +65,35 @@ def check_pool(pool: BlockPool) -> None:
 
 
 def check_block_manager(bm: BlockManager) -> None:
-    """Check every table against the pool; raise InvariantError on any inconsistency (tests only)."""
+    """Check every table against the pool; raise InvariantError on any inconsistency (tests only). A
+    ``GroupedBlockManager`` (layer_groups.py): each group's tables, all against the one pool, in step."""
     pool = bm.pool
     check_pool(pool)
+    members = getattr(bm, "groups", None) or [bm]
     owners: dict[int, int] = {}
+    for member in members:
+        _check(member.pool is pool, "a layer group keeps a pool of its own")
+        _check_tables(member, owners)
+    for block in pool.blocks:
+        _check(block.ref_cnt == owners.get(block.block_id, 0),
+               f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
+    first = members[0]._seqs
+    for member in members[1:]:  # the groups' tables in step: the same sequences, lengths and runner rows
+        _check(member._seqs.keys() == first.keys(), "the layer groups hold tables of different sequences")
+        for seq_id, st in member._seqs.items():
+            _check((st.num_tokens, st.row) == (first[seq_id].num_tokens, first[seq_id].row),
+                   f"{seq_id!r}: the layer groups' tables differ in length or row")
+    used = bm.pool.num_used_blocks
+    tables = sum(member._num_table_blocks for member in members)
+    _check(bm._peak_used_blocks >= used, "high-water mark of used blocks below the present")
+    _check(bm._peak_table_blocks >= tables, "high-water mark of table blocks below the present")
+    _check(bm._peak_savings_blocks >= tables - used, "high-water mark of savings below the present")
+    _check(bm._table_blocks_at_peak <= bm._peak_table_blocks, "tables at the peak above the tables' peak")
+
+
+def _check_tables(bm: BlockManager, owners: dict[int, int]) -> None:
+    """One manager's tables against the pool; counts each block's owners into ``owners``."""
+    pool = bm.pool
     for seq_id, st in bm._seqs.items():
         _check(st.block_ids == [-1 if b is None else b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
         _check(all(b is None for b in st.blocks[:st.num_passed]) and None not in st.blocks[st.num_passed:],
@@ -86,16 +111,8 @@ def check_block_manager(bm: BlockManager) -> None:
             for i, h in enumerate(st.block_hashes):
                 b = st.blocks[i]
                 _check(b is None or b.block_hash is None or b.block_hash == h, f"{seq_id!r} block {i}: hash mismatch")
-    for block in pool.blocks:
-        _check(block.ref_cnt == owners.get(block.block_id, 0),
-               f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {owners.get(block.block_id, 0)} tables")
     _check(bm._num_table_blocks == sum(len(st.blocks) - st.num_passed for st in bm._seqs.values()),
            "table block count")
-    used = bm.pool.num_used_blocks
-    _check(bm._peak_used_blocks >= used, "high-water mark of used blocks below the present")
-    _check(bm._peak_table_blocks >= bm._num_table_blocks, "high-water mark of table blocks below the present")
-    _check(bm._peak_savings_blocks >= bm._num_table_blocks - used, "high-water mark of savings below the present")
-    _check(bm._table_blocks_at_peak <= bm._peak_table_blocks, "tables at the peak above the tables' peak")
 
 
 def check_scheduler(sched: Scheduler) -> None:

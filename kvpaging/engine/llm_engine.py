@@ -32,6 +32,7 @@ import torch
 
 from kvpaging.config import EngineConfig
 from kvpaging.core.block_manager import BlockManager
+from kvpaging.core.layer_groups import GroupedBlockManager
 from kvpaging.core.scheduler import Scheduler, SchedulerOutput
 from kvpaging.core.sliding_window import SlidingWindowBlockManager
 from kvpaging.core.sequence import Request, Sequence
@@ -85,11 +86,8 @@ class LLMEngine:
         self.self_check = self._check_model(model, fingerprint, layout)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
-        window = passing_window(model.config)  # a window on every layer: blocks it has passed go back to the pool
         self.scheduler = Scheduler(
-            SlidingWindowBlockManager(config.num_blocks, config.block_size, window, enable_prefix_caching=
-                                      config.enable_prefix_caching) if window else
-            BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching),
+            _block_manager(model.config, config, getattr(self.runner, "layer_groups", None)),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
@@ -434,6 +432,18 @@ def _eos_token_ids(model, tokenizer) -> frozenset[int]:
         elif isinstance(eos, (list, tuple)):
             ids.update(int(e) for e in eos)
     return frozenset(ids)
+
+
+def _block_manager(model_config, config: EngineConfig, groups):
+    """A table per layer group when sliding layers sit among full ones (``GroupedBlockManager``); a window on
+    every layer gives passed blocks back (``SlidingWindowBlockManager``); else one table keeps every block."""
+    size, prefix = config.block_size, config.enable_prefix_caching
+    if groups is not None:
+        return GroupedBlockManager(groups.windows, config.num_blocks, size, prefix)
+    window = passing_window(model_config)
+    if window:
+        return SlidingWindowBlockManager(config.num_blocks, size, window, enable_prefix_caching=prefix)
+    return BlockManager(config.num_blocks, size, prefix)
 
 
 def _make_runner(model, config: EngineConfig, layout) -> ModelRunner:

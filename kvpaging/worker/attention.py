@@ -65,6 +65,10 @@ class AttentionMetadata:
     cache_indexes: list | None = None
     calls: list | None = None
     state_groups: list | None = None  # the step's sequences as state layers run them, worked out at the first one
+    # sliding layers among full ones: each layer group's (slot_mapping, block_tables), and each layer's group
+    # (kvpaging/core/layer_groups.py); None: every layer reads slot_mapping and block_tables above
+    group_tables: list | None = None
+    layer_group: tuple[int, ...] | None = None
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -81,6 +85,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     layer = module.layer_idx
+    slot_mapping, block_tables = meta.slot_mapping, meta.block_tables
+    if meta.group_tables is not None:  # this layer's group keeps tables of its own
+        slot_mapping, block_tables = meta.group_tables[meta.layer_group[layer]]
     if meta.calls is not None:  # a layer that calls attention more than once a step: a cache for each call
         n = meta.calls[layer]
         meta.calls[layer] = n + 1
@@ -94,28 +101,28 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                 f"{width}: the cache was sized for other shapes", "kv_shape")
         q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     k_scale, v_scale = meta.kv_scales[layer]
-    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    meta.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
     softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per query head
-    out = _attend(meta, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
+    out = _attend(meta, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
     if value_width != width:
         out = out[..., :value_width]
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
 
 
-def _attend(meta: AttentionMetadata, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap,
+def _attend(meta: AttentionMetadata, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap,
             sinks) -> torch.Tensor:
     """The decodes (the first ``num_decodes`` tokens) with the decode kernel, the chunks after them with prefill's."""
     ops, nd = meta.backend, meta.num_decodes
     if nd == q.shape[0]:
-        return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scaling,
+        return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, meta.seq_lens, scaling,
                                           k_scale, v_scale, window=window, softcap=softcap, sinks=sinks)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+        out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, block_tables[:nd], meta.seq_lens[:nd],
                                               scaling, k_scale, v_scale, window=window, softcap=softcap, sinks=sinks)
-    out[nd:] = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_cu_seqlens_q,
+    out[nd:] = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, block_tables[nd:], meta.prefill_cu_seqlens_q,
                                            meta.seq_lens[nd:], scaling, k_scale, v_scale, window=window,
                                            softcap=softcap, sinks=sinks)
     return out

@@ -30,7 +30,8 @@ import torch
 
 from kvpaging.core.kv_math import dtype_nbytes
 
-__all__ = ["LayerKV", "NO_KV", "cache_indexes", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call"]
+__all__ = ["LayerKV", "NO_KV", "cache_indexes", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call",
+           "LayerGroups", "layer_groups", "layer_windows", "passing_window"]
 
 # during measure_kv_layout's forward pass: a dict layer -> LayerKV, filled by the attention function
 MEASURING: contextvars.ContextVar = contextvars.ContextVar("kvpaging_measuring", default=None)
@@ -121,3 +122,50 @@ def passing_window(config) -> int:
     Starcoder2), 0 when some layer attends to everything (Gemma 2 and 3's global layers keep every block)."""
     windows = layer_windows(config)
     return max(windows) if windows and all(windows) else 0
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Layers grouped so that each group keeps a block table of its own (vLLM's hybrid KV cache manager).
+
+    A model that interleaves sliding-window and full-attention layers (Gemma 2 and 3, gpt-oss, Cohere 2) reads
+    every block in its full layers, but only the last ``window`` tokens in its sliding ones. With one table for
+    all layers no block could ever go back to the pool. So the layers are cut into groups of ``group_size``
+    layers of one kind each, and each group has its own table per sequence: a sliding group's table gives its
+    blocks back as the window passes them (``SlidingWindowBlockManager``), a full group's keeps them all. The
+    groups share one pool: a block is a page of ``group_size`` layers' keys and values, and the ``j``-th layer of
+    every group stores in the same tensor (``layer_slot``), since a block belongs to one group at a time.
+    """
+
+    group_size: int
+    windows: tuple[int, ...]  # each group's window (0: full attention)
+    layer_group: tuple[int, ...]  # each layer's group
+    layer_slot: tuple[int, ...]  # each layer's place in its group: the KV tensor it shares with the others
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def layer_groups(config, layout: list[LayerKV], max_model_len: int, tensor_parallel_size: int = 1):
+    """The :class:`LayerGroups` of a model that interleaves full-attention layers with sliding ones of one window
+    shorter than ``max_model_len``, every layer with the same keys and values and one attention call (None for
+    any other model, which keeps one table for all its layers: a window on every layer gives its passed blocks
+    back through ``passing_window`` instead; a model of several windows, or with a second attention call per
+    layer, keeps every block, correct but unsaved). Groups hold ``min(full, sliding)`` layers each, the last of
+    each kind possibly fewer."""
+    windows = layer_windows(config)
+    sliding = sorted({w for w in windows if w})
+    if (tensor_parallel_size != 1 or len(sliding) != 1 or all(windows) or sliding[0] >= max_model_len
+            or len(layout) != len(windows) or len(set(layout)) != 1 or layout[0] == NO_KV):
+        return None
+    full = [i for i, w in enumerate(windows) if not w]
+    slid = [i for i, w in enumerate(windows) if w]
+    size = min(len(full), len(slid))
+    group_windows, layer_group, layer_slot = [], [0] * len(windows), [0] * len(windows)
+    for layers, window in ((full, 0), (slid, sliding[0])):
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start : start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(window)
+    return LayerGroups(size, tuple(group_windows), tuple(layer_group), tuple(layer_slot))

@@ -35,7 +35,7 @@ from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
 from kvpaging.worker.fp8_scales import calibrate_fp8_scales
-from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout
+from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout, layer_groups
 from kvpaging.worker.state_layers import install_state_layers
 
 logger = logging.getLogger("kvpaging")
@@ -68,6 +68,8 @@ class ModelRunner:
         self.kv_cache_dtype = config.kv_torch_dtype
         self.backend_name = config.attention_backend
         self.backend = get_backend(config.attention_backend)  # an AttentionBackend (kernels/backends.py)
+        # sliding layers among full ones: a block table per layer group, the groups' layers sharing tensors
+        self.layer_groups = layer_groups(config_hf, self.kv_layout, config.max_model_len, config.tensor_parallel_size)
         self.kv_caches = self._allocate_kv_caches(config.num_blocks)
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(self.kv_layout)
         self.cache_indexes = cache_indexes(self.kv_layout, self.num_layers)  # None: one attention call per layer
@@ -86,7 +88,8 @@ class ModelRunner:
             self.kv_scales = calibrate_fp8_scales(self, calibration_tokens)
         # A ready 4D mask makes transformers skip building one; our attention ignores it.
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self.block_table = BlockTable()  # the live block tables, from each step's table_updates
+        # the live block tables, from each step's table_updates: one array, or one per layer group
+        self.block_tables = [BlockTable() for _ in range(self.layer_groups.num_groups if self.layer_groups else 1)]
         self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/worker/self_check.py)
         self.graphs = None
         self._config = config
@@ -98,8 +101,20 @@ class ModelRunner:
         attention call of a layer that makes two); zeros, not empty: masked-out positions are multiplied by a
         probability of 0, and 0 * NaN is NaN."""
         shapes = [(num_blocks, self.block_size, layer.num_kv_heads, layer.width) for layer in self.kv_layout]
+        groups = self.layer_groups
+        if groups is not None:  # the j-th layer of every group stores in the same tensors (a block is one group's)
+            shared = [(torch.zeros(shapes[0], dtype=self.kv_cache_dtype, device=self.device),
+                       torch.zeros(shapes[0], dtype=self.kv_cache_dtype, device=self.device))
+                      for _ in range(groups.group_size)]
+            return [shared[slot] for slot in groups.layer_slot]
         return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
                  torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)) for shape in shapes]
+
+    def _distinct_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each cache tensor pair once (the layers of different groups share theirs), without the empty ones of
+        state layers."""
+        return [(k, v) for i, (k, v) in enumerate(self.kv_caches)
+                if k.numel() and all(k is not other for other, _ in self.kv_caches[:i])]
 
     @property
     def uses_graphs(self) -> bool:
@@ -111,7 +126,7 @@ class ModelRunner:
         """
         config = self._config
         return (not config.enforce_eager and self.device.type == "cuda" and config.attention_backend == "triton"
-                and config.tensor_parallel_size == 1 and self.state_slots is None)
+                and config.tensor_parallel_size == 1 and self.state_slots is None and self.layer_groups is None)
 
     def capture_graphs(self) -> None:
         """Capture the decode step in CUDA graphs, where they apply (the engine does it after its self-check)."""
@@ -124,6 +139,9 @@ class ModelRunner:
         elif not config.enforce_eager and self.device.type == "cuda" and self.state_slots is not None:
             logger.info("decode steps run eagerly: the state layers run each step's sequences in groups worked out on "
                         "the host, which a CUDA graph cannot replay")
+        elif not config.enforce_eager and self.device.type == "cuda" and self.layer_groups is not None:
+            logger.info("decode steps run eagerly: the graphs hold one block table, and this model's sliding and "
+                        "full layers keep one per layer group")
         elif not config.enforce_eager and self.device.type == "cuda":
             logger.info("the %s attention backend runs eagerly: CUDA graphs capture the Triton kernels only",
                         config.attention_backend)
@@ -132,20 +150,25 @@ class ModelRunner:
         """Nothing to release here (a tensor-parallel runner stops its worker processes)."""
 
     @property
+    def block_table(self) -> BlockTable:
+        """The runner's block tables (the first layer group's, for a model with a table per group)."""
+        return self.block_tables[0]
+
+    @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._distinct_caches())
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole blocks (every layer) before the forward that writes into the copies."""
         if not pairs:
             return
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        caches = [(k, v) for k, v in self.kv_caches if k.numel()]  # a state layer's cache holds nothing
+        caches = self._distinct_caches()
         self.backend.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, prefill_cu_seqlens_q: torch.Tensor,
-                num_decodes: int, logits_to_keep, rows=None) -> torch.Tensor:
+                num_decodes: int, logits_to_keep, rows=None, group_tables=None) -> torch.Tensor:
         """One forward pass of the model over the paged cache: the only place the model is called
         (eager steps and CUDA-graph captures both come here). Returns the model's logits ``[1, n, vocab]``."""
         meta = AttentionMetadata(
@@ -162,6 +185,8 @@ class ModelRunner:
         )
         if self.cache_indexes is not None:
             meta.cache_indexes, meta.calls = self.cache_indexes, [0] * self.num_layers
+        if group_tables is not None:  # each layer reads its group's tables and slots
+            meta.group_tables, meta.layer_group = group_tables, self.layer_groups.layer_group
         step = CURRENT_STEP.set(meta)  # for decoder layers that do not pass the keyword argument on
         try:
             return self.model(
@@ -177,8 +202,12 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's tables applied to the runner's own, then its input tensors (``prepare_step_inputs``)."""
-        self.block_table.apply(out.table_updates)
-        return prepare_step_inputs(out, self.block_table.array, self.device)
+        if self.layer_groups is None:
+            self.block_tables[0].apply(out.table_updates)
+            return prepare_step_inputs(out, self.block_tables[0].array, self.device)
+        for table, updates in zip(self.block_tables, out.table_updates):  # one list of changes per layer group
+            table.apply(updates)
+        return prepare_step_inputs(out, [table.array for table in self.block_tables], self.device)
 
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
         """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
@@ -201,7 +230,7 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
             inputs.prefill_cu_seqlens_q, inputs.num_decodes,
             0 if all_positions else inputs.logits_indices,  # 0: transformers' "keep every position"
-            inputs.rows,
+            inputs.rows, inputs.group_tables,
         )
         return logits[0].float()
 
@@ -251,11 +280,15 @@ class StepInputs:
     logits_indices: torch.Tensor  # int64 [num_sampling_seqs (+ tokens of prompt-logprob chunks)], in scheduled order
     num_decodes: int  # the first num_decodes tokens (and sequences) bring one token each
     rows: np.ndarray | None = None  # each sequence's block-table row, in the order of block_tables (its state slot)
+    # with a block table per layer group: each group's (slot_mapping, block_tables), the first group's above too
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray, device: torch.device | str = "cpu") -> StepInputs:
+def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray | list[np.ndarray],
+                        device: torch.device | str = "cpu") -> StepInputs:
     """Build a step's input tensors from the scheduler's output and the block tables (``tables``: the runner's
-    ``BlockTable.array``, with the step's updates applied): the host work measured by the benchmarks.
+    ``BlockTable.array``, with the step's updates applied; a list of them, one per layer group, for a model
+    with a table per group): the host work measured by the benchmarks.
 
     The decodes (one token each) are packed first, the multi-token chunks after
     them, so attention can serve the first part with the decode kernel and the
@@ -275,32 +308,35 @@ def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray, device: torch.
     else:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
+    tables = tables if isinstance(tables, list) else [tables]
     if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
         return _decode_inputs(out, tables, tensor)
     return _mixed_inputs(out, tables, tensor)
 
 
-def _decode_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInputs:
+def _decode_inputs(out: SchedulerOutput, tables: list[np.ndarray], tensor) -> StepInputs:
     """A step of decodes: one token each, at its sequence's last position."""
     pos, rows = out.decode_positions, out.decode_rows
     num_decodes = len(out.decodes)
     # a decode's position lies in the last block of its table, so its table is pos // block_size + 1 long
     width = int(pos.max()) // out.block_size + 1 if num_decodes else 0
     input_ids = np.array(out.decode_token_ids, dtype=np.int64).reshape(1, num_decodes)
+    groups = [(tensor(_slots(t, rows, pos, out.block_size)), tensor(t[rows, :width])) for t in tables]
     return StepInputs(
         input_ids=tensor(input_ids),
         positions=tensor(pos.reshape(1, -1)),
-        slot_mapping=tensor(_slots(tables, rows, pos, out.block_size)),
-        block_tables=tensor(tables[rows, :width]),
+        slot_mapping=groups[0][0],
+        block_tables=groups[0][1],
         seq_lens=tensor((pos + 1).astype(np.int32)),  # a decode sees every token up to its own
         prefill_cu_seqlens_q=tensor(np.zeros(1, dtype=np.int32)),  # no prefill
         logits_indices=tensor(np.arange(num_decodes)),  # a decode's logits row is its own
         num_decodes=num_decodes,
         rows=rows,
+        group_tables=groups if len(groups) > 1 else None,
     )
 
 
-def _mixed_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInputs:
+def _mixed_inputs(out: SchedulerOutput, tables: list[np.ndarray], tensor) -> StepInputs:
     """A step with chunks: the decodes' tokens first, then each chunk's tokens ``[start, start + n)``."""
     pos, rows = out.decode_positions, out.decode_rows
     num_decodes = len(out.decodes)
@@ -323,17 +359,19 @@ def _mixed_inputs(out: SchedulerOutput, tables: np.ndarray, tensor) -> StepInput
         firsts = num_decodes + ends_in_step - lengths
         logits_indices = np.concatenate([logits_indices] + [firsts[k] + np.arange(lengths[k])
                                                             for k in out.prompt_logprob_chunks])
+    # every table is a row of one array: the step takes its rows in one call
+    groups = [(tensor(_slots(t, token_rows, positions, out.block_size)), tensor(t[seq_rows, :width])) for t in tables]
     return StepInputs(
         input_ids=tensor(np.array(input_ids, dtype=np.int64).reshape(1, -1)),
         positions=tensor(positions.reshape(1, -1)),
-        slot_mapping=tensor(_slots(tables, token_rows, positions, out.block_size)),
-        # every table is a row of one array: the step takes its rows in one call
-        block_tables=tensor(tables[seq_rows, :width]),
+        slot_mapping=groups[0][0],
+        block_tables=groups[0][1],
         seq_lens=tensor(np.concatenate([pos + 1, ends]).astype(np.int32)),
         prefill_cu_seqlens_q=tensor(np.concatenate([[0], ends_in_step]).astype(np.int32)),
         logits_indices=tensor(logits_indices),
         num_decodes=num_decodes,
         rows=seq_rows,
+        group_tables=groups if len(groups) > 1 else None,
     )
 
 

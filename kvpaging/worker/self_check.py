@@ -337,9 +337,12 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     t0 = time.perf_counter()
     name = type(model).__name__
     bs = config.block_size
+    # a table per layer group (sliding layers among full ones): each group's blocks are blocks of its own
+    num_groups = runner.layer_groups.num_groups if getattr(runner, "layer_groups", None) else 1
+    capacity = config.num_blocks // num_groups
     # the pool holds max_model_len tokens, or (a model with a window on every layer) at least one step's worth
-    lengths = [min(n, config.max_model_len, config.num_blocks * bs) for n in LENGTHS]
-    if sum(-(-n // bs) for n in lengths) > config.num_blocks:
+    lengths = [min(n, config.max_model_len, capacity * bs) for n in LENGTHS]
+    if sum(-(-n // bs) for n in lengths) > capacity:
         lengths = lengths[:1]  # so one sequence always fits
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
@@ -358,6 +361,8 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
         blocks.append(list(range(first, first + -(-n // bs))))
         first += len(blocks[-1])
     table = [(row, 0, ids) for row, ids in enumerate(blocks)]  # each sequence's whole table, in the runner's rows
+    if num_groups > 1:  # group g's tables: the same, ``first`` blocks on
+        table = [[(row, 0, [b + g * first for b in ids]) for row, ids in enumerate(blocks)] for g in range(num_groups)]
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
     probe = AttentionProbe(name, runner.kv_layout, layer_windows(runner.model.config))
@@ -403,7 +408,7 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
                 replayed = True
     finally:
         runner.probe = None
-        used = torch.arange(first)
+        used = torch.arange(first * num_groups)
         with torch.inference_mode():
             for k_cache, v_cache in runner.kv_caches:  # leave the pool as it was: zeros
                 k_cache[used.to(k_cache.device)] = 0
