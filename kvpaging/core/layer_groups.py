@@ -117,6 +117,9 @@ class GroupedBlockManager:
         else:
             hits = prefix_hit.per_group if isinstance(prefix_hit, GroupedPrefixHit) else [NO_HIT] * len(self.groups)
             need = sum(group.blocks_to_allocate(seq_id, num_new_tokens, hit) for group, hit in zip(self.groups, hits))
+            # the hit blocks a window has passed are not taken, but are held below too
+            need += sum(1 for group, hit in zip(self.groups, hits)
+                        for block in hit.blocks[: group._passed_in(len(hit.blocks))] if block.ref_cnt == 0)
         if need > self.pool.free_queue.num_free_blocks:
             return None
         # every group's hit blocks get an owner first, so that no group's new blocks evict another group's hit
@@ -126,6 +129,8 @@ class GroupedBlockManager:
         tables = [group.allocate_slots(seq_id, token_ids, num_new_tokens, hit) for group, hit in zip(self.groups, hits)]
         for block in hit_blocks:
             self.pool.free_block(block)
+        if any(table is None for table in tables):  # the check above counts every block the groups take
+            raise RuntimeError(f"the layer groups fell out of step giving sequence {seq_id!r} its slots")
         self._note_peak()
         return tables[0]
 
