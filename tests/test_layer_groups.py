@@ -165,3 +165,24 @@ def test_the_pool_is_sized_in_pages_of_one_group():
     assert len({id(k) for k, _ in runner.kv_caches}) == 2, "layer j of each group shares tensors"
     with pytest.raises(ValueError, match="in the tables of its 2 layer groups"):
         LLM(model, block_size=4, max_model_len=64, num_blocks=16, attention_backend="torch")
+
+
+def test_triton_kernels_and_an_fp8_cache():
+    """The Triton kernels (under the interpreter here, compiled on a GPU) with each group's tables, and an FP8
+    cache whose scales are calibrated per layer over the shared tensors."""
+    model = tiny_model("gemma2", num_hidden_layers=4)
+    prompts = [list(range(5, 16)), list(range(40, 49))]
+    expected = [reference_tokens(model, p, 5) for p in prompts]
+    served = model
+    if torch.cuda.is_available():  # compiled kernels take CUDA tensors only (benchmarks/gpu_check.sh runs this)
+        import copy
+
+        served = copy.deepcopy(model).to("cuda")
+    llm = LLM(served, block_size=4, max_model_len=64, attention_backend="triton")
+    assert isinstance(llm.engine.block_manager, GroupedBlockManager)
+    _assert_generates_tokens(model, prompts, llm.generate(prompts, greedy_params(5), use_tqdm=False), expected,
+                             "triton")
+    fp8 = LLM(model, block_size=4, max_model_len=64, kv_cache_dtype="fp8", attention_backend="torch")
+    assert isinstance(fp8.engine.block_manager, GroupedBlockManager)
+    assert fp8.engine.self_check is not None and fp8.engine.self_check.error <= fp8.engine.self_check.tolerance
+    assert all(len(o.outputs[0].token_ids) == 5 for o in fp8.generate(prompts, greedy_params(5), use_tqdm=False))

@@ -130,9 +130,8 @@ def _attend(meta: AttentionMetadata, block_tables, q, k_cache, v_cache, scaling,
 
 def _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, kwargs):
     """A call outside an engine step: the engine measuring key/value shapes, or an FP8 calibration pass (both
-    plain SDPA over the call's tokens); anything else is refused, never served without the cache."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    plain attention over the call's tokens, ``_plain_attention``); anything else is refused, never served
+    without the cache."""
     amax = kwargs.pop(CALIBRATION_KWARG, None)
     found = MEASURING.get()
     if found is not None:  # the engine reads each layer's key/value shapes before sizing the cache
@@ -144,8 +143,30 @@ def _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, k
         v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
         old = amax.get(module.layer_idx)
         amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+    return _plain_attention(module, query, key, value, dropout, scaling, kwargs)
+
+
+def _plain_attention(module, query, key, value, dropout, scaling, kwargs) -> torch.Tensor:
+    """Causal attention over one unpaged call's tokens, as the model computes it: its own modeling file's
+    ``eager_attention_forward`` (which applies its softcaps and sinks) under a causal mask, windowed by the
+    call's ``sliding_window``; transformers' SDPA for a model without one."""
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    q_len, k_len = query.shape[2], key.shape[2]
+    pos_q = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+    pos_k = torch.arange(k_len, device=query.device)[None, :]
+    allowed = pos_k <= pos_q
+    window = kwargs.get("sliding_window") or 0
+    if window:
+        allowed &= pos_k > pos_q - window
+    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _no_mask(*args, **kwargs):
