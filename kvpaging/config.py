@@ -46,7 +46,9 @@ class EngineConfig:
 
     block_size: token slots per KV block (a power of two, 1 to 256).
     num_blocks: KV blocks in the pool; None sizes the pool from memory
-        (``gpu_memory_utilization`` on a GPU, ``kv_cache_memory_bytes`` or 1 GiB on a CPU).
+        (``gpu_memory_utilization`` on a GPU, ``kv_cache_memory_bytes`` or 1 GiB on a CPU). For a model
+        that interleaves sliding and full-attention layers a block is a page of one layer group's layers
+        (``kvpaging/core/layer_groups.py``), and a sequence takes blocks in every group's table.
     max_num_seqs: most sequences in one step (each completion of an n > 1 request counts). None: 256, or
         fewer for a hybrid model whose state slots for 256 sequences would take over half the memory budget
         (the log says so).
