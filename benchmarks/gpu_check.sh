@@ -150,7 +150,8 @@ if [ "$PART" = kernels ]; then
     stage kernel_tests 110 "$PYTHON" -m pytest -q -rs -p no:cacheprovider --junitxml="$WORK/logs/kernel_tests.xml" \
         "$REPO/tests/test_kernels_triton.py" "$REPO/tests/test_kernels_reference.py" \
         "$REPO/tests/test_engine_triton.py" "$REPO/tests/test_cuda_graphs.py" \
-        "$REPO/tests/test_state_layers.py::test_triton_kernels_and_an_fp8_cache_on_a_hybrid_model"
+        "$REPO/tests/test_state_layers.py::test_triton_kernels_and_an_fp8_cache_on_a_hybrid_model" \
+        "$REPO/tests/test_layer_groups.py::test_triton_kernels_and_an_fp8_cache"
     # 2. the kernel benchmark; it stops starting cases 15 s before its limit and writes what it measured
     if [ "$REHEARSE" = 1 ]; then BENCH=(--rehearse); else BENCH=(); fi
     left=$(( DEADLINE - SECONDS - RESERVE_S )); limit=$(( left < 120 ? left : 120 ))
