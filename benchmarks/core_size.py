@@ -26,6 +26,7 @@ BEYOND = {
     "kvpaging/core/invariants.py": "the tests' full scans of the books",
     "kvpaging/core/kv_stats.py": "KVCacheStats, the figures the lessons and views read",
     "kvpaging/core/sliding_window.py": "a window on every layer: passed blocks back to the pool",
+    "kvpaging/core/layer_groups.py": "sliding layers among full ones: a block table per layer group",
     "kvpaging/worker/logits_processors.py": "penalties, logit bias, bad words, min_tokens, allowed tokens, grammars",
     "kvpaging/worker/fp8_scales.py": "the FP8 cache's calibrated scales",
     "kvpaging/engine/prompt_logprobs.py": "prompt log-probabilities",

@@ -32,6 +32,8 @@ from engine_helpers import (
     random_prompt,
 )
 
+from kvpaging.worker.kv_layout import config_layout, layer_groups
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NUM_TOKENS = 12
@@ -45,6 +47,13 @@ SLIDING = {
     "qwen2, sliding layers": ("qwen2", {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 1}),
 }
 VARIANTS = {arch: (arch, {}) for arch in ARCHS} | SLIDING
+
+
+def num_tables(model, max_model_len: int) -> int:
+    """How many block tables each sequence keeps: one per layer group where sliding layers sit among full ones."""
+    config = model.config
+    groups = layer_groups(config, config_layout(config, config.num_hidden_layers), max_model_len)
+    return 1 if groups is None else groups.num_groups
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -139,9 +148,10 @@ def test_chunked_prefill_gives_the_same_tokens(ref):
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_preemption_gives_the_same_tokens(ref, prefix_caching):
     prompts = mixed_prompts()
-    # 13 blocks of 4 hold one 40-token prompt plus its 12 tokens, nowhere near the whole batch
-    llm = build_llm(ref.engine_model(), block_size=4, num_blocks=13, max_model_len=40 + NUM_TOKENS,
-                    enable_prefix_caching=prefix_caching)
+    # 13 blocks of 4 hold one 40-token prompt plus its 12 tokens, nowhere near the whole batch (in each table of a
+    # model with sliding layers among full ones, which keeps one per layer group: tests/test_layer_groups.py)
+    llm = build_llm(ref.engine_model(), block_size=4, num_blocks=13 * num_tables(ref.engine_model(), 40 + NUM_TOKENS),
+                    max_model_len=40 + NUM_TOKENS, enable_prefix_caching=prefix_caching)
     if llm.engine.block_manager.sliding_window:
         # a window on every layer: the blocks it passes go back to the pool, so a sequence holds at most 3 blocks
         # once it decodes; eight more short prompts, admitted with a block or two each, run out as they grow
@@ -164,8 +174,9 @@ def test_n_greedy_completions_all_equal_the_reference(ref):
         assert [c.index for c in out.outputs] == list(range(n))
     assert llm.engine.scheduler.num_preemptions == 0
     # The n completions share the prompt's blocks. A partly filled last block is copied when a
-    # completion first writes into it, by all but the last completion to do so; full blocks never.
-    partly_filled = sum(1 for p in prompts if len(p) % 4)
+    # completion first writes into it, by all but the last completion to do so; full blocks never (in every
+    # table of a model with a table per layer group).
+    partly_filled = sum(1 for p in prompts if len(p) % 4) * len(getattr(llm.engine.block_manager, "groups", [0]))
     assert llm.engine.block_manager.stats().num_cow_copies == partly_filled * (n - 1)
     assert sum(len(r.blocks_copied) for r in llm.engine.trace) == partly_filled * (n - 1)
     assert_pool_clean(llm)

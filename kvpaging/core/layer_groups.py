@@ -45,6 +45,8 @@ class GroupedPrefixHit(PrefixHit):
 class GroupedBlockManager:
     """One block table per layer group for each sequence, over one shared pool; the block manager's methods."""
 
+    sliding_window = 0  # not a window on every layer: the full groups keep every block (``windows``: each group's)
+
     def __init__(self, windows: Sequence[int], num_blocks: int, block_size: int = 16,
                  enable_prefix_caching: bool = True, **kwargs) -> None:
         """``windows``: each group's (0: full attention); ``kwargs`` go to every group's manager (``hash_fn``)."""

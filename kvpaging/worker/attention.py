@@ -147,14 +147,16 @@ def _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, k
 
 
 def _plain_attention(module, query, key, value, dropout, scaling, kwargs) -> torch.Tensor:
-    """Causal attention over one unpaged call's tokens, as the model computes it: its own modeling file's
-    ``eager_attention_forward`` (which applies its softcaps and sinks) under a causal mask, windowed by the
-    call's ``sliding_window``; transformers' SDPA for a model without one."""
+    """Causal attention over one unpaged call's tokens: transformers' SDPA; for a call with soft-capping or sinks,
+    which SDPA does not do, the model's own modeling file's ``eager_attention_forward`` under a causal mask,
+    windowed by the call's ``sliding_window``."""
     import sys
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    eager = None
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     q_len, k_len = query.shape[2], key.shape[2]
