@@ -280,9 +280,9 @@ class BlockManager:
 
     def _parent_cache_id(self, st: SequenceBlocks, i: int) -> int | None:
         """The prefix-cache identity of block ``i - 1`` of ``st`` (``root_cache_id`` before block 0; None if not
-        cached). A block
-        the window passed is gone from the table: it is the last one passed (blocks are offered to the cache in
-        the step that fills them, before the window can pass the next one), whose identity the table kept."""
+        cached). A block the window passed is gone from the table: it is the last one passed (blocks are offered
+        to the cache in the step that fills them, before the window can pass the next one), whose identity the
+        table kept."""
         if i == 0:
             return self.root_cache_id
         parent = st.blocks[i - 1]
