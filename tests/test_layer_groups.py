@@ -186,3 +186,18 @@ def test_triton_kernels_and_an_fp8_cache():
     assert isinstance(fp8.engine.block_manager, GroupedBlockManager)
     assert fp8.engine.self_check is not None and fp8.engine.self_check.error <= fp8.engine.self_check.tolerance
     assert all(len(o.outputs[0].token_ids) == 5 for o in fp8.generate(prompts, greedy_params(5), use_tqdm=False))
+
+
+def test_step_records_count_every_groups_tables():
+    """The views count the blocks the tables hold from the step records: every group's, not only the first group's
+    (whose tables the records keep), so unshared tables hold exactly the blocks in use (the memory map showed
+    "sharing saves" a negative number of blocks before)."""
+    from kvpaging.visualizers.replay import table_blocks_of
+
+    llm = LLM(tiny_model("gemma2", num_hidden_layers=4), block_size=4, max_model_len=64, attention_backend="torch")
+    llm.engine.keep_trace = True
+    llm.generate([list(range(5, 30)), list(range(40, 50))], greedy_params(20), use_tqdm=False)
+    records = list(llm.engine.trace)
+    assert records and all(table_blocks_of(r) == r.num_used_blocks for r in records)
+    assert any(sum(len(t) for t in r.block_tables.values()) < r.num_used_blocks for r in records), \
+        "the first group's tables alone hold fewer blocks than are in use"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpaging.visualizers.base import CELL_PX, PALETTE, TraceView, discrete_colorscale, small_lines
-from kvpaging.visualizers.replay import TraceReplay, pool_arrays
+from kvpaging.visualizers.replay import TraceReplay, pool_arrays, table_blocks_of
 
 __all__ = ["MemoryMapView", "MemoryMapFrame", "memory_map_frame", "pool_figures", "FREE", "CACHED_FREE", "SHARED"]
 
@@ -66,7 +66,7 @@ def pool_figures(replay: TraceReplay, position: int) -> dict:
     bs = replay.block_size
     used = record.num_used_blocks
     allocated = used * bs
-    table_blocks = sum(len(t) for t in record.block_tables.values())
+    table_blocks = table_blocks_of(record)
     derived = replay.steps[position]
     return {
         "num_blocks": replay.num_blocks,

@@ -49,9 +49,16 @@ import numpy as np
 
 from kvpaging.engine.llm_engine import StepRecord
 
-__all__ = ["TraceReplay", "DerivedStep", "PoolArrays", "pool_arrays", "infer_block_size"]
+__all__ = ["TraceReplay", "DerivedStep", "PoolArrays", "pool_arrays", "infer_block_size", "table_blocks_of"]
 
 _INT = np.int64
+
+
+def table_blocks_of(record) -> int:
+    """The blocks a step's tables hold, each once per table: the engine's own count where the record has it (a
+    window's passed entries left out, every layer group's tables in), else the recorded tables' entries."""
+    counted = getattr(record, "num_table_blocks", None)
+    return counted if counted is not None else sum(len(t) for t in record.block_tables.values())
 
 
 @dataclass(frozen=True)
@@ -301,7 +308,7 @@ class TraceReplay:
             "num_waiting": record.num_waiting,
             "num_running": record.num_running,
             "num_preempted": len(record.preempted),
-            "num_table_blocks": sum(len(t) for t in record.block_tables.values()),
+            "num_table_blocks": table_blocks_of(record),
         }
         for name, value in values.items():
             self._columns[name].append(value)

@@ -55,6 +55,10 @@ class StepRecord:
     # seq id -> block table of each sequence that finished normally this step, as it was just before
     # its blocks were released (a request can be admitted and finish within one step)
     finished_block_tables: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # the blocks all tables hold (a block in n tables counted n times), as the block manager counts them: with a
+    # window, without the entries it has passed; with a table per layer group, every group's (``block_tables``
+    # holds the first group's). None in records of older engines: the views then count ``block_tables``
+    num_table_blocks: int | None = None
 
 
 class StepObservers:
@@ -115,4 +119,5 @@ def _record(out, start: float, scheduler, finished, sampled, released: dict | No
         arrivals={s.seq.request.request_id: s.seq.request.arrival_time for s in out.scheduled
                   if s.seq.request.first_scheduled_time == start},
         finished_block_tables=released or {},
+        num_table_blocks=stats.num_table_blocks,
     )
