@@ -71,6 +71,8 @@ class ModelRunner:
         # sliding layers among full ones: a block table per layer group, the groups' layers sharing tensors
         self.layer_groups = layer_groups(config_hf, self.kv_layout, config.max_model_len, config.tensor_parallel_size)
         self.kv_caches = self._allocate_kv_caches(config.num_blocks)
+        # each K/V tensor pair once (layers of different groups share theirs), without state layers' empty ones
+        self._distinct_caches = list({id(k): (k, v) for k, v in self.kv_caches if k.numel()}.values())
         self.kv_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(self.kv_layout)
         self.cache_indexes = cache_indexes(self.kv_layout, self.num_layers)  # None: one attention call per layer
         register_attention()
@@ -109,12 +111,6 @@ class ModelRunner:
             return [shared[slot] for slot in groups.layer_slot]
         return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
                  torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)) for shape in shapes]
-
-    def _distinct_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each cache tensor pair once (the layers of different groups share theirs), without the empty ones of
-        state layers."""
-        return [(k, v) for i, (k, v) in enumerate(self.kv_caches)
-                if k.numel() and all(k is not other for other, _ in self.kv_caches[:i])]
 
     @property
     def uses_graphs(self) -> bool:
@@ -156,14 +152,14 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._distinct_caches())
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._distinct_caches)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole blocks (every layer) before the forward that writes into the copies."""
         if not pairs:
             return
         mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        caches = self._distinct_caches()
+        caches = self._distinct_caches
         self.backend.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -202,11 +198,10 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's tables applied to the runner's own, then its input tensors (``prepare_step_inputs``)."""
-        if self.layer_groups is None:
-            self.block_tables[0].apply(out.table_updates)
-            return prepare_step_inputs(out, self.block_tables[0].array, self.device)
-        for table, updates in zip(self.block_tables, out.table_updates):  # one list of changes per layer group
-            table.apply(updates)
+        # a model with a table per layer group gets one list of changes per group
+        updates = out.table_updates if self.layer_groups is not None else [out.table_updates]
+        for table, group_updates in zip(self.block_tables, updates):
+            table.apply(group_updates)
         return prepare_step_inputs(out, [table.array for table in self.block_tables], self.device)
 
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
@@ -321,7 +316,8 @@ def _decode_inputs(out: SchedulerOutput, tables: list[np.ndarray], tensor) -> St
     # a decode's position lies in the last block of its table, so its table is pos // block_size + 1 long
     width = int(pos.max()) // out.block_size + 1 if num_decodes else 0
     input_ids = np.array(out.decode_token_ids, dtype=np.int64).reshape(1, num_decodes)
-    groups = [(tensor(_slots(t, rows, pos, out.block_size)), tensor(t[rows, :width])) for t in tables]
+    cols, offsets = np.divmod(pos, out.block_size)
+    groups = [(tensor(_slots(t, rows, cols, offsets, out.block_size)), tensor(t[rows, :width])) for t in tables]
     return StepInputs(
         input_ids=tensor(input_ids),
         positions=tensor(pos.reshape(1, -1)),
@@ -360,7 +356,9 @@ def _mixed_inputs(out: SchedulerOutput, tables: list[np.ndarray], tensor) -> Ste
         logits_indices = np.concatenate([logits_indices] + [firsts[k] + np.arange(lengths[k])
                                                             for k in out.prompt_logprob_chunks])
     # every table is a row of one array: the step takes its rows in one call
-    groups = [(tensor(_slots(t, token_rows, positions, out.block_size)), tensor(t[seq_rows, :width])) for t in tables]
+    cols, offsets = np.divmod(positions, out.block_size)
+    groups = [(tensor(_slots(t, token_rows, cols, offsets, out.block_size)), tensor(t[seq_rows, :width]))
+              for t in tables]
     return StepInputs(
         input_ids=tensor(np.array(input_ids, dtype=np.int64).reshape(1, -1)),
         positions=tensor(positions.reshape(1, -1)),
@@ -375,7 +373,7 @@ def _mixed_inputs(out: SchedulerOutput, tables: list[np.ndarray], tensor) -> Ste
     )
 
 
-def _slots(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """The cache slot of each token: block ``table[row][pos // block_size]``, offset ``pos % block_size``."""
-    blocks = tables[rows, positions // block_size].astype(np.int64)
-    return blocks * block_size + positions % block_size
+def _slots(tables: np.ndarray, rows: np.ndarray, cols: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token: block ``table[row][col]`` (``col = pos // block_size``), at ``offset = pos %
+    block_size`` in it."""
+    return tables[rows, cols].astype(np.int64) * block_size + offsets
