@@ -77,21 +77,24 @@ def exact_decode(query, kv, scale):
 
 
 def test_decode_of_peaked_scores(gen):
-    """Logits hundreds apart: most weights underflow (the kernel skips their exp) and few keys count.
+    """Logits hundreds apart: most weights underflow to zero and only a few keys count.
 
-    Logits this large carry float32 rounding errors of about 1e-3 whatever the order of the
-    sums, so the float32 reference is no exact oracle here: both are compared with the same
-    attention computed in float64, and the kernel must be about as close to it as the reference.
+    With random float32 inputs, logits this large carry rounding errors of about 1e-4 that depend on
+    the order of each dot product's sum, so neither the kernel nor the float32 reference would be an
+    exact oracle (which of them lands closer to float64 is luck). Here the query and keys are small
+    integers and the scale a power of two: every logit is exact in float32 whatever the order, and
+    what is left to get right is the softmax itself (the row maximum, the underflowed weights, the sum).
     """
     kv = random_paged_kv([40, 7], 2, 32, 16, generator=gen)
-    query = transposed_query(2, 4, 32, gen) * 200.0
-    scale = 32**-0.5
+    kv.k_cache.copy_(kv.k_cache.mul(2).round())                # integers, about -6..6
+    query = transposed_query(2, 4, 32, gen).mul(100).round()  # integers, about -300..300: |dot| < 2**24
+    scale = 1 / 8
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     exact, spreads = exact_decode(query, kv, scale)
     assert (spreads > 80).any(), "some weights must underflow"
-    kernel_error = (cpu_backend.paged_decode_attention(*args).double() - exact).abs().max().item()
-    reference_error = (reference.paged_decode_attention(*args).double() - exact).abs().max().item()
-    assert kernel_error <= 2 * reference_error + 1e-5, (kernel_error, reference_error)
+    for backend in (cpu_backend, reference):
+        error = (backend.paged_decode_attention(*args).double() - exact).abs().max().item()
+        assert error <= 1e-5, (backend.__name__, error)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
