@@ -77,13 +77,9 @@ def run(args) -> dict:
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        if args.grouped_window:  # what the model runner does first (ModelRunner.prepare_inputs)
-            for table, updates in zip(tables, out.table_updates):
-                table.apply(updates)
-            prepare_step_inputs(out, [table.array for table in tables])
-        else:
-            tables[0].apply(out.table_updates)
-            prepare_step_inputs(out, tables[0].array)
+        for table, updates in zip(tables, out.table_updates):  # what the model runner does (ModelRunner.prepare_inputs)
+            table.apply(updates)
+        prepare_step_inputs(out, [table.array for table in tables])
         t2 = clock()
         n, k = len(out.samples), steps % 2048
         sched.update(out, tokens[k : k + n] if k + n <= 4096 else tokens[:n])

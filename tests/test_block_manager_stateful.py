@@ -40,7 +40,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- helpers replaying the engine's writes on the model ---------------------------
     def _apply_copies(self):
-        copies, updates = self.bm.take_step_changes()
+        copies, (updates,) = self.bm.take_step_changes()
         self.runner_tables.apply(updates)
         for src, dst in copies:
             assert self.bm.pool.blocks[dst].ref_cnt == 1
@@ -139,7 +139,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert s.num_tokens_stored == sum(bm.pool.blocks[b].num_filled for b in held)
         assert s.num_table_blocks == sum(len(bm.get_block_table(seq)) for seq in self.tokens)
         # the updates, applied in order, rebuild every live table: its row holds the table, then zeros
-        self.runner_tables.apply(bm.take_step_changes()[1])
+        self.runner_tables.apply(bm.take_step_changes()[1][0])
         for seq in self.tokens:
             st = bm.get_sequence_blocks(seq)
             row = self.runner_tables.array[st.row].tolist()

@@ -196,9 +196,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         """The model runner's input tensors for the step, against plain lists built from this model's own
         record of the tokens and the block manager's tables: decodes first, then the chunks."""
         grouped = len(self.members) > 1
-        for table, updates in zip(self.tables, out.table_updates if grouped else [out.table_updates]):
+        for table, updates in zip(self.tables, out.table_updates):
             table.apply(updates)
-        inputs = prepare_step_inputs(out, [t.array for t in self.tables] if grouped else self.tables[0].array)
+        inputs = prepare_step_inputs(out, [t.array for t in self.tables])
         assert (inputs.group_tables is not None) == grouped
         for member, (slots, tables) in zip(self.members, inputs.group_tables or []):
             expected_slots, expected_tables = self._slots_and_tables(out, member)

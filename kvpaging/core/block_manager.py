@@ -155,13 +155,14 @@ class BlockManager:
         """The sequence's live table record (block ids, token count, row in the runner's block table): read only."""
         return self._state(seq_id)
 
-    def take_step_changes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, list[int]]]]:
+    def take_step_changes(self) -> tuple[list[tuple[int, int]], list[list[tuple[int, int, list[int]]]]]:
         """What the model runner must do before the step's forward: the copy-on-write ``(src, dst)`` pairs decided
         since the last :meth:`step_done` (they stay pending until it), and every change to the tables since the
         last call, in order, as ``(row, column, block_ids)``: ``block_ids`` go into ``row`` from ``column`` on;
-        written from column 0 they are the whole table (the runner's ``BlockTable.apply``)."""
+        written from column 0 they are the whole table (the runner's ``BlockTable.apply``). The changes come as one
+        list per layer group (``layer_groups.py``); this manager's tables are one group."""
         updates, self._table_updates = self._table_updates, []
-        return list(self._blocks_to_copy), updates
+        return list(self._blocks_to_copy), [updates]
 
     def _take_row(self) -> int:
         if self._free_rows:

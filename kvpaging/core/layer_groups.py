@@ -90,7 +90,7 @@ class GroupedBlockManager:
         """Every group's copy-on-write pairs, and each group's table changes as a list of its own."""
         copies, updates = [], []
         for group in self.groups:
-            group_copies, group_updates = group.take_step_changes()
+            group_copies, (group_updates,) = group.take_step_changes()
             copies += group_copies
             updates.append(group_updates)
         return copies, updates

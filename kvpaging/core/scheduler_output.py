@@ -72,8 +72,9 @@ class SchedulerOutput:
     forked: list[tuple[int, int]] = field(default_factory=list)  # (parent, child) seq ids, made this step
     children: list[Sequence] = field(default_factory=list)  # the completions forked this step
     # every change to the block tables since the last step's output, in order: (row, column, block ids), which the
-    # runner applies to its own copy of the tables before it reads them (BlockTable, kvpaging/worker/model_runner.py)
-    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # runner applies to its own copy of the tables before it reads them (BlockTable, kvpaging/worker/model_runner.py);
+    # one list per layer group (most models: one group, one list)
+    table_updates: list[list[tuple[int, int, list[int]]]] = field(default_factory=lambda: [[]])
     block_size: int = 16
 
     @property

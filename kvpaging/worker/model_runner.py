@@ -198,9 +198,7 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's tables applied to the runner's own, then its input tensors (``prepare_step_inputs``)."""
-        # a model with a table per layer group gets one list of changes per group
-        updates = out.table_updates if self.layer_groups is not None else [out.table_updates]
-        for table, group_updates in zip(self.block_tables, updates):
+        for table, group_updates in zip(self.block_tables, out.table_updates):  # one list of changes per layer group
             table.apply(group_updates)
         return prepare_step_inputs(out, [table.array for table in self.block_tables], self.device)
 
@@ -279,11 +277,11 @@ class StepInputs:
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray | list[np.ndarray],
+def prepare_step_inputs(out: SchedulerOutput, tables: list[np.ndarray],
                         device: torch.device | str = "cpu") -> StepInputs:
     """Build a step's input tensors from the scheduler's output and the block tables (``tables``: the runner's
-    ``BlockTable.array``, with the step's updates applied; a list of them, one per layer group, for a model
-    with a table per group): the host work measured by the benchmarks.
+    ``BlockTable.array`` of each layer group, one for most models, with the step's updates applied): the host
+    work measured by the benchmarks.
 
     The decodes (one token each) are packed first, the multi-token chunks after
     them, so attention can serve the first part with the decode kernel and the
@@ -303,7 +301,6 @@ def prepare_step_inputs(out: SchedulerOutput, tables: np.ndarray | list[np.ndarr
     else:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
-    tables = tables if isinstance(tables, list) else [tables]
     if not out.chunks:  # a step of decodes only (most steps of a busy engine): no packing, fewest calls
         return _decode_inputs(out, tables, tensor)
     return _mixed_inputs(out, tables, tensor)

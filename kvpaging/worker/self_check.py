@@ -360,9 +360,8 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     for n in lengths:
         blocks.append(list(range(first, first + -(-n // bs))))
         first += len(blocks[-1])
-    table = [(row, 0, ids) for row, ids in enumerate(blocks)]  # each sequence's whole table, in the runner's rows
-    if num_groups > 1:  # group g's tables: the same, ``first`` blocks on
-        table = [[(row, 0, [b + g * first for b in ids]) for row, ids in enumerate(blocks)] for g in range(num_groups)]
+    # each sequence's whole table, in the runner's rows; layer group g's tables: the same, ``g * first`` blocks on
+    table = [[(row, 0, [b + g * first for b in ids]) for row, ids in enumerate(blocks)] for g in range(num_groups)]
     seqs = [SimpleNamespace(seq_id=("self-check", k), token_ids=t.tolist(), blocks=blocks[k])
             for k, t in enumerate(tokens)]
     probe = AttentionProbe(name, runner.kv_layout, layer_windows(runner.model.config))
