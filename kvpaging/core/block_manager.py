@@ -270,14 +270,16 @@ class BlockManager:
         bs = self.block_size
         hashes = st.block_hashes
         blocks = st.blocks
+        parent_id = self._parent_cache_id(st, len(hashes))
         for i in range(len(hashes), num_tokens // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.hash_fn(hashes[-1] if i else None, toks)
+            hashes.append(h)
             block = blocks[i]
             # a prefix hit, or a block shared with a parent that cached it, is cached already
-            if block.block_hash is None and self.pool.cache_block(block, h, toks, self._parent_cache_id(st, i)):
+            if block.block_hash is None and self.pool.cache_block(block, h, toks, parent_id):
                 self._cached_in_step.append(block)
-            hashes.append(h)
+            parent_id = block.cache_id if block.block_hash is not None else None
 
     def _parent_cache_id(self, st: SequenceBlocks, i: int) -> int | None:
         """The prefix-cache identity of block ``i - 1`` of ``st`` (``root_cache_id`` before block 0; None if not

@@ -280,8 +280,9 @@ class BlockPool:
         """
         if parent_cache_id is None:
             return False
-        twin = self._find(block_hash, token_ids, parent_cache_id)
-        if twin is not None:  # the same content: one identity, so a chain may pass through either copy
+        same_hash = self._cached.get(block_hash)
+        twin = same_hash and self._find(block_hash, token_ids, parent_cache_id)
+        if twin:  # the same content: one identity, so a chain may pass through either copy
             block.cache_id = twin.cache_id
         else:
             block.cache_id = self._next_cache_id
@@ -289,7 +290,10 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_cache_id = parent_cache_id
-        self._cached.setdefault(block_hash, {})[block.block_id] = block
+        if same_hash is None:  # most blocks: the first under their hash
+            self._cached[block_hash] = {block.block_id: block}
+        else:
+            same_hash[block.block_id] = block
         self.num_cached_blocks += 1
         return True
 
