@@ -62,9 +62,11 @@ class EngineConfig:
     seed: of the engine's random generator (requests without a seed of their own draw from it).
     gpu_memory_utilization: the share of GPU memory the whole process may use, KV pool included.
     kv_cache_memory_bytes: the KV pool's size in bytes (overrides gpu_memory_utilization).
-    cpu_fast_layers: on a CPU, run a float32 model's linear layers on oneDNN and its RMSNorms
-        in one C pass (``kvpaging.kernels.cpu.layers``). Off by default: the engine then runs
-        the model's own layers, exactly what ``generate()`` runs.
+    cpu_fast_layers: on a CPU, faster layers for the same maths (``kvpaging.kernels.cpu.layers``): a bfloat16
+        model's linear layers on weights packed once for oneDNN (``F.linear``'s products to the bit, checked per
+        layer; the price is a second copy of those weights), a float32 model's on oneDNN (not to the bit: its
+        sums run in another order) and its RMSNorms in one C pass. None (the default): the bfloat16 packing
+        alone, which changes no result; False: the model's own layers, exactly what ``generate()`` runs.
     tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
         one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/distributed/tensor_parallel.py``).
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
@@ -92,7 +94,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
-    cpu_fast_layers: bool = False
+    cpu_fast_layers: bool | None = None
     tensor_parallel_size: int = 1
     self_check: bool = True
     max_logprobs: int = 20
@@ -117,7 +119,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.kv_cache_memory_bytes is not None:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
-        check_bool("cpu_fast_layers", self.cpu_fast_layers)
+        if self.cpu_fast_layers is not None:
+            check_bool("cpu_fast_layers", self.cpu_fast_layers)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_bool("self_check", self.self_check)
         check_int("max_logprobs", self.max_logprobs, 0)
@@ -174,12 +177,20 @@ class EngineConfig:
                 f"tokens{states}) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
                 + (" or max_num_batched_tokens" if any(windows) else "") + (" or max_num_seqs" if states else "")
             )
-        if self.cpu_fast_layers and dev.type != "cpu":
-            raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")
+        fast_layers = self._fast_layers(dev, param.dtype)
         if not self.enforce_eager and dev.type != "cuda":
             logger.debug("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)
-        return dataclasses.replace(self, attention_backend=backend, kv_cache_dtype=kv_dtype,
-                                   max_model_len=max_model_len, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+        return dataclasses.replace(self, attention_backend=backend, kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
+                                   num_blocks=num_blocks, max_num_seqs=max_num_seqs, cpu_fast_layers=fast_layers)
+
+    def _fast_layers(self, dev: torch.device, dtype: torch.dtype) -> bool:
+        """``cpu_fast_layers`` for this model: None becomes True for a bfloat16 model on the CPU (its packed
+        linears change no result), served by one process, and False otherwise."""
+        if self.cpu_fast_layers is None:
+            return dev.type == "cpu" and dtype == torch.bfloat16 and self.tensor_parallel_size == 1
+        if self.cpu_fast_layers and dev.type != "cpu":
+            raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")
+        return self.cpu_fast_layers
 
     def _attention_backend(self, dev: torch.device) -> str:
         backend = self.attention_backend

@@ -1,8 +1,9 @@
-"""Opt-in faster CPU layers (kernels/cpu/layers.py, ``cpu_fast_layers=True``): oneDNN linears, one-pass RMSNorms.
+"""Faster CPU layers (kernels/cpu/layers.py, ``cpu_fast_layers``): oneDNN linears, one-pass RMSNorms.
 
 The engine's tokens with these layers are checked against transformers'
-``generate()`` by test_engine_vs_transformers.py. Here: they are off unless asked
-for; when on, the engine's private copy gets them and the user's model never
+``generate()`` by test_engine_vs_transformers.py. Here: a float32 model gets them
+only when asked for, a bfloat16 one its packed linears by default (and nothing with
+``cpu_fast_layers=False``); when on, the engine's private copy gets them and the user's model never
 does; large products go to oneDNN and small ones stay on ``F.linear``; RMSNorm
 variants with other maths are left alone; the patched copy still deep-copies
 and pickles.
@@ -51,9 +52,10 @@ def test_the_engine_copy_gets_every_float32_linear_and_rms_norm_and_the_user_mod
     assert served.lm_head.weight is model.lm_head.weight  # the copy shares the weights, no second copy
 
 
-def test_off_by_default_and_the_default_engine_runs_the_models_own_layers():
+def test_off_by_default_in_float32_and_the_default_engine_runs_the_models_own_layers():
     model = tiny("qwen3", seed=0)
     plain = LLM(model, num_blocks=16, max_model_len=64)
+    assert plain.engine.config.cpu_fast_layers is False
     assert plain.engine.runner.fast_layers == layers.FastLayers()
     assert not any("forward" in vars(m) for m in plain.engine.model.modules())
     if layers.onednn_usable():
@@ -62,6 +64,26 @@ def test_off_by_default_and_the_default_engine_runs_the_models_own_layers():
         params = SamplingParams(max_tokens=2, temperature=0.0)
         assert "mkldnn::_linear_pointwise" in ops_called(lambda: fast.generate(prompts, params, use_tqdm=False))
         assert "mkldnn::_linear_pointwise" not in ops_called(lambda: plain.generate(prompts, params, use_tqdm=False))
+
+
+@needs_onednn
+def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens_with_or_without():
+    """The packed bfloat16 linears change no result (each layer's product is ``F.linear``'s to the bit, checked when
+    it is turned on), so they are the default for a bfloat16 model on the CPU; False keeps the model's own."""
+    model = tiny("llama", seed=0).to(torch.bfloat16)
+    by_default = LLM(model, num_blocks=16, max_model_len=64)
+    linears = [m for m in by_default.engine.model.modules() if type(m) is torch.nn.Linear]
+    assert by_default.engine.config.cpu_fast_layers is True
+    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), 0)  # bfloat16 norms keep theirs
+    assert all(isinstance(vars(m).get("_packed"), layers._Packed) for m in linears)
+    assert not any("forward" in vars(m) for m in model.modules()), "the user's model was patched"
+    own = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=False)
+    assert own.engine.runner.fast_layers == layers.FastLayers()
+    assert not any("forward" in vars(m) for m in own.engine.model.modules())
+    prompts = [[5, 9, 2, 7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in by_default.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in own.generate(prompts, params, use_tqdm=False)]
 
 
 @needs_onednn

@@ -24,9 +24,15 @@ implementation of the *same* maths (measured by
   own dispatch: 1.6 ms for a 2048 x 256 prefill chunk, where the one-pass C
   loop of ``rms_norm.c`` takes 0.05 ms.
 
-They are **off by default**: the engine then runs the model's own layers, the
-very code ``generate()`` runs, so a comparison of the two measures scheduling
-and paging and nothing else. ``LLM(..., cpu_fast_layers=True)`` turns them on.
+The engine gives a **bfloat16** model's linears their packed weights by default
+(``cpu_fast_layers=None``): the products are ``F.linear``'s to the bit, so nothing a
+user sees changes but the speed and the memory (a second copy of those weights,
+logged). The float32 oneDNN linears and the C RMSNorms are not bit for bit the
+model's own (oneDNN sums in another order), so they stay off unless asked for:
+``LLM(..., cpu_fast_layers=True)``. With ``cpu_fast_layers=False`` the engine
+runs the model's own layers, the very code ``generate()`` runs, so a comparison
+of the two measures scheduling and paging and nothing else (the benchmarks
+against transformers pass it).
 
 The user's model is never touched. The engine runs a private copy of the
 model's modules that shares the weight tensors (``kvpaging.models.private_copy``);
@@ -39,6 +45,7 @@ RMSNorm variants with other maths (Gemma's ``1 + weight``) keep their own.
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 from dataclasses import dataclass
@@ -47,6 +54,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["enable_fast_layers", "FastLayers", "MIN_MACS", "onednn_linear", "onednn_usable"]
+
+logger = logging.getLogger(__name__)
 
 MIN_MACS = 1 << 20  # smaller products: F.linear (oneDNN's per-call cost outweighs its faster product)
 
@@ -184,7 +193,7 @@ def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
 
     use_onednn = onednn_usable()
     use_c = available()
-    linears = norms = 0
+    linears = norms = packed_bytes = 0
     for module in model.modules():
         if _has_fast_path(module):
             linears += isinstance(module, torch.nn.Linear)
@@ -198,9 +207,13 @@ def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
                 module._packed = _Packed()
                 module.forward = types.MethodType(_packed_linear_forward, module)
                 linears += 1
+                packed_bytes += module.weight.numel() * module.weight.element_size()
         elif use_c and _is_rms_norm(module) and _agrees(module):
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
+    logger.info("fast CPU layers: %d linears, %d RMSNorms%s", linears, norms,
+                f"; packed bfloat16 weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
+                "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
     return FastLayers(linears, norms)
 
 

@@ -51,7 +51,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory_bytes: int | None = None,
         trust_remote_code: bool = False,
-        cpu_fast_layers: bool = False,
+        cpu_fast_layers: bool | None = None,
         tensor_parallel_size: int = 1,
         self_check: bool = True,
         max_logprobs: int = 20,

@@ -125,10 +125,12 @@ def warmup_requests(work: Workload, k: int) -> list[tuple[list[int], int]]:
 
 
 def kvpaging_llm(model, work: Workload, tokenizer=None, **llm_kwargs):
-    """The ``LLM`` the race runs ``work`` on: room for every request at once, vLLM's default step budget."""
+    """The ``LLM`` the race runs ``work`` on: room for every request at once, vLLM's default step budget, and the
+    model's own layers (as transformers runs them) unless ``cpu_fast_layers`` says otherwise."""
     from kvpaging.entrypoints.llm import LLM
 
-    kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=work.max_prompt + work.max_output + 1)
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=work.max_prompt + work.max_output + 1,
+              cpu_fast_layers=False)
     kw.update(llm_kwargs)
     return LLM(model, tokenizer, **kw)
 

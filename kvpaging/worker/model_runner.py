@@ -80,7 +80,7 @@ class ModelRunner:
         # a hybrid model's linear-attention / state-space layers: a state slot per sequence (kvpaging/worker/state_layers.py)
         self.state_slots = install_state_layers(model, config.max_num_seqs)
         self.fast_layers = FastLayers()
-        if config.cpu_fast_layers:  # opt-in: oneDNN linears and one-pass C RMSNorms (kernels/cpu/layers.py)
+        if config.cpu_fast_layers:  # the same maths, faster on a CPU (kernels/cpu/layers.py; bfloat16: by default)
             from kvpaging.kernels.cpu.layers import enable_fast_layers
 
             self.fast_layers = enable_fast_layers(model)
