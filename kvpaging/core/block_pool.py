@@ -281,8 +281,8 @@ class BlockPool:
         if parent_cache_id is None:
             return False
         same_hash = self._cached.get(block_hash)
-        twin = same_hash and self._find(block_hash, token_ids, parent_cache_id)
-        if twin:  # the same content: one identity, so a chain may pass through either copy
+        twin = self._find(block_hash, token_ids, parent_cache_id) if same_hash else None
+        if twin is not None:  # the same content: one identity, so a chain may pass through either copy
             block.cache_id = twin.cache_id
         else:
             block.cache_id = self._next_cache_id
