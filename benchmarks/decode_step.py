@@ -3,7 +3,9 @@
 The trained chat model (SmolLM2-135M-Instruct) gets ``--batch`` chat requests (the throughput workload's
 prompts); once every prompt is computed, ``--steps`` decode steps are timed one by one (wall clock, median)
 and, after them, one step under ``torch.profiler`` splits the time into the linear layers, decode attention,
-RMSNorm and the rest. Beside the step time: the two floors of that step, measured on this machine in the same
+RMSNorm and the rest. Each timed step is also split into the runner's part (``ModelRunner.execute``: the step's
+input tensors and the model's forward pass, up to the logits) and the engine's around it (scheduling, sampling,
+``update``, the outputs). Beside the step time: the two floors of that step, measured on this machine in the same
 run, and the step's distance to the larger one:
 
 * bytes: every weight the step reads (the whole model; the tied embedding once, as the LM head) and every cached
@@ -88,12 +90,22 @@ def main() -> None:
     for _ in range(3):
         engine.step()  # warm
     warm = time.perf_counter() - start  # the prompts and three decode steps (with --compile, the compiling too)
-    times = []
+    times, forward_times = [], []
+    execute = engine.runner.execute
+
+    def timed_execute(*a, **k):
+        t = time.perf_counter()
+        result = execute(*a, **k)
+        forward_times.append(time.perf_counter() - t)
+        return result
+
+    engine.runner.execute = timed_execute  # (an instance attribute over the method, for the timed steps only)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
+    del engine.runner.execute
+    step, forward = statistics.median(times), statistics.median(forward_times)
     context = sum(len(s.token_ids) for s in engine.scheduler.running)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.step()
@@ -124,6 +136,8 @@ def main() -> None:
     print(f"prompts and three warm-up steps: {warm:.1f} s")
     print(f"decode step at batch {len(engine.scheduler.running)} ({context} tokens of context): "
           f"{step * 1e3:.1f} ms (median of {args.steps}; {min(times) * 1e3:.1f} to {max(times) * 1e3:.1f})")
+    print(f"  the runner's forward (inputs, model, logits) {forward * 1e3:.1f} ms; the engine around it "
+          f"(schedule, sample, update, outputs) {(step - forward) * 1e3:.1f} ms (medians)")
     profiled = sum(groups.values())
     for name, seconds in groups.items():
         print(f"  {name:18s} {seconds * 1e3:7.1f} ms  {seconds / profiled:6.1%} of the profiled step's tensor ops")
