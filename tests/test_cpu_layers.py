@@ -188,3 +188,19 @@ def test_c_rms_norm_refuses_what_it_cannot_serve():
         cpu.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)
     with pytest.raises(ValueError, match="contiguous x"):
         cpu.rms_norm(torch.randn(8, 2).t(), torch.randn(8), 1e-6)
+
+
+def test_the_default_resolves_by_device_dtype_and_processes():
+    """``cpu_fast_layers=None`` becomes True only where it changes no result and runs: a bfloat16 model on the CPU,
+    served by one process (a tensor-parallel rank's layers are not split for the fast path)."""
+    from kvpaging.config import EngineConfig
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig()._fast_layers(cpu, torch.bfloat16) is True
+    assert EngineConfig()._fast_layers(cpu, torch.float32) is False
+    assert EngineConfig()._fast_layers(cuda, torch.bfloat16) is False
+    assert EngineConfig(tensor_parallel_size=2)._fast_layers(cpu, torch.bfloat16) is False
+    assert EngineConfig(cpu_fast_layers=False)._fast_layers(cpu, torch.bfloat16) is False
+    assert EngineConfig(cpu_fast_layers=True)._fast_layers(cpu, torch.float32) is True
+    with pytest.raises(ValueError, match="cpu_fast_layers=True serves models on the CPU, but device='cuda'"):
+        EngineConfig(cpu_fast_layers=True)._fast_layers(cuda, torch.float32)

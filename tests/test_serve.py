@@ -558,6 +558,8 @@ def test_every_llm_keyword_is_a_serve_flag_with_the_same_default():
     args = make_parser().parse_args(["m", "--no-enable-prefix-caching", "--block-size", "32", "--scheduling",
                                      "static"])
     assert (args.enable_prefix_caching, args.block_size, args.scheduling) == (False, 32, "static")
+    assert make_parser().parse_args(["m", "--cpu-fast-layers"]).cpu_fast_layers is True
+    assert make_parser().parse_args(["m", "--no-cpu-fast-layers"]).cpu_fast_layers is False
 
 
 def test_the_kvpaging_console_script_has_a_serve_command(capsys):
