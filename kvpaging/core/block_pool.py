@@ -259,15 +259,8 @@ class BlockPool:
         """
         if parent is not None and parent.block_hash is None:
             return None  # an uncached parent has no identity to match against
-        return self._find(block_hash, token_ids, root_cache_id if parent is None else parent.cache_id)
-
-    def _find(self, block_hash: int, token_ids: tuple[int, ...], parent_cache_id: int) -> KVBlock | None:
-        same_hash = self._cached.get(block_hash)  # (no default dict made: most lookups miss)
-        if same_hash is not None:
-            for block in same_hash.values():
-                if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
-                    return block
-        return None
+        parent_cache_id = root_cache_id if parent is None else parent.cache_id
+        return _same_content(self._cached.get(block_hash), token_ids, parent_cache_id)  # (most lookups miss)
 
     def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...],
                     parent_cache_id: int | None = -1) -> bool:
@@ -281,7 +274,7 @@ class BlockPool:
         if parent_cache_id is None:
             return False
         same_hash = self._cached.get(block_hash)
-        twin = self._find(block_hash, token_ids, parent_cache_id) if same_hash else None
+        twin = _same_content(same_hash, token_ids, parent_cache_id)
         if twin is not None:  # the same content: one identity, so a chain may pass through either copy
             block.cache_id = twin.cache_id
         else:
@@ -323,3 +316,14 @@ class BlockPool:
             self._uncache(block)
         self.num_cached_free_blocks -= len(stale)
         return len(stale)
+
+
+def _same_content(same_hash: dict[int, KVBlock] | None, token_ids: tuple[int, ...],
+                  parent_cache_id: int) -> KVBlock | None:
+    """Of the blocks cached under one hash (None: none), the one holding ``token_ids`` after the parent identity
+    ``parent_cache_id``, or None."""
+    if same_hash is not None:
+        for block in same_hash.values():
+            if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
+                return block
+    return None

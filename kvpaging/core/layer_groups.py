@@ -142,17 +142,15 @@ class GroupedBlockManager:
         bs, caching, groups = self.block_size, self.enable_prefix_caching, self.groups
         free_queue = self.pool.free_queue
         tables_of = [group._seqs for group in groups]
-        sliding = [(group, group._seqs, group.sliding_window - 1) for group in groups if group.sliding_window]
+        sliding = [(group, group._seqs) for group in groups if group.sliding_window]
         max_tokens = min(group.max_tokens_per_sequence for group in groups)
         filling = []  # unshared last blocks with room, one more slot each: filled by the pool at the end
         grew = False  # whether a decode took new blocks
         served = 0
         for seq in seqs:
             seq_id, tokens = seq.seq_id, seq.token_ids
-            for group, tables, reach in sliding:  # first, the blocks each window has passed go back
-                st = tables[seq_id]
-                if (st.num_tokens - reach) // bs > st.num_passed:
-                    group._give_back_passed(st, st.num_tokens)
+            for group, tables in sliding:  # first, the blocks each window has passed go back
+                group._give_back_passed(tables[seq_id], tables[seq_id].num_tokens)
             tables = [of[seq_id] for of in tables_of]
             n = tables[0].num_tokens
             lasts = [st.last for st in tables] if n % bs else None
