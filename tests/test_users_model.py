@@ -28,14 +28,15 @@ def logits(model, ids):
         return model(torch.tensor([ids])).logits
 
 
-def test_a_served_model_deep_copies_saves_and_generates_as_before():
-    model = make_model("qwen3")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: packed linears by default
+def test_a_served_model_deep_copies_saves_and_generates_as_before(dtype):
+    model = make_model("qwen3").to(dtype)
     ids = random_prompt(9, seed=1)
     expected = logits(model, ids)
     before = {n: t.clone() for n, t in model.state_dict().items()}
     x = torch.tensor([ids])
     generated = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=5)
-    for fast in (False, True):
+    for fast in (False, True, None):
         llm = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=fast)
         llm.generate([ids], greedy_params(4), use_tqdm=False)
         assert llm.engine.model is not model
