@@ -49,23 +49,34 @@ def test_a_decode_step_of_the_trained_models_shape_is_flat_on_every_gpu():
 
 def test_reading_the_curve():
     curve = StepCurve("x", (1, 4, 16), (1.0, 2.0, 8.0), True)
-    assert curve.at(1) == 1.0 and curve.at(0.5) == 1.0 and curve.at(100) == 8.0
+    assert curve.at(1) == 1.0 and curve.at(0.5) == 1.0
     assert curve.at(2.5) == pytest.approx(1.5) and curve.at(10) == pytest.approx(5.0)
+    assert curve.at(28) == pytest.approx(8.0 + 0.5 * 12)  # past the last batch, along the last segment's slope
+    assert StepCurve("dip", (1, 2, 4), (1.0, 3.0, 2.0), True).at(8) == 2.0  # a falling last segment: flat
     assert curve.growth(16) == 8.0 and curve.regime() == "climbing"
     assert StepCurve("y", (1, 64), (1.0, 1.4), False).regime() == "flat"
 
 
-def test_predicted_speedup_is_the_step_gain_times_the_cost_ratio():
-    class Run:
-        def __init__(self, tokens_per_step):
-            self.tokens_per_step = tokens_per_step
+def test_predicted_speedup_sums_the_curve_over_each_runs_steps():
+    from types import SimpleNamespace
+
+    def run(*steps):  # each step: the tokens its scheduled entries computed; every decode token is useful
+        trace = [SimpleNamespace(scheduled=[SimpleNamespace(num_tokens=n) for n in step]) for step in steps]
+        return SimpleNamespace(trace=trace, useful_tokens=sum(n for step in steps for n in step if n == 1))
 
     flat = StepCurve("flat", (1, 8), (1.0, 1.0), False)
     climbing = StepCurve("climbing", (1, 8), (1.0, 8.0), True)
-    static, continuous = Run(2.0), Run(4.0)
-    assert predicted_speedup(flat, static, continuous) == pytest.approx(2.0)
-    # on the climbing curve a step of 4 costs 4.0 and a step of 2 costs 2.0: the whole gain in steps is eaten
-    assert predicted_speedup(climbing, static, continuous) == pytest.approx(2.0 * 2.0 / 4.0)
+    static = run([1, 1, 1, 1], [1], [1], [1])  # a batch of 4 draining to 1: 7 tokens in 4 steps
+    continuous = run([1, 1, 1, 1], [1, 1, 1])  # the slot refilled: 7 tokens in 2 steps
+    assert predicted_speedup(flat, static, continuous) == pytest.approx(2.0)  # a flat curve: the gain in steps
+    # on the climbing curve a step costs its tokens: 7 tokens cost 7 either way, the gain in steps is eaten
+    assert predicted_speedup(climbing, static, continuous) == pytest.approx(1.0)
+    # a bent curve (flat to 2 sequences, then climbing): the static run's three steps of one sequence are cheap, and
+    # reading the curve at each run's mean batch (1.75 and 3.5) would say 2 * 1.0 / 1.75, not this
+    bent = StepCurve("bent", (1, 2, 4), (1.0, 1.0, 2.0), True)
+    assert predicted_speedup(bent, static, continuous) == pytest.approx((2.0 + 3 * 1.0) / (2.0 + 1.5))
+    # a prompt chunk costs what the curve says for its tokens
+    assert predicted_speedup(climbing, run([12], [1]), run([1])) == pytest.approx((12.0 + 1.0) / 1.0)
 
 
 def test_bf16_matrix_units_from_cpu_flags(tmp_path):

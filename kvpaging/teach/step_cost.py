@@ -64,14 +64,16 @@ class StepCurve:
     measured: bool
 
     def at(self, batch: float) -> float:
-        """Seconds per step at ``batch`` sequences, read off the curve (linear between measured batches)."""
+        """Seconds per step at ``batch`` sequences, read off the curve: linear between measured batches, and past
+        the largest one along the last segment's slope (flat if that slope falls), as a prefill chunk of many
+        tokens needs. Below the smallest batch, the smallest batch's time."""
         pairs = list(zip(self.batches, self.seconds))
-        if batch <= pairs[0][0]:
-            return pairs[0][1]
+        if batch <= pairs[0][0] or len(pairs) == 1:
+            return pairs[0][1] if batch <= pairs[0][0] else pairs[-1][1]
         for (b0, s0), (b1, s1) in zip(pairs, pairs[1:]):
             if batch <= b1:
                 return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
-        return pairs[-1][1]
+        return s1 + max(0.0, (s1 - s0) / (b1 - b0)) * (batch - b1)
 
     def growth(self, batch: int) -> float:
         """How many times the step at ``batch`` sequences costs the step at the smallest batch."""
@@ -123,11 +125,17 @@ def gpu_step_curve(config, gpu: GPU, batches: Sequence[int] = (1, 4, 16, 64), co
 
 
 def predicted_speedup(curve: StepCurve, static_run, continuous_run) -> float:
-    """Continuous over static batching in tokens per second, as the curve predicts it: the ratio of useful
-    tokens per step times the ratio of what a step costs at each run's mean batch (tokens per step). Prefill
-    chunks are counted as if they were decodes, so it is an estimate."""
-    s, c = static_run.tokens_per_step, continuous_run.tokens_per_step
-    return (c / s) * curve.at(s) / curve.at(c)
+    """Continuous over static batching in tokens per second, as the curve predicts it from the steps each run took.
+
+    Each step of a run's trace costs what the curve says for the tokens it computed (a decode computes one per
+    sequence, a prompt chunk its length; a matrix product's rows are tokens either way); a run's predicted seconds
+    per useful token is their sum over its useful tokens. Summing step by step matters: a static batch drains from
+    8 sequences to 1, and the curve is not a straight line, so the cost at the mean batch is not the mean cost. The
+    curve is measured on short contexts, so a prompt chunk's attention is under-counted: an estimate."""
+    def seconds_per_token(run) -> float:
+        return sum(curve.at(sum(e.num_tokens for e in record.scheduled)) for record in run.trace) / run.useful_tokens
+
+    return seconds_per_token(static_run) / seconds_per_token(continuous_run)
 
 
 def step_curve_table(curves: Sequence[StepCurve]) -> str:
