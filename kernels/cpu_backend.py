@@ -63,13 +63,16 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     if dtype != torch.float32:
         query = query.float()  # (contiguous)
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
-    scores = torch.empty(num_heads * max(width * block_size, 1), dtype=torch.float32)  # [heads, tokens] scratch
-    block = torch.empty(block_size * num_kv_heads * head_dim if dtype != torch.float32 else 1, dtype=torch.float32)
+    threads = max(1, min(torch.get_num_threads(), batch))  # the sequences are shared out among torch's threads
+    stride = num_heads * max(width * block_size, 1)  # one thread's [heads, tokens] scratch
+    scores = torch.empty(threads * stride, dtype=torch.float32)
+    block = torch.empty(threads * block_size * num_kv_heads * head_dim if dtype != torch.float32 else 1,
+                        dtype=torch.float32)  # where each thread widens a bfloat16 block
     error = torch.zeros(2, dtype=torch.int64)
     args = (query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_tables.data_ptr(), block_tables.stride(0), width, seq_lens.data_ptr(), out.data_ptr(),
-            scores.data_ptr(), block.data_ptr(), error.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, float(scale))
+            scores.data_ptr(), stride, block.data_ptr(), error.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+            block_size, float(scale), threads)
     if torch.autograd._profiler_enabled():  # name the C call in profiles (kvpaging.teach.serving.time_breakdown)
         with torch.profiler.record_function(PROFILER_NAME):
             status = fn(*args)

@@ -132,6 +132,57 @@ def test_non_contiguous_caches_are_refused(gen):
                                            kv.seq_lens, 32**-0.5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_threads_share_the_batch_and_give_the_same_numbers(gen, cache_dtype):
+    """With torch's threads > 1 the sequences are shared out among them (OpenMP), a whole sequence to one
+    thread: every output to the bit what one thread gives, whatever the lengths (long and short mixed, so threads
+    finish at different times and take the next sequence in another order)."""
+    lens = [0, 1, 150, 3, 77, 16, 200, 9, 33, 1, 64, 120]
+    kv = random_paged_kv(lens, 3, 64, 16, generator=gen, max_blocks=14)
+    k_cache, v_cache = kv.k_cache.to(cache_dtype), kv.v_cache.to(cache_dtype)
+    query = transposed_query(len(lens), 9, 64, gen).to(cache_dtype)
+    args = (query, k_cache, v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_backend.paged_decode_attention(*args)
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_backend.paged_decode_attention(*args), one), threads
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(one.float(), reference.paged_decode_attention(*args).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread(tmp_path):
+    """A compiler that refuses -fopenmp (clang without libomp) still builds the kernel, without threads, and
+    remembers the refusal instead of trying again in every process; the numbers are the same."""
+    real = shutil.which("cc") or shutil.which("gcc") or os.environ["CC"]
+    fake = tmp_path / "cc-without-openmp"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "no openmp" >&2; exit 1; }}; done\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o755)
+    code = """
+        import torch
+        from kvpaging.kernels import cpu, cpu_backend, reference
+        from kvpaging.kernels.testing import random_paged_kv
+        assert cpu_backend.available(), cpu_backend.unavailable_reason()
+        g = torch.Generator().manual_seed(0)
+        kv = random_paged_kv([5, 40, 17], 2, 32, 16, generator=g)
+        q = torch.randn(3, 4, 32, generator=g)
+        torch.set_num_threads(2)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.2)
+        torch.testing.assert_close(cpu_backend.paged_decode_attention(*args), reference.paged_decode_attention(*args),
+                                   atol=2e-5, rtol=1e-5)
+    """
+    for _ in range(2):
+        done = run_python(code, CC=str(fake), KVPAGING_CACHE_DIR=str(tmp_path))
+        assert done.returncode == 0, done.stderr
+    folder = tmp_path / "cpu_kernels"
+    assert [p.name.endswith("_omp.so") for p in folder.glob("*.so")] == [False]
+    assert "no openmp" in next(folder.glob("*.failed")).read_text()
+
+
 def test_bad_tables_are_refused_naming_the_value(gen):
     kv = random_paged_kv([20, 9], 2, 32, 16, generator=gen)
     query = torch.randn(2, 8, 32, generator=gen)

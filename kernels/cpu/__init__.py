@@ -44,6 +44,9 @@ SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "rm
 # flush-denormals-to-zero on some compilers.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
+# The decode kernel shares a batch's sequences out among torch's threads with OpenMP (libgomp, the runtime torch
+# itself loaded). A compiler without OpenMP builds it without: one thread, the same numbers.
+OPENMP_FLAGS = ["-fopenmp"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in torch.profiler tables
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 
@@ -68,17 +71,44 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: str, target: Path, extra: list[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
         lib = Path(tmp) / target.name
-        commands = [[cc, *COMPILE_FLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
-        for cmd in [*commands, [cc, *objects, "-o", str(lib), *LINK_FLAGS]]:
+        commands = [[cc, *COMPILE_FLAGS, *extra, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        for cmd in [*commands, [cc, *objects, "-o", str(lib), *LINK_FLAGS, *extra]]:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)  # atomic: a process that loads it never sees half a file
+
+
+def _built(cc: str, key: str) -> Path:
+    """The library for this source, compiler and CPU: with OpenMP where the compiler has it (a failed try is
+    remembered beside it, so it is not tried again), else without."""
+    for extra, name in ((OPENMP_FLAGS, f"cpu_kernels_{key}_omp.so"), ([], f"cpu_kernels_{key}.so")):
+        target = _cache_dir() / name
+        failed = target.with_suffix(".failed")
+        if target.exists():
+            return target
+        if failed.exists():
+            continue
+        try:
+            try:
+                _compile(cc, target, extra)
+            except OSError:  # the cache folder is not writable: build in a private temporary one
+                target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / name
+                _compile(cc, target, extra)
+            return target
+        except RuntimeError as exc:
+            if not extra:
+                raise
+            try:
+                failed.write_text(str(exc))
+            except OSError:
+                pass
+    raise RuntimeError("unreachable")
 
 
 def _load():
@@ -95,21 +125,14 @@ def _load():
         sources = [src.read_text() for src in SOURCES]
         key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
                              .encode()).hexdigest()[:16]
-        target = _cache_dir() / f"cpu_kernels_{key}.so"
-        if not target.exists():
-            try:
-                _compile(cc, target)
-            except OSError:  # the cache folder is not writable: build in a private temporary one
-                target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / target.name
-                _compile(cc, target)
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(_built(cc, key)))
     except (OSError, RuntimeError) as exc:
         _reason = f"the C kernel could not be built with {cc}: {exc}"
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.kvpaging_decode_attention_f32, lib.kvpaging_decode_attention_bf16):
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                       ctypes.c_float]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
+                       i64, ctypes.c_float, i64]
         fn.restype = i64
     norm = lib.kvpaging_rms_norm_f32
     norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]

@@ -15,8 +15,8 @@
  *     caches  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *     tables  [batch, table_width] int32, rows table_stride apart;  seq_lens [batch] int32
  *     out     [batch, num_heads, head_dim], contiguous
- *     scores  scratch of at least num_heads * max(seq_lens) floats
- *     block   scratch of block_size * num_kv_heads * head_dim floats (bfloat16 caches only)
+ *     scores  scratch of threads * scores_stride floats, scores_stride >= num_heads * max(seq_lens)
+ *     block   scratch of threads * block_size * num_kv_heads * head_dim floats (bfloat16 caches only)
  *
  * A bfloat16 cache holds half the bytes of a float32 one, and reading the cache is most of the
  * time this kernel takes. Each block is widened to float32 in the `block` scratch as it is reached
@@ -24,8 +24,16 @@
  * below run on it as on a float32 block: all arithmetic is float32, as in the reference.
  * A sequence of length 0 (padding) gets zeros, as in the reference.
  *
+ * Threads: with `threads` > 1 (the caller passes torch's thread count) the sequences are shared out
+ * among that many OpenMP threads, a whole sequence to one thread, so each output is computed by the
+ * same loops in the same order as on one thread: the same numbers to the bit. Each thread has its own
+ * slice of the scratch (`scores` and `block` hold `threads` slices). Built with -fopenmp, the library
+ * uses the OpenMP runtime torch already loaded (libgomp.so.1), so its threads are torch's own, often
+ * still spinning from the last matrix product; built without, the pragma is ignored and one thread runs.
+ *
  * Returns 0, or 1 when a sequence is longer than its table holds, or 2 when a table entry in use
- * is not a block of the cache; error[0] is then the sequence and error[1] the bad value.
+ * is not a block of the cache; error[0] is then the sequence and error[1] the bad value. Every
+ * sequence is checked before any is computed, so on an error `out` is untouched.
  *
  * Built and loaded by kernels/cpu/__init__.py (compiled with the flags written there); the
  * attention backend that calls it is kernels/cpu_backend.py.
@@ -34,6 +42,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* Ask for a whole block ahead of its use: the cache is far bigger than the CPU's caches, so every
  * block comes from memory, and the loads of one token alone cannot keep memory busy. */
@@ -61,112 +72,133 @@ static inline const float *block_of(const void *cache, int bf16, const int32_t *
     return scratch;
 }
 
-static inline __attribute__((always_inline)) int64_t decode_attention(
+/* The attention of sequence b, whose table and length were checked: one thread's whole share of work. */
+static inline __attribute__((always_inline)) void decode_one(
     const float *query, int64_t q_batch_stride, int64_t q_head_stride,
-    const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks,
-    const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-    float *out, float *scores, float *block, int64_t *error,
-    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale)
+    const void *k_cache, const void *v_cache, int bf16, const int32_t *block_tables, int64_t table_stride,
+    const int32_t *seq_lens, float *out, float *scores, float *block, int64_t b,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;  /* one token's keys, all KV heads */
     const int64_t block_stride = block_size * token_stride;
+    const int64_t len = seq_lens[b];
+    const int32_t *table = block_tables + b * table_stride;
+    const int64_t num_used = (len + block_size - 1) / block_size;
+    const float *q = query + b * q_batch_stride;
+    float *o = out + b * num_heads * head_dim;
+    memset(o, 0, sizeof(float) * num_heads * head_dim);
+    if (len <= 0)
+        return;
+    float row_max[num_heads], inv_sum[num_heads];
+    for (int64_t h = 0; h < num_heads; h++)
+        row_max[h] = -FLT_MAX;
+    /* pass 1: every head's scores (scores[h][t]), block by block: a block is read from memory once, for all heads */
+    for (int64_t j = 0; j < num_used; j++) {
+        const float *k = block_of(k_cache, bf16, table, j, num_used, block_stride, block);
+        const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
+        for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its query stays in registers */
+            const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
+            float *s = scores + h * len + start, m = row_max[h];
+            for (int64_t i = 0; i < n; i++, kh += token_stride) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++)
+                    dot += qh[d] * kh[d];
+                s[i] = dot * scale;
+                m = s[i] > m ? s[i] : m;
+            }
+            row_max[h] = m;
+        }
+    }
+    /* softmax weights, not yet divided by their sum */
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *s = scores + h * len, sum = 0.0f;
+        const float m = row_max[h];
+        for (int64_t t = 0; t < len; t++) {  /* vectorized: 16 expf at a time (glibc's vector maths) */
+            const float e = expf(s[t] - m);
+            s[t] = e;
+            sum += e;
+        }
+        inv_sum[h] = 1.0f / sum;
+    }
+    /* pass 2: the weighted sum of the values */
+    for (int64_t j = 0; j < num_used; j++) {
+        const float *v = block_of(v_cache, bf16, table, j, num_used, block_stride, block);
+        const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
+        for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its sum stays in registers */
+            const float *vh = v + (h / group) * head_dim, *p = scores + h * len + start;
+            float *oh = o + h * head_dim, acc[head_dim];
+            for (int64_t d = 0; d < head_dim; d++)
+                acc[d] = oh[d];
+            for (int64_t i = 0; i < n; i++, vh += token_stride)
+                for (int64_t d = 0; d < head_dim; d++)
+                    acc[d] += p[i] * vh[d];
+            for (int64_t d = 0; d < head_dim; d++)
+                oh[d] = acc[d];
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t d = 0; d < head_dim; d++)
+            o[h * head_dim + d] *= inv_sum[h];
+}
 
+/* Every sequence's length against its table, and every table entry it uses against the cache. */
+static int64_t check_tables(const int32_t *block_tables, int64_t table_stride, int64_t table_width,
+                            const int32_t *seq_lens, int64_t num_blocks, int64_t batch, int64_t block_size,
+                            int64_t *error)
+{
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = seq_lens[b];
         const int32_t *table = block_tables + b * table_stride;
-        const int64_t num_used = (len + block_size - 1) / block_size;
         if (len > table_width * block_size) {
             error[0] = b, error[1] = len;
             return 1;
         }
-        for (int64_t j = 0; j < num_used; j++) {
+        for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
             if (table[j] < 0 || table[j] >= num_blocks) {
                 error[0] = b, error[1] = table[j];
                 return 2;
             }
         }
-        const float *q = query + b * q_batch_stride;
-        float *o = out + b * num_heads * head_dim;
-        memset(o, 0, sizeof(float) * num_heads * head_dim);
-        if (len <= 0)
-            continue;
-        float row_max[num_heads], inv_sum[num_heads];
-        for (int64_t h = 0; h < num_heads; h++)
-            row_max[h] = -FLT_MAX;
-
-        /* pass 1: every head's scores (scores[h][t]), block by block: a block is read from memory once, for all heads */
-        for (int64_t j = 0; j < num_used; j++) {
-            const float *k = block_of(k_cache, bf16, table, j, num_used, block_stride, block);
-            const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
-            for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its query stays in registers */
-                const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
-                float *s = scores + h * len + start, m = row_max[h];
-                for (int64_t i = 0; i < n; i++, kh += token_stride) {
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < head_dim; d++)
-                        dot += qh[d] * kh[d];
-                    s[i] = dot * scale;
-                    m = s[i] > m ? s[i] : m;
-                }
-                row_max[h] = m;
-            }
-        }
-        /* softmax weights, not yet divided by their sum */
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *s = scores + h * len, sum = 0.0f;
-            const float m = row_max[h];
-            for (int64_t t = 0; t < len; t++) {  /* vectorized: 16 expf at a time (glibc's vector maths) */
-                const float e = expf(s[t] - m);
-                s[t] = e;
-                sum += e;
-            }
-            inv_sum[h] = 1.0f / sum;
-        }
-        /* pass 2: the weighted sum of the values */
-        for (int64_t j = 0; j < num_used; j++) {
-            const float *v = block_of(v_cache, bf16, table, j, num_used, block_stride, block);
-            const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
-            for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its sum stays in registers */
-                const float *vh = v + (h / group) * head_dim, *p = scores + h * len + start;
-                float *oh = o + h * head_dim, acc[head_dim];
-                for (int64_t d = 0; d < head_dim; d++)
-                    acc[d] = oh[d];
-                for (int64_t i = 0; i < n; i++, vh += token_stride)
-                    for (int64_t d = 0; d < head_dim; d++)
-                        acc[d] += p[i] * vh[d];
-                for (int64_t d = 0; d < head_dim; d++)
-                    oh[d] = acc[d];
-            }
-        }
-        for (int64_t h = 0; h < num_heads; h++)
-            for (int64_t d = 0; d < head_dim; d++)
-                o[h * head_dim + d] *= inv_sum[h];
     }
     return 0;
 }
 
 /* The entry points, one per cache dtype. Common head sizes get their own copy of the loops above,
  * with head_dim a constant the compiler can unroll and vectorize exactly; any other size runs the
- * general copy. */
-#define DECODE(BF16, D) decode_attention(query, q_batch_stride, q_head_stride, k_cache, v_cache, BF16, \
-    num_blocks, block_tables, table_stride, table_width, seq_lens, out, scores, block, error, batch, num_heads, \
-    num_kv_heads, D, block_size, scale)
+ * general copy. The switch sits inside the threads' loop, so each copy is made inside the code the
+ * threads run. */
+#define DECODE(BF16, D) decode_one(query, q_batch_stride, q_head_stride, k_cache, v_cache, BF16, block_tables, \
+    table_stride, seq_lens, out, scores + thread * scores_stride, BF16 ? block + thread * block_size * num_kv_heads * D : block, \
+    b, num_heads, num_kv_heads, D, block_size, scale)
+#ifdef _OPENMP
+#define THREAD_NUM omp_get_thread_num()
+#else
+#define THREAD_NUM 0
+#endif
 #define ENTRY_POINT(NAME, BF16)                                                                               \
 int64_t NAME(const float *query, int64_t q_batch_stride, int64_t q_head_stride,                               \
              const void *k_cache, const void *v_cache, int64_t num_blocks,                                   \
              const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens, \
-             float *out, float *scores, float *block, int64_t *error,                                         \
+             float *out, float *scores, int64_t scores_stride, float *block, int64_t *error,                 \
              int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,    \
-             float scale)                                                                                     \
+             float scale, int64_t threads)                                                                    \
 {                                                                                                             \
-    switch (head_dim) {                                                                                       \
-    case 32: return DECODE(BF16, 32);                                                                         \
-    case 64: return DECODE(BF16, 64);                                                                         \
-    case 128: return DECODE(BF16, 128);                                                                       \
-    default: return DECODE(BF16, head_dim);                                                                   \
+    const int64_t status = check_tables(block_tables, table_stride, table_width, seq_lens, num_blocks, batch,  \
+                                        block_size, error);                                                   \
+    if (status != 0)                                                                                          \
+        return status;                                                                                        \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && batch > 1)")       \
+    for (int64_t b = 0; b < batch; b++) {                                                                     \
+        const int64_t thread = THREAD_NUM;                                                                    \
+        switch (head_dim) {                                                                                   \
+        case 32: DECODE(BF16, 32); break;                                                                     \
+        case 64: DECODE(BF16, 64); break;                                                                     \
+        case 128: DECODE(BF16, 128); break;                                                                   \
+        default: DECODE(BF16, head_dim); break;                                                               \
+        }                                                                                                     \
     }                                                                                                         \
+    return 0;                                                                                                 \
 }
 
 ENTRY_POINT(kvpaging_decode_attention_f32, 0)
