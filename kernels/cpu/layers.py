@@ -8,17 +8,20 @@ implementation of the *same* maths (measured by
   tensor goes to the BLAS torch was built with (Intel MKL in the x86 wheels).
   torch also ships oneDNN, which its own compiled CPU code uses
   (``torch.ops.mkldnn._linear_pointwise``: float32 in and out, no reduced
-  precision). On the AMD EPYC (Zen 4) development machine oneDNN ran
-  layer-sized products about 2x faster, but costs about 10 µs more per call,
-  so products under ``MIN_MACS`` multiply-adds stay on ``F.linear``
-  (``python -m kvpaging.kernels.cpu.layers`` prints the comparison here).
-  A **bfloat16** ``F.linear`` goes to oneDNN already, which re-lays the weight
-  out for its matrix kernels (AMX tiles on a Xeon that has them) on every call:
-  a decode step reads every weight twice and writes it once more. Here the
-  weight is laid out once (``_reorder_linear_weight``) and kept beside the
-  layer; the product is ``F.linear``'s to the bit (checked per layer on probe
-  inputs when it is turned on), 1.6x faster at a decode batch of 48 on an AMX
-  Xeon (``benchmarks/RESULTS.md``). The cost: a second copy of the weights.
+  precision). A **bfloat16** ``F.linear`` goes to oneDNN already, which re-lays
+  the weight out for its matrix kernels (AMX tiles on a Xeon that has them) on
+  every call: a decode step reads every weight twice and writes it once more.
+  Here the weight is laid out once (``_reorder_linear_weight``) and kept beside
+  the layer, in either dtype. In bfloat16 the product is ``F.linear``'s to the
+  bit (checked per layer on probe inputs when it is turned on), 1.6x faster at a
+  decode batch of 48 on an AMX Xeon (``benchmarks/RESULTS.md``). In float32 it
+  is oneDNN's sum, not MKL's (the same products, added in another order): on
+  the AMD EPYC (Zen 4) development machine about half MKL's time at a decode
+  batch of 48, and far less at 2 or 3 rows, where MKL's small-batch path reads
+  the weight once per row (the 49,152 x 576 LM head: 24 ms at 2 rows against
+  10 ms at 1, packed oneDNN 5.6 ms at either, two threads;
+  ``python -m kvpaging.kernels.cpu.layers`` prints the comparison here). The
+  cost, in both dtypes: a second copy of the linear weights, which the log states.
 * **RMSNorm layers.** transformers writes RMSNorm as five tensor operations
   (square, mean, add, rsqrt, two multiplies), each a pass over memory with its
   own dispatch: 1.6 ms for a 2048 x 256 prefill chunk, where the one-pass C
@@ -27,7 +30,7 @@ implementation of the *same* maths (measured by
 The engine gives a **bfloat16** model's linears their packed weights by default
 (``cpu_fast_layers=None``): the products are ``F.linear``'s to the bit, so nothing a
 user sees changes but the speed and the memory (a second copy of those weights,
-logged). The float32 oneDNN linears and the C RMSNorms are not bit for bit the
+logged). The float32 packed linears and the C RMSNorms are not bit for bit the
 model's own (oneDNN sums in another order), so they stay off unless asked for:
 ``LLM(..., cpu_fast_layers=True)``. With ``cpu_fast_layers=False`` the engine
 runs the model's own layers, the very code ``generate()`` runs, so a comparison
@@ -53,11 +56,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["enable_fast_layers", "FastLayers", "MIN_MACS", "onednn_linear", "onednn_usable"]
+__all__ = ["enable_fast_layers", "FastLayers", "onednn_linear", "onednn_usable"]
 
 logger = logging.getLogger(__name__)
 
-MIN_MACS = 1 << 20  # smaller products: F.linear (oneDNN's per-call cost outweighs its faster product)
 
 _onednn_checked: bool | None = None  # the probe's verdict, once run
 
@@ -90,12 +92,6 @@ def onednn_usable() -> bool:
     return _onednn_checked
 
 
-def _fast_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if input.dim() >= 2 and input.numel() * self.out_features >= MIN_MACS:
-        return onednn_linear()(input, self.weight, self.bias, "none", [], "")
-    return F.linear(input, self.weight, self.bias)
-
-
 PACK_BATCH_HINT = 64  # the batch size oneDNN blocks a packed weight for (16 to 128 run alike: see RESULTS.md)
 
 
@@ -104,13 +100,13 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _Packed:
-    """A layer's weight packed for oneDNN, made at its first use and again whenever the weight was written in place
-    (its ``_version`` moved). A copy or a pickle of the layer starts without it, and packs its own weight."""
+    """A layer's weight packed for oneDNN, made when the layer is checked and again whenever the weight was written
+    in place (its ``_version`` moved). A copy or a pickle of the layer starts without it, and packs its own weight."""
 
     __slots__ = ("weight", "version")
 
-    def __init__(self) -> None:
-        self.weight, self.version = None, -1
+    def __init__(self, weight: torch.Tensor | None = None, version: int = -1) -> None:
+        self.weight, self.version = weight, version
 
     def __deepcopy__(self, memo) -> _Packed:
         return _Packed()
@@ -120,9 +116,9 @@ class _Packed:
 
 
 def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 linear on its weight packed once for oneDNN's matrix kernels (AMX where the CPU has it), where
-    ``F.linear`` packs it anew on every call."""
-    if input.dtype != torch.bfloat16 or input.device.type != "cpu" or input.dim() < 2:
+    """A linear on its weight packed once for oneDNN's matrix kernels (AMX where the CPU has it): in bfloat16
+    ``F.linear`` packs it anew on every call; in float32 it goes to MKL."""
+    if input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2:
         return F.linear(input, self.weight, self.bias)
     packed = self._packed
     if packed.version != self.weight._version:
@@ -130,18 +126,27 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     return torch.ops.mkldnn._linear_pointwise(input, packed.weight, self.bias, "none", [], "")
 
 
-def _packing_agrees(module: torch.nn.Linear) -> bool:
-    """The packed product is ``F.linear``'s to the bit on probe inputs of a decode batch's and a prefill chunk's
-    sizes (oneDNN runs the same kernel either way); a layer where it is not keeps ``F.linear``."""
+def _packed_if_it_agrees(module: torch.nn.Linear) -> torch.Tensor | None:
+    """The layer's weight packed, if the packed product agrees with ``F.linear`` on probe inputs of a decode
+    batch's and a prefill chunk's sizes: to the bit in bfloat16 (oneDNN runs the same kernel either way); in float32
+    (oneDNN's sums, not MKL's) within rounding on a small probe, a check that packing works for the layer, kept short
+    because float32 products cost more (the engine's self-check compares the whole model). None where it does not:
+    the layer keeps ``F.linear``."""
     g = torch.Generator().manual_seed(0)
+    dtype = module.weight.dtype
     try:
         packed = _pack(module.weight)
         with torch.no_grad():
-            return all(torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], ""),
-                                   F.linear(x, module.weight, module.bias))
-                       for x in (torch.randn(rows, module.in_features, generator=g).bfloat16() for rows in (1, 48, 300)))
+            for rows in (1, 48, 300) if dtype == torch.bfloat16 else (1, 4):
+                x = torch.randn(rows, module.in_features, generator=g).to(dtype)
+                got, own = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], ""), F.linear(
+                    x, module.weight, module.bias)
+                if not (torch.equal(got, own) if dtype == torch.bfloat16 else torch.allclose(got, own, rtol=1e-4,
+                                                                                             atol=1e-4)):
+                    return None
+        return packed
     except (RuntimeError, TypeError, NotImplementedError):
-        return False
+        return None
 
 
 def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -154,7 +159,7 @@ def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -
 
 def _has_fast_path(module: torch.nn.Module) -> bool:
     forward = vars(module).get("forward")
-    return getattr(forward, "__func__", None) in (_fast_linear_forward, _packed_linear_forward, _fast_rms_norm_forward)
+    return getattr(forward, "__func__", None) in (_packed_linear_forward, _fast_rms_norm_forward)
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
@@ -184,7 +189,8 @@ def _agrees(module: torch.nn.Module) -> bool:
 
 
 def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
-    """Give the float32 CPU ``nn.Linear`` and RMSNorm layers of ``model`` their fast ``forward``.
+    """Give the float32 and bfloat16 CPU ``nn.Linear`` layers (packed weights) and the float32 RMSNorm layers of
+    ``model`` their fast ``forward``.
 
     Call it on a model nobody else uses (the engine calls it on its private copy):
     the layers' ``forward`` changes for every caller. Returns how many layers have it.
@@ -200,11 +206,10 @@ def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
             norms += not isinstance(module, torch.nn.Linear)
             continue
         if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
-            if module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
-                module.forward = types.MethodType(_fast_linear_forward, module)
-                linears += 1
-            elif module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16 and _packing_agrees(module):
-                module._packed = _Packed()
+            packed = (_packed_if_it_agrees(module) if module.weight.device.type == "cpu"
+                      and module.weight.dtype in (torch.float32, torch.bfloat16) else None)
+            if packed is not None:
+                module._packed = _Packed(packed, module.weight._version)
                 module.forward = types.MethodType(_packed_linear_forward, module)
                 linears += 1
                 packed_bytes += module.weight.numel() * module.weight.element_size()
@@ -212,26 +217,26 @@ def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
     logger.info("fast CPU layers: %d linears, %d RMSNorms%s", linears, norms,
-                f"; packed bfloat16 weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
+                f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
     return FastLayers(linears, norms)
 
 
 def _compare() -> None:
-    """Print F.linear against oneDNN for layer-sized products on this machine."""
-    op = onednn_linear()
+    """Print F.linear against oneDNN on a packed weight for layer-sized float32 products on this machine."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; oneDNN usable: {onednn_usable()}")
-    for rows in (1, 4, 16, 48, 512):
+    for rows in (1, 2, 3, 4, 16, 48, 512):
         cells = []
-        for n, k in ((256, 256), (1024, 256), (4096, 256), (4096, 1024)):
+        for n, k in ((576, 576), (1536, 576), (49152, 576), (4096, 1024)):
             x, w = torch.randn(rows, k), torch.randn(n, k)
+            packed = _pack(w)
             times = []
-            for fn in (lambda: F.linear(x, w), lambda: op(x, w, None, "none", [], "")):
+            for fn in (lambda: F.linear(x, w), lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")):
                 fn()
                 t0 = time.perf_counter()
-                for _ in range(50):
+                for _ in range(20):
                     fn()
-                times.append((time.perf_counter() - t0) / 50 * 1e6)
+                times.append((time.perf_counter() - t0) / 20 * 1e6)
             cells.append(f"[{rows}x{k}]@[{k}x{n}] {times[0]:8.1f} / {times[1]:8.1f} µs")
         print("   ".join(cells))
 
