@@ -289,7 +289,7 @@ def main() -> None:
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
     layers = "the model's own"
     if args.cpu_fast_layers:
-        layers = (f"fast linears (oneDNN, or packed bf16): {fast.linears}, one-pass C RMSNorms: {fast.rms_norms} "
+        layers = (f"linears on packed weights (oneDNN): {fast.linears}, one-pass C RMSNorms: {fast.rms_norms} "
                   f"(oneDNN usable: {onednn_usable()}, C kernels built: {cpu_backend.available()})")
     print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")
     if work.stop_at_eos:

@@ -64,8 +64,8 @@ class EngineConfig:
     kv_cache_memory_bytes: the KV pool's size in bytes (overrides gpu_memory_utilization).
     cpu_fast_layers: on a CPU, faster layers for the same maths (``kvpaging.kernels.cpu.layers``): a bfloat16
         model's linear layers on weights packed once for oneDNN (``F.linear``'s products to the bit, checked per
-        layer; the price is a second copy of those weights), a float32 model's on oneDNN (not to the bit: its
-        sums run in another order) and its RMSNorms in one C pass. None (the default): the bfloat16 packing
+        layer; the price is a second copy of those weights), a float32 model's too (not to the bit: oneDNN's
+        sums run in another order than MKL's) and its RMSNorms in one C pass. None (the default): the bfloat16 packing
         alone, which changes no result; False: the model's own layers, exactly what ``generate()`` runs.
     tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
         one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/distributed/tensor_parallel.py``).
