@@ -183,6 +183,23 @@ def test_a_compiler_without_openmp_builds_the_kernel_for_one_thread(tmp_path):
     assert "no openmp" in next(folder.glob("*.failed")).read_text()
 
 
+def test_an_openmp_build_that_does_not_load_falls_back_to_one_thread(tmp_path):
+    """An OpenMP build that the process cannot load (an OpenMP runtime older than the compiler's, say) is not the
+    end of the C kernels: the build without OpenMP is made and loaded."""
+    code = """
+        from kvpaging.kernels import cpu_backend
+        assert cpu_backend.available(), cpu_backend.unavailable_reason()
+    """
+    first = run_python(code, KVPAGING_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "cpu_kernels"
+    (built,) = folder.glob("*_omp.so")
+    built.write_bytes(b"not a shared library")
+    second = run_python(code, KVPAGING_CACHE_DIR=str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert len(list(folder.glob("*.so"))) == 2 and not list(folder.glob("*.failed"))
+
+
 def test_bad_tables_are_refused_naming_the_value(gen):
     kv = random_paged_kv([20, 9], 2, 32, 16, generator=gen)
     query = torch.randn(2, 8, 32, generator=gen)

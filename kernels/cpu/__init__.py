@@ -84,30 +84,34 @@ def _compile(cc: str, target: Path, extra: list[str]) -> None:
         os.replace(lib, target)  # atomic: a process that loads it never sees half a file
 
 
-def _built(cc: str, key: str) -> Path:
-    """The library for this source, compiler and CPU: with OpenMP where the compiler has it (a failed try is
-    remembered beside it, so it is not tried again), else without."""
+def _library(cc: str, key: str) -> ctypes.CDLL:
+    """The library for this source, compiler and CPU, loaded: with OpenMP where the compiler builds it and the
+    process's OpenMP runtime (the ``libgomp.so.1`` torch loaded) has what it calls, else without. A compiler's
+    refusal is remembered beside the library, so it is not tried again; a load that fails is tried again in the
+    next process (torch, and its runtime, may have changed)."""
     for extra, name in ((OPENMP_FLAGS, f"cpu_kernels_{key}_omp.so"), ([], f"cpu_kernels_{key}.so")):
         target = _cache_dir() / name
         failed = target.with_suffix(".failed")
-        if target.exists():
-            return target
-        if failed.exists():
+        if extra and failed.exists():
             continue
         try:
-            try:
-                _compile(cc, target, extra)
-            except OSError:  # the cache folder is not writable: build in a private temporary one
-                target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / name
-                _compile(cc, target, extra)
-            return target
-        except RuntimeError as exc:
+            if not target.exists():
+                try:
+                    _compile(cc, target, extra)
+                except OSError:  # the cache folder is not writable: build in a private temporary one
+                    target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / name
+                    _compile(cc, target, extra)
+            return ctypes.CDLL(str(target))
+        except RuntimeError as exc:  # the compiler refused
             if not extra:
                 raise
             try:
                 failed.write_text(str(exc))
             except OSError:
                 pass
+        except OSError:  # it built but does not load here
+            if not extra:
+                raise
     raise RuntimeError("unreachable")
 
 
@@ -125,7 +129,7 @@ def _load():
         sources = [src.read_text() for src in SOURCES]
         key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
                              .encode()).hexdigest()[:16]
-        lib = ctypes.CDLL(str(_built(cc, key)))
+        lib = _library(cc, key)
     except (OSError, RuntimeError) as exc:
         _reason = f"the C kernel could not be built with {cc}: {exc}"
         return None
