@@ -24,6 +24,7 @@ the same machine code.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -84,35 +85,36 @@ def _compile(cc: str, target: Path, extra: list[str]) -> None:
         os.replace(lib, target)  # atomic: a process that loads it never sees half a file
 
 
+def _build(cc: str, target: Path, extra: list[str]) -> Path:
+    """``target``, compiled now unless it was before (in a private temporary folder when the cache folder is not
+    writable)."""
+    if target.exists():
+        return target
+    try:
+        _compile(cc, target, extra)
+        return target
+    except OSError:
+        target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / target.name
+        _compile(cc, target, extra)
+        return target
+
+
 def _library(cc: str, key: str) -> ctypes.CDLL:
     """The library for this source, compiler and CPU, loaded: with OpenMP where the compiler builds it and the
     process's OpenMP runtime (the ``libgomp.so.1`` torch loaded) has what it calls, else without. A compiler's
     refusal is remembered beside the library, so it is not tried again; a load that fails is tried again in the
     next process (torch, and its runtime, may have changed)."""
-    for extra, name in ((OPENMP_FLAGS, f"cpu_kernels_{key}_omp.so"), ([], f"cpu_kernels_{key}.so")):
-        target = _cache_dir() / name
-        failed = target.with_suffix(".failed")
-        if extra and failed.exists():
-            continue
+    with_openmp = _cache_dir() / f"cpu_kernels_{key}_omp.so"
+    refused = with_openmp.with_suffix(".failed")
+    if not refused.exists():
         try:
-            if not target.exists():
-                try:
-                    _compile(cc, target, extra)
-                except OSError:  # the cache folder is not writable: build in a private temporary one
-                    target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / name
-                    _compile(cc, target, extra)
-            return ctypes.CDLL(str(target))
+            return ctypes.CDLL(str(_build(cc, with_openmp, OPENMP_FLAGS)))
         except RuntimeError as exc:  # the compiler refused
-            if not extra:
-                raise
-            try:
-                failed.write_text(str(exc))
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                refused.write_text(str(exc))
         except OSError:  # it built but does not load here
-            if not extra:
-                raise
-    raise RuntimeError("unreachable")
+            pass
+    return ctypes.CDLL(str(_build(cc, _cache_dir() / f"cpu_kernels_{key}.so", [])))
 
 
 def _load():

@@ -150,11 +150,12 @@ static int64_t check_tables(const int32_t *block_tables, int64_t table_stride, i
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = seq_lens[b];
         const int32_t *table = block_tables + b * table_stride;
+        const int64_t num_used = (len + block_size - 1) / block_size;
         if (len > table_width * block_size) {
             error[0] = b, error[1] = len;
             return 1;
         }
-        for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
+        for (int64_t j = 0; j < num_used; j++) {
             if (table[j] < 0 || table[j] >= num_blocks) {
                 error[0] = b, error[1] = table[j];
                 return 2;
@@ -169,8 +170,8 @@ static int64_t check_tables(const int32_t *block_tables, int64_t table_stride, i
  * general copy. The switch sits inside the threads' loop, so each copy is made inside the code the
  * threads run. */
 #define DECODE(BF16, D) decode_one(query, q_batch_stride, q_head_stride, k_cache, v_cache, BF16, block_tables, \
-    table_stride, seq_lens, out, scores + thread * scores_stride, BF16 ? block + thread * block_size * num_kv_heads * D : block, \
-    b, num_heads, num_kv_heads, D, block_size, scale)
+    table_stride, seq_lens, out, scores + thread * scores_stride,                                          \
+    BF16 ? block + thread * block_size * num_kv_heads * D : block, b, num_heads, num_kv_heads, D, block_size, scale)
 #ifdef _OPENMP
 #define THREAD_NUM omp_get_thread_num()
 #else
@@ -188,7 +189,7 @@ int64_t NAME(const float *query, int64_t q_batch_stride, int64_t q_head_stride, 
                                         block_size, error);                                                   \
     if (status != 0)                                                                                          \
         return status;                                                                                        \
-    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && batch > 1)")       \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)")                    \
     for (int64_t b = 0; b < batch; b++) {                                                                     \
         const int64_t thread = THREAD_NUM;                                                                    \
         switch (head_dim) {                                                                                   \

@@ -139,10 +139,10 @@ def _packed_if_it_agrees(module: torch.nn.Linear) -> torch.Tensor | None:
         with torch.no_grad():
             for rows in (1, 48, 300) if dtype == torch.bfloat16 else (1, 4):
                 x = torch.randn(rows, module.in_features, generator=g).to(dtype)
-                got, own = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], ""), F.linear(
-                    x, module.weight, module.bias)
-                if not (torch.equal(got, own) if dtype == torch.bfloat16 else torch.allclose(got, own, rtol=1e-4,
-                                                                                             atol=1e-4)):
+                got = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+                own = F.linear(x, module.weight, module.bias)
+                exact = dtype == torch.bfloat16
+                if not (torch.equal(got, own) if exact else torch.allclose(got, own, rtol=1e-4, atol=1e-4)):
                     return None
         return packed
     except (RuntimeError, TypeError, NotImplementedError):
@@ -232,7 +232,8 @@ def _compare() -> None:
             x, w = torch.randn(rows, k), torch.randn(n, k)
             packed = _pack(w)
             times = []
-            for fn in (lambda: F.linear(x, w), lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")):
+            onednn = torch.ops.mkldnn._linear_pointwise
+            for fn in (lambda: F.linear(x, w), lambda: onednn(x, packed, None, "none", [], "")):
                 fn()
                 t0 = time.perf_counter()
                 for _ in range(20):

@@ -150,7 +150,8 @@ class GroupedBlockManager:
         for seq in seqs:
             seq_id, tokens = seq.seq_id, seq.token_ids
             for group, tables in sliding:  # first, the blocks each window has passed go back
-                group._give_back_passed(tables[seq_id], tables[seq_id].num_tokens)
+                st = tables[seq_id]
+                group._give_back_passed(st, st.num_tokens)
             tables = [of[seq_id] for of in tables_of]
             n = tables[0].num_tokens
             lasts = [st.last for st in tables] if n % bs else None

@@ -69,7 +69,7 @@ class StepCurve:
         tokens needs. Below the smallest batch, the smallest batch's time."""
         pairs = list(zip(self.batches, self.seconds))
         if batch <= pairs[0][0] or len(pairs) == 1:
-            return pairs[0][1] if batch <= pairs[0][0] else pairs[-1][1]
+            return pairs[0][1]
         for (b0, s0), (b1, s1) in zip(pairs, pairs[1:]):
             if batch <= b1:
                 return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
