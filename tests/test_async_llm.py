@@ -181,3 +181,41 @@ def test_while_served_the_engine_refuses_other_threads_and_is_theirs_again_after
         served.shutdown()
     assert llm.engine.owner_thread is None
     assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+
+
+def test_a_function_given_for_the_engine_builds_it_on_the_engine_thread(one_thread, reference):
+    """What ``kvpaging serve`` does: the thread that steps the engine also builds it (one OpenMP team)."""
+    prompts, expected = reference
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return LLM(tiny("qwen3"), num_blocks=32, max_model_len=256)
+
+    served = AsyncLLM(build)
+    try:
+        assert built_on == [served._thread] and served.engine.owner_thread is served._thread
+
+        async def through_the_server():
+            return [o async for o in served.generate(prompts[0], GREEDY, "r0")][-1]
+
+        assert asyncio.run(through_the_server()).outputs[0].token_ids == expected[0]
+    finally:
+        served.shutdown()
+    assert not served._thread.is_alive() and served.engine.owner_thread is None
+
+
+def test_a_function_that_fails_or_gives_a_busy_engine_raises_from_the_constructor(one_thread):
+    def missing():
+        raise OSError("no model at /nowhere")
+
+    with pytest.raises(OSError, match="/nowhere"):
+        AsyncLLM(missing)
+    busy = LLM(tiny("qwen3"), num_blocks=32, max_model_len=256)
+    busy.engine.add_request("queued", [5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="unfinished requests"):
+        AsyncLLM(lambda: busy)
+    with pytest.raises(TypeError, match="int"):
+        AsyncLLM(lambda: 3)
+    assert not any(t.name == "kvpaging-engine" and t.is_alive() for t in threading.enumerate())
+    assert busy.engine.owner_thread is None  # refused: still the caller's

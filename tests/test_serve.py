@@ -35,7 +35,8 @@ BODY_LIMIT = 64 * 1024
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def tiny_server(one_thread):
-    app = create_app(LLM(tiny("qwen3"), **TINY), served_model_name="tiny", max_request_body_bytes=BODY_LIMIT)
+    # a function, as `kvpaging serve` gives it: the engine thread loads the model (the trained server below gets an LLM)
+    app = create_app(lambda: LLM(tiny("qwen3"), **TINY), served_model_name="tiny", max_request_body_bytes=BODY_LIMIT)
     with BackgroundServer(app) as server:
         yield server
     assert not server.llm._thread.is_alive(), "the engine thread outlived the server"

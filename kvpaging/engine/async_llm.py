@@ -30,6 +30,15 @@ server turns them into deltas for its streams.
 Where vLLM's AsyncLLM runs the engine core in another process, this one runs it
 in a thread of the same process: simpler to read, and a notebook can attach the
 dashboard to the very engine that serves (``Dashboard().attach(async_llm)``).
+
+One thing a thread costs that a process would not: torch's OpenMP runtime (libgomp) keeps a team of
+worker threads for every thread that has run a parallel operator, and once the process holds more of
+them than it has cores, every team waits for work by sleeping instead of spinning. A model built on
+the main thread and stepped on the engine thread makes two teams; on a 2-core VM at two torch
+threads a bfloat16 SmolLM2 decode step of one sequence then takes 42 ms instead of 30
+(``benchmarks/engine_thread.py``).
+So ``kvpaging serve`` gives ``AsyncLLM`` a function that loads the model, and the engine thread
+calls it: the thread that builds the model is the one that steps it, and the process keeps one team.
 """
 
 from __future__ import annotations
@@ -153,7 +162,32 @@ class AsyncLLM:
     ``stat_logger`` (optional) hears about every step and output, on the engine thread.
     """
 
-    def __init__(self, engine: LLMEngine, *, stat_logger: StatLogger | None = None) -> None:
+    def __init__(self, engine, *, stat_logger: StatLogger | None = None) -> None:
+        """``engine``: an idle ``LLMEngine`` or ``LLM``, or a function of no arguments that makes one, which the
+        engine thread calls before its loop (the constructor waits, and raises what it raised). Give the function
+        when torch runs more than one thread: the thread that builds a model is the one whose OpenMP team stays,
+        and a second thread stepping the engine starts a second team, which makes OpenMP spin less on a machine
+        with no spare core (the module docstring's measurement)."""
+        self.stat_logger = stat_logger
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # the engine thread's alone
+        self._lock = threading.Lock()  # orders "is it dead?" + "send" against "die" + "drain"
+        self._dead: BaseException | None = None
+        build = engine if callable(engine) else None
+        self._thread = threading.Thread(target=self._run, args=(build,), name="kvpaging-engine", daemon=True)
+        if build is None:
+            self._adopt(engine)
+            self._thread.start()
+            return
+        self._built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread.start()
+        error = self._built.exception()
+        if error is not None:
+            self._thread.join()
+            raise error
+
+    def _adopt(self, engine) -> None:
+        """Take ``engine`` for the engine thread: from now on only that thread may queue, abort or step."""
         self.engine = getattr(engine, "engine", engine)  # an LLM holds its LLMEngine as .engine
         if not isinstance(self.engine, LLMEngine):
             raise TypeError(f"AsyncLLM serves an LLMEngine (or an LLM), got {type(engine).__name__}")
@@ -165,16 +199,9 @@ class AsyncLLM:
         # tokenizer must not be used by two threads at once, and the engine thread decodes with its own.
         tokenizer = self.engine.tokenizer
         self.tokenizer = None if tokenizer is None else copy.deepcopy(tokenizer)
-        self.stat_logger = stat_logger
-        if stat_logger is not None:
-            self.engine.add_observer(stat_logger.on_step)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # the engine thread's alone
-        self._lock = threading.Lock()  # orders "is it dead?" + "send" against "die" + "drain"
-        self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvpaging-engine", daemon=True)
-        self.engine.owner_thread = self._thread  # from now on only that thread may queue, abort or step
-        self._thread.start()
+        if self.stat_logger is not None:
+            self.engine.add_observer(self.stat_logger.on_step)
+        self.engine.owner_thread = self._thread
 
     # -- the front ----------------------------------------------------------------------------
     @property
@@ -271,7 +298,14 @@ class AsyncLLM:
         _refuse(command, error)
 
     # -- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build) -> None:
+        if build is not None:
+            try:
+                self._adopt(build())
+            except BaseException as error:  # noqa: BLE001 - the constructor raises it
+                self._built.set_exception(error)
+                return
+            self._built.set_result(None)
         try:
             self._loop()
         finally:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -253,10 +254,9 @@ class ServingMetrics:
     ``prefix_cache_queries``/``hits`` in prompt tokens at the request's first admission.
     """
 
-    def __init__(self, model_name: str, num_blocks: int, block_size: int,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.num_blocks = num_blocks
+        self.num_blocks = 0  # the pool's, once the engine exists (set_num_blocks)
         r, m = self.registry, [model_name]
 
         def gauge(name, doc):
@@ -292,10 +292,14 @@ class ServingMetrics:
             "request_time_per_output_token_seconds",
             "Per request: (last token - first token) / (output tokens - 1).", _TPOT_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        self.kv_cache_num_blocks.set(num_blocks)
         self._queries = self._hits = 0
         # request id -> (tokens counted per completion index, token times of completion 0 counted)
         self._seen: dict[str, tuple[dict[int, int], list[int]]] = {}
+
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """The engine's pool size (its resolved ``num_blocks``): before the first step."""
+        self.num_blocks = num_blocks
+        self.kv_cache_num_blocks.set(num_blocks)
 
     def request_success(self, reason: str):
         return self._request_success.labels(self._model_name, reason)
@@ -765,7 +769,9 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                allowed_hosts: list[str] | tuple[str, ...] | None = LOOPBACK_HOSTS,
                allowed_origins: list[str] | tuple[str, ...] = (), body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
-    """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``, idle) as ``served_model_name``.
+    """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``, idle, or a function of no arguments that
+    makes one, called on the engine thread: what ``kvpaging serve`` gives, see ``AsyncLLM``) as
+    ``served_model_name``.
 
     It starts the engine thread now (``app.state.llm`` is the ``AsyncLLM``, ``app.state.metrics``
     the ``ServingMetrics``) and stops it when the app shuts down.
@@ -781,10 +787,10 @@ def create_app(llm, *, served_model_name: str = "kvpaging", api_key: str | None 
     origins = _check_names("allowed_origins", allowed_origins)
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
-    engine = getattr(llm, "engine", llm)
-    config = engine.config
-    metrics = ServingMetrics(served_model_name, config.num_blocks, config.block_size)
-    async_llm = AsyncLLM(engine, stat_logger=metrics)
+    metrics = ServingMetrics(served_model_name)
+    # a function is called on the engine thread, so that the thread that steps the engine also built it (AsyncLLM)
+    async_llm = AsyncLLM(llm, stat_logger=metrics)
+    metrics.set_num_blocks(async_llm.config.num_blocks)
     server = _Server(async_llm, served_model_name, max_request_body_bytes, body_timeout_s)
 
     @contextlib.asynccontextmanager
@@ -1336,7 +1342,8 @@ def run(args: argparse.Namespace) -> None:
         # process as a normal exit (status 0), as SIGINT's KeyboardInterrupt does below
         signal.signal(signal.SIGTERM, _exit_normally)
     try:
-        llm = load_llm(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+        # loaded by the engine thread, which then steps it: one OpenMP thread team in the process (AsyncLLM)
+        llm = functools.partial(load_llm, args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
         hosts = args.allowed_hosts if args.allowed_hosts is not None else default_allowed_hosts(args.host)
         app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
                          max_request_body_bytes=args.max_request_body_bytes, allowed_hosts=hosts,
