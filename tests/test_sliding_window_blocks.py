@@ -58,7 +58,7 @@ def test_a_sequence_holds_what_its_window_reads(window, block_size, prefix_cachi
     st = bm.get_sequence_blocks("s")
     for _ in range(3 * block_size + 5):  # decodes
         tokens.append(len(tokens))
-        assert bm.append_decode_slots([Seq(st, tokens)], [], [], []) == 1
+        assert bm.append_decode_slots([Seq(st, tokens)]) == 1
         assert bm.stats().num_used_blocks == blocks_needed(st.num_tokens, st.num_tokens - 1, window, block_size)
         assert bm.stats().num_used_blocks == blocks_held(st.num_tokens, block_size, window)  # the formula lessons use
         assert st.block_ids[: st.num_passed] == [-1] * st.num_passed
@@ -82,7 +82,7 @@ def test_passed_blocks_stay_cached_and_the_chain_goes_on():
     tokens = list(prompt)
     for t in range(8):  # two more blocks filled while decoding, after passed ones
         tokens.append(500 + t)
-        bm.append_decode_slots([Seq(st, tokens)], [], [], [])
+        bm.append_decode_slots([Seq(st, tokens)])
         bm.step_done()
     check_block_manager(bm)
     assert st.num_passed == 6  # the next query, at 32, reads from position 28: block 7 only
@@ -108,7 +108,7 @@ def test_fork_and_copy_on_write_after_blocks_were_passed():
     used = bm.stats().num_used_blocks
     assert used == blocks_needed(22, 10, 6, 4)  # shared, not copied
     for table, seq_tokens in [(parent, prompt + [7]), (kids[0], prompt + [8]), (kids[1], prompt + [9])]:
-        bm.append_decode_slots([Seq(table, seq_tokens)], [], [], [])
+        bm.append_decode_slots([Seq(table, seq_tokens)])
     bm.step_done()
     check_block_manager(bm)
     assert bm.stats().num_cow_copies == 2
@@ -228,7 +228,7 @@ def test_a_windowed_sequence_may_outgrow_the_pool():
             seq = Seq(st, tokens[:20])
             for n in range(20, 60):
                 seq.token_ids = tokens[: n + 1]
-                assert bm.append_decode_slots([seq], [], [], []) == 1
+                assert bm.append_decode_slots([seq]) == 1
                 bm.step_done()
                 check_block_manager(bm)
         except SequenceTooLongError as error:

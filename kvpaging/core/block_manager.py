@@ -405,17 +405,15 @@ class BlockManager:
         cow = 1 if (n % self.block_size and st.last is not None and st.last.ref_cnt > 1) else 0
         return self.num_blocks_for(n + num_new_tokens) - len(st.blocks) + cow
 
-    def append_decode_slots(self, seqs: list, rows: list[int], positions: list[int], input_ids: list[int]) -> int:
+    def append_decode_slots(self, seqs: list) -> int:
         """One more slot for each of ``seqs``, decodes the scheduler found (each has one token to compute, its
         last), in order, as ``append_slots(seq_id, 1)`` would give it; returns how many got theirs.
 
         The scheduler's every-step call for its decoding sequences: one call per step, not one per sequence.
         ``seqs`` holds scheduler sequences, read through two attributes: ``blocks`` (the table record this
-        manager gave them) and ``token_ids``. The run stops at the first one the pool has no block for. For
-        each served sequence it appends its table's row (in the runner's block table), the new slot's position
-        and the token that goes there (its last) to ``rows``, ``positions`` and ``input_ids``: the model
-        runner's inputs, gathered in the same pass. A decode that fills its last block makes that block
-        findable in the prefix cache, as :meth:`allocate_slots` does.
+        manager gave them) and ``token_ids``. The run stops at the first one the pool has no block for. A
+        decode that fills its last block makes that block findable in the prefix cache, as
+        :meth:`allocate_slots` does.
 
         Most decodes land in an unshared, unfilled last block and cost a few attribute updates; a full or
         shared last block takes the general path (a new block, or a copy-on-write).
@@ -424,7 +422,7 @@ class BlockManager:
         pool = self.pool
         free_queue = pool.free_queue
         max_tokens = self.max_tokens_per_sequence
-        served = len(rows)
+        served = 0
         slow = False  # whether a decode took the general path
         filling = []  # unshared last blocks with room: one more slot each, filled by the pool below
         full = []  # decodes that fill their last block: cached once filled
@@ -445,9 +443,7 @@ class BlockManager:
                     self._copy_on_write(st, last)
                 self._grow(st, 1)
                 slow = True
-            rows.append(st.row)
-            positions.append(n)
-            input_ids.append(seq.token_ids[n])
+            served += 1
             if caching and (n + 1) % bs == 0:
                 full.append(seq)
         pool.fill_one_each(filling)
@@ -455,7 +451,7 @@ class BlockManager:
             self._cache_blocks(seq.blocks, seq.token_ids, seq.blocks.num_tokens)
         if slow:
             self._note_peak()
-        return len(rows) - served
+        return served
 
     def _copy_on_write(self, st: SequenceBlocks, shared: KVBlock) -> None:
         pool = self.pool

@@ -136,9 +136,9 @@ class GroupedBlockManager:
         self._note_peak()
         return tables[0]
 
-    def append_decode_slots(self, seqs: list, rows: list[int], positions: list[int], input_ids: list[int]) -> int:
+    def append_decode_slots(self, seqs: list) -> int:
         """``BlockManager.append_decode_slots``: one more slot for each of ``seqs`` in every group, in order, until
-        the pool has no blocks for one; its row, position and token appended to the three lists."""
+        the pool has no blocks for one; how many got theirs."""
         bs, caching, groups = self.block_size, self.enable_prefix_caching, self.groups
         free_queue = self.pool.free_queue
         tables_of = [group._seqs for group in groups]
@@ -168,9 +168,6 @@ class GroupedBlockManager:
             if caching and (n + 1) % bs == 0:  # the decode fills the last blocks: findable from this step on
                 for group, st in zip(groups, tables):
                     group._cache_blocks(st, tokens, n + 1)
-            rows.append(tables[0].row)
-            positions.append(n)
-            input_ids.append(tokens[n])
             served += 1
         self.pool.fill_one_each(filling)
         if grew:

@@ -46,14 +46,11 @@ __all__ = ["Scheduler", "SchedulerOutput", "ScheduledSeq", "UpdateResult"]
 
 @dataclass(eq=False, slots=True)
 class _Batch:
-    """The step being built: its token budget left, its decodes (as the parallel lists SchedulerOutput keeps)
-    and chunks, and the sequences preempted to make room."""
+    """The step being built: its token budget left, its decodes and chunks, and the sequences preempted to make
+    room."""
 
     budget: int
     decodes: list[Sequence] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)  # each decode's block-table row, position and token id
-    positions: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
     chunks: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -61,15 +58,12 @@ class _Batch:
         """File a scheduled sequence under decodes (one token, its last) or chunks (anything else)."""
         self.budget -= n
         end = start + n
-        num_tokens = len(seq.token_ids)
-        table = seq.blocks
-        if n == 1 and end == num_tokens:
+        if n == 1 and end == len(seq.token_ids):
             self.decodes.append(seq)
-            self.rows.append(table.row)
-            self.positions.append(start)
-            self.token_ids.append(seq.token_ids[start])
         else:  # a prompt or recompute chunk: several tokens, no token yet, or the last prompt token (still prefill)
-            self.chunks.append(ScheduledSeq(seq, start, n, end == num_tokens, True, table.block_ids, table.row))
+            table = seq.blocks
+            self.chunks.append(ScheduledSeq(seq, start, n, end == len(seq.token_ids), True, table.block_ids,
+                                            table.row))
 
 
 class Scheduler:
@@ -145,12 +139,13 @@ class Scheduler:
         if not (batch.decodes or batch.chunks):
             return SchedulerOutput(step=self.num_steps, preempted=batch.preempted)
         self.num_steps += 1
+        decodes = batch.decodes  # each computes its last token, at position num_computed_tokens
         out = SchedulerOutput(
             step=self.num_steps,
-            decodes=batch.decodes,
-            decode_rows=np.fromiter(batch.rows, np.int64, len(batch.rows)),
-            decode_positions=np.fromiter(batch.positions, np.int64, len(batch.positions)),
-            decode_token_ids=batch.token_ids,
+            decodes=decodes,
+            decode_rows=np.array([seq.blocks.row for seq in decodes], np.int64),
+            decode_positions=np.array([seq.num_computed_tokens for seq in decodes], np.int64),
+            decode_token_ids=[seq.token_ids[-1] for seq in decodes],
             chunks=batch.chunks,
             preempted=batch.preempted,
             num_batched_tokens=self.max_num_batched_tokens - batch.budget,
@@ -177,7 +172,7 @@ class Scheduler:
                 end, stop = i + 1, min(len(running), i + batch.budget)
                 while end < stop and len(running[end].token_ids) - running[end].num_computed_tokens == 1:
                     end += 1
-                done = bm.append_decode_slots(running[i:end], batch.rows, batch.positions, batch.token_ids)
+                done = bm.append_decode_slots(running[i:end])
                 batch.decodes += running[i : i + done]
                 batch.budget -= done
                 i += done

@@ -42,10 +42,10 @@ class SlidingWindowBlockManager(BlockManager):
             self._give_back_passed(st, st.num_tokens)
         return super().allocate_slots(seq_id, token_ids, num_new_tokens, prefix_hit)
 
-    def append_decode_slots(self, seqs: list, rows: list[int], positions: list[int], input_ids: list[int]) -> int:
+    def append_decode_slots(self, seqs: list) -> int:
         for seq in seqs:  # first, whatever follows: no query of these sequences reads them again
             self._give_back_passed(seq.blocks, seq.blocks.num_tokens)
-        return super().append_decode_slots(seqs, rows, positions, input_ids)
+        return super().append_decode_slots(seqs)
 
     def _passed_in(self, num_hit_blocks: int) -> int:
         """How many leading blocks of a prefix hit this long the window has passed before its sequence computes

@@ -286,9 +286,9 @@ def prepare_step_inputs(out: SchedulerOutput, tables: list[np.ndarray],
     The decodes (one token each) are packed first, the multi-token chunks after
     them, so attention can serve the first part with the decode kernel and the
     rest with the prefill kernel. The decodes' token ids, positions and table rows
-    come as lists and arrays in the scheduler's output (gathered while their slots
-    were given); their slots, context lengths and block tables are computed for all
-    of them at once with numpy, from their rows of ``tables``. A
+    come as lists and arrays in the scheduler's output; their slots, context lengths
+    and block tables are computed for all of them at once with numpy, from their rows
+    of ``tables``. A
     step of decodes only takes the shortest path (no packing). The chunks add a
     few numpy operations each (their tokens are copied once, as Python ints into
     one array); slots are ``block * block_size + offset``, as the cache lays them
