@@ -13,7 +13,8 @@ run, and the step's distance to the larger one:
 * flops: 2 x parameters x batch (the attention's own flops are a rounding error at this length), over the
   best rate of a layer-sized matrix product in the model's dtype (a 576 x 1536 linear at batch 256).
 
-    python benchmarks/decode_step.py --dtype bfloat16 --cpu-fast-layers
+    python benchmarks/decode_step.py --dtype bfloat16 --cpu-fast-layers default   # the engine's default layers
+    python benchmarks/decode_step.py --dtype bfloat16 --cpu-fast-layers           # cpu_fast_layers=True
     python benchmarks/decode_step.py --dtype float32
     python benchmarks/decode_step.py --dtype float32 --compile mlp     # torch.compile, the CPU's counterpart of graphs
 """
@@ -63,11 +64,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cpu-fast-layers", action="store_true")
+    ap.add_argument("--cpu-fast-layers", nargs="?", const="on", default="off", choices=("off", "default", "on"),
+                    help="the engine's cpu_fast_layers: 'on' (the flag alone) True, 'default' None, 'off' False")
     ap.add_argument("--compile", choices=("none", "mlp", "model"), default="none",
                     help="torch.compile (inductor's CPU backend, a C++ compiler) the engine's copy of the model: each "
                          "decoder layer's MLP, or the whole decoder stack (kvpaging's attention breaks the graph)")
     args = ap.parse_args()
+    args.cpu_fast_layers = {"off": False, "default": None, "on": True}[args.cpu_fast_layers]
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = load_trained_model("smollm2", dtype=dtype, device="cpu")
@@ -112,7 +115,7 @@ def main() -> None:
     groups = {"linear layers": 0.0, "decode attention": 0.0, "RMSNorm (C)": 0.0, "other tensor ops": 0.0}
     for event in prof.key_averages():
         name, seconds = event.key, event.self_cpu_time_total / 1e6
-        if name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"):
+        if name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"):
             groups["linear layers"] += seconds
         elif name == "kvpaging::cpu_decode_attention":
             groups["decode attention"] += seconds

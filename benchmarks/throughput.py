@@ -193,6 +193,9 @@ def run_continuous_batching(model, work: Workload, args) -> serving.Run:
     return serving.run_continuous_batching(model, work)
 
 
+FAST_LAYERS = {"off": False, "default": None, "on": True}  # --cpu-fast-layers: the engine's cpu_fast_layers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny",
@@ -210,9 +213,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--cpu-fast-layers", action="store_true",
-                    help="kvpaging and static generate() both run oneDNN linears and one-pass C RMSNorms "
-                         "(kvpaging.kernels.cpu.layers) instead of the model's own layers")
+    ap.add_argument("--cpu-fast-layers", nargs="?", const="on", default="off", choices=tuple(FAST_LAYERS),
+                    help="kvpaging and static generate() both run the CPU's fast layers (kvpaging.kernels.cpu.layers) "
+                         "instead of the model's own: 'on' (the flag alone) every one, cpu_fast_layers=True; 'default' "
+                         "the exact ones, the engine's default (bfloat16 linears on packed weights)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -229,6 +233,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every engine alike")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    args.cpu_fast_layers = FAST_LAYERS[args.cpu_fast_layers]
     skip = set(filter(None, args.skip.split(",")))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -273,11 +278,11 @@ def main() -> None:
                 peer.close()
     results = {name: statistics.median(r) for name, r in rates.items()}
     fast = None
-    if args.cpu_fast_layers:  # what the fast path covered on this model and dtype, counted on a private copy
+    if args.cpu_fast_layers is not False:  # what the fast path covered on this model and dtype, on a private copy
         from kvpaging.kernels.cpu.layers import enable_fast_layers
         from kvpaging.models import private_copy
 
-        fast = enable_fast_layers(private_copy(models["kvpaging"]))
+        fast = enable_fast_layers(private_copy(models["kvpaging"]), exact=args.cpu_fast_layers is None)
     del models
 
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | transformers "
@@ -288,8 +293,9 @@ def main() -> None:
         from kvpaging.config import auto_attention_backend
         backend = f"auto = {auto_attention_backend(torch.device(args.device))}"
     layers = "the model's own"
-    if args.cpu_fast_layers:
-        layers = (f"linears on packed weights (oneDNN): {fast.linears}, one-pass C RMSNorms: {fast.rms_norms} "
+    if args.cpu_fast_layers is not False:
+        layers = (f"cpu_fast_layers={args.cpu_fast_layers}: linears on packed weights (oneDNN): {fast.linears} "
+                  f"({fast.small_batch_linears} with C products for 1-2 rows), one-pass C RMSNorms: {fast.rms_norms} "
                   f"(oneDNN usable: {onednn_usable()}, C kernels built: {cpu_backend.available()})")
     print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")
     if work.stop_at_eos:

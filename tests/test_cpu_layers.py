@@ -73,8 +73,10 @@ def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens
     model = tiny("llama", seed=0).to(torch.bfloat16)
     by_default = LLM(model, num_blocks=16, max_model_len=64)
     linears = [m for m in by_default.engine.model.modules() if type(m) is torch.nn.Linear]
-    assert by_default.engine.config.cpu_fast_layers is True
-    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), 0)  # bfloat16 norms keep theirs
+    assert by_default.engine.config.cpu_fast_layers is None  # resolved: the exact fast layers (True asks for all)
+    # bfloat16 norms keep theirs; no small batch goes to linear.c (not F.linear's sums: only with True)
+    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, 0)
+    assert not any(vars(m).get("_small_batch") for m in linears)
     assert all(isinstance(vars(m).get("_packed"), layers._Packed) for m in linears)
     assert not any("forward" in vars(m) for m in model.modules()), "the user's model was patched"
     own = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=False)
@@ -199,12 +201,12 @@ def test_c_rms_norm_refuses_what_it_cannot_serve():
 
 
 def test_the_default_resolves_by_device_dtype_and_processes():
-    """``cpu_fast_layers=None`` becomes True only where it changes no result and runs: a bfloat16 model on the CPU,
+    """``cpu_fast_layers=None`` stays None (the exact fast layers) only where they run: a bfloat16 model on the CPU,
     served by one process (a tensor-parallel rank's layers are not split for the fast path)."""
     from kvpaging.config import EngineConfig
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert EngineConfig()._fast_layers(cpu, torch.bfloat16) is True
+    assert EngineConfig()._fast_layers(cpu, torch.bfloat16) is None  # None: the fast layers that change no result
     assert EngineConfig()._fast_layers(cpu, torch.float32) is False
     assert EngineConfig()._fast_layers(cuda, torch.bfloat16) is False
     assert EngineConfig(tensor_parallel_size=2)._fast_layers(cpu, torch.bfloat16) is False
@@ -212,3 +214,72 @@ def test_the_default_resolves_by_device_dtype_and_processes():
     assert EngineConfig(cpu_fast_layers=True)._fast_layers(cpu, torch.float32) is True
     with pytest.raises(ValueError, match="cpu_fast_layers=True serves models on the CPU, but device='cuda'"):
         EngineConfig(cpu_fast_layers=True)._fast_layers(cuda, torch.float32)
+
+
+# -- one or two rows of bfloat16 through linear.c (cpu_fast_layers=True) -------------------------------------------
+@needs_c
+@pytest.mark.parametrize(("n", "k", "with_bias"), [(96, 64, True), (576, 576, False), (37, 53, True), (5, 16, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_the_small_batch_bfloat16_product_is_the_float64_sum_rounded_once(n, k, with_bias, rows):
+    """linear.c sums in float32 and rounds to bfloat16 once: within one bfloat16 rounding of the exact (float64) sum
+    of the same bfloat16 inputs, at any width (16-lane blocks and a tail), with and without a bias; and a row's
+    result is the one it gets alone."""
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn(rows, 1, k, generator=g).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    got = cpu.linear_bf16(x, weight, bias)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert got.shape == (rows, 1, n) and got.dtype == torch.bfloat16
+    # one rounding to bfloat16 (8 bits) of a float32 sum: at most one bfloat16 step from the exact value's
+    assert torch.all((got.double() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3 * k ** 0.5)
+    assert torch.equal(torch.cat([cpu.linear_bf16(x[r], weight, bias) for r in range(rows)]).view_as(got), got)
+
+
+@needs_c
+def test_the_small_batch_product_refuses_what_it_cannot_compute():
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 CPU tensors, got torch.float32"):
+        cpu.linear_bf16(torch.zeros(1, 16), w)
+    with pytest.raises(ValueError, match=r"rows of 16 features .* got x \(2, 15\)"):
+        cpu.linear_bf16(torch.zeros(2, 15, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"bias of \(8,\), got .* bias \(4,\)"):
+        cpu.linear_bf16(torch.zeros(1, 16, dtype=torch.bfloat16), w, torch.zeros(4, dtype=torch.bfloat16))
+
+
+@needs_onednn
+@needs_c
+def test_true_sends_one_or_two_sequences_to_linear_c_and_larger_batches_to_onednn():
+    """With ``cpu_fast_layers=True`` a bfloat16 model's linears take products of one or two rows (one or two
+    sequences decoding) to linear.c and larger ones to oneDNN's packed weight; the default keeps oneDNN for all
+    (F.linear's products to the bit); the user's model is untouched."""
+    model = tiny("llama", seed=0).to(torch.bfloat16)
+    fast = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=True)
+    linears = [m for m in fast.engine.model.modules() if type(m) is torch.nn.Linear]
+    assert fast.engine.config.cpu_fast_layers is True
+    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, len(linears))
+    assert not any(vars(m).get("_small_batch") or "forward" in vars(m) for m in model.modules())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    two = [[5, 9, 2, 7], [3, 1, 4, 1]]
+    assert cpu.LINEAR_PROFILER_NAME in ops_called(lambda: fast.generate(two, params, use_tqdm=False))
+    three = two + [[2, 7, 1, 8]]
+    assert cpu.LINEAR_PROFILER_NAME not in ops_called(lambda: fast.generate(three, params, use_tqdm=False))
+    by_default = LLM(model, num_blocks=16, max_model_len=64)
+    assert cpu.LINEAR_PROFILER_NAME not in ops_called(lambda: by_default.generate(two, params, use_tqdm=False))
+
+
+@needs_c
+def test_the_small_batch_product_is_the_same_on_any_number_of_threads():
+    """Each output is one thread's dot product: sharing the weight rows among threads changes no bit."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 200, generator=g).to(torch.bfloat16)
+    weight = torch.randn(1001, 200, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.linear_bf16(x, weight)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu.linear_bf16(x, weight), one)
+    finally:
+        torch.set_num_threads(before)

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "PROFILER_NAME",
-           "RMS_NORM_PROFILER_NAME"]
+__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "linear_bf16", "PROFILER_NAME",
+           "RMS_NORM_PROFILER_NAME", "LINEAR_PROFILER_NAME"]
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "rms_norm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "rms_norm.c", "linear.c")]
 # -ffast-math lets the compiler reorder the dot products' sums into vector lanes. It is used
 # to compile only: linking a shared library with it would switch the whole process to
 # flush-denormals-to-zero on some compilers.
@@ -50,10 +50,12 @@ LINK_FLAGS = ["-shared", "-lm"]
 OPENMP_FLAGS = ["-fopenmp"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in torch.profiler tables
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
+LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
 _rms_norm_fn = None
+_linear_bf16_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -119,7 +121,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -145,6 +147,9 @@ def _load():
     norm.restype = None
     _decode_fn, _decode_bf16_fn = lib.kvpaging_decode_attention_f32, lib.kvpaging_decode_attention_bf16
     _rms_norm_fn = norm
+    _linear_bf16_fn = lib.kvpaging_linear_bf16
+    _linear_bf16_fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    _linear_bf16_fn.restype = i64
     return _decode_fn
 
 
@@ -186,4 +191,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             _rms_norm_fn(*args)
     else:
         _rms_norm_fn(*args)
+    return out
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows of bfloat16 on the CPU (``linear.c``: each weight row read once
+    per call, float32 sums, not in ``F.linear``'s order), on torch's threads. ``x``: rows of ``k`` features in any
+    leading shape; ``weight``: ``[n, k]``; all contiguous bfloat16 CPU tensors."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        raise ValueError("linear_bf16 needs contiguous bfloat16 CPU tensors, got "
+                         + ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
+    n, k = weight.shape if weight.dim() == 2 else (-1, -1)
+    if x.dim() < 1 or x.shape[-1] != k or x.numel() == 0 or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"linear_bf16 needs rows of {k} features and a bias of ({n},), got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}" + ("" if bias is None else f", bias {tuple(bias.shape)}"))
+    rows = x.numel() // k
+    out = x.new_empty(*x.shape[:-1], n)
+    args = (x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,
+            torch.get_num_threads())
+    if torch.autograd._profiler_enabled():  # name the C call in profiles
+        with torch.profiler.record_function(LINEAR_PROFILER_NAME):
+            status = _linear_bf16_fn(*args)
+    else:
+        status = _linear_bf16_fn(*args)
+    if status != 0:
+        raise MemoryError(f"linear_bf16: no memory for {rows} x {k} float32 inputs")
     return out

@@ -26,16 +26,21 @@ implementation of the *same* maths (measured by
   (square, mean, add, rsqrt, two multiplies), each a pass over memory with its
   own dispatch: 1.6 ms for a 2048 x 256 prefill chunk, where the one-pass C
   loop of ``rms_norm.c`` takes 0.05 ms.
+* **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
+  whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
+  about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
+  once): the trained model's one-sequence step 32 -> 24 ms at two threads
+  (``benchmarks/decode_step.py --batch 1``).
 
 The engine gives a **bfloat16** model's linears their packed weights by default
 (``cpu_fast_layers=None``): the products are ``F.linear``'s to the bit, so nothing a
 user sees changes but the speed and the memory (a second copy of those weights,
 logged). The float32 packed linears and the C RMSNorms are not bit for bit the
-model's own (oneDNN sums in another order), so they stay off unless asked for:
-``LLM(..., cpu_fast_layers=True)``. With ``cpu_fast_layers=False`` the engine
-runs the model's own layers, the very code ``generate()`` runs, so a comparison
-of the two measures scheduling and paging and nothing else (the benchmarks
-against transformers pass it).
+model's own (oneDNN sums in another order), and neither is ``linear.c``'s
+small-batch product, so they stay off unless asked for: ``LLM(..., cpu_fast_layers=True)``.
+With ``cpu_fast_layers=False`` the engine runs the model's own layers, the very code
+``generate()`` runs, so a comparison of the two measures scheduling and paging and
+nothing else (the benchmarks against transformers pass it).
 
 The user's model is never touched. The engine runs a private copy of the
 model's modules that shares the weight tensors (``kvpaging.models.private_copy``);
@@ -70,6 +75,7 @@ class FastLayers:
 
     linears: int = 0
     rms_norms: int = 0
+    small_batch_linears: int = 0  # bfloat16 linears that take one or two rows to linear.c (cpu_fast_layers=True)
 
 
 def onednn_linear():
@@ -92,6 +98,11 @@ def onednn_usable() -> bool:
     return _onednn_checked
 
 
+# Products of at most this many rows (decode steps of one or two sequences) go to linear.c with
+# cpu_fast_layers=True: with the weights coming from memory, it took 1.9x and 1.6x less time than oneDNN's packed
+# product for one and two rows of a 1536 x 576 layer at one thread, 2.1x and 2.0x at two; at three rows oneDNN
+# was faster at one thread (2026-12-05, the EPYC VM).
+SMALL_BATCH_ROWS = 2
 PACK_BATCH_HINT = 64  # the batch size oneDNN blocks a packed weight for (16 to 128 run alike: see RESULTS.md)
 
 
@@ -120,6 +131,10 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     ``F.linear`` packs it anew on every call; in float32 it goes to MKL."""
     if input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2:
         return F.linear(input, self.weight, self.bias)
+    if getattr(self, "_small_batch", False) and input.numel() <= SMALL_BATCH_ROWS * self.in_features:  # linear.c
+        from kvpaging.kernels.cpu import linear_bf16
+
+        return linear_bf16(input.contiguous(), self.weight, self.bias)
     packed = self._packed
     if packed.version != self.weight._version:
         packed.weight, packed.version = _pack(self.weight), self.weight._version
@@ -147,6 +162,25 @@ def _packed_if_it_agrees(module: torch.nn.Linear) -> torch.Tensor | None:
         return packed
     except (RuntimeError, TypeError, NotImplementedError):
         return None
+
+
+def _small_batch_agrees(module: torch.nn.Linear) -> bool:
+    """``linear.c``'s product agrees with ``F.linear`` on probe rows up to bfloat16's rounding (its sums run in
+    another order): a check that the C path works for the layer."""
+    from kvpaging.kernels.cpu import linear_bf16
+
+    weight = module.weight
+    bias = module.bias
+    if not (weight.is_contiguous() and (bias is None or (bias.is_contiguous() and bias.dtype == torch.bfloat16))):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SMALL_BATCH_ROWS, module.in_features, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        try:
+            return torch.allclose(linear_bf16(x, weight, bias).float(), F.linear(x, weight, bias).float(),
+                                  rtol=2e-2, atol=2e-2)
+        except (RuntimeError, ValueError):
+            return False
 
 
 def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -188,9 +222,11 @@ def _agrees(module: torch.nn.Module) -> bool:
             return False
 
 
-def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
-    """Give the float32 and bfloat16 CPU ``nn.Linear`` layers (packed weights) and the float32 RMSNorm layers of
-    ``model`` their fast ``forward``.
+def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayers:
+    """Give the CPU layers of ``model`` their fast ``forward``: with ``exact`` (the engine's default for a bfloat16
+    model), only what changes no result, the bfloat16 ``nn.Linear`` layers on packed weights; without
+    (``cpu_fast_layers=True``), the float32 ones too, the float32 RMSNorms in one C pass, and a bfloat16 linear's
+    products of one or two rows (decode steps of one or two sequences) through ``linear.c``.
 
     Call it on a model nobody else uses (the engine calls it on its private copy):
     the layers' ``forward`` changes for every caller. Returns how many layers have it.
@@ -199,27 +235,33 @@ def enable_fast_layers(model: torch.nn.Module) -> FastLayers:
 
     use_onednn = onednn_usable()
     use_c = available()
-    linears = norms = packed_bytes = 0
+    dtypes = (torch.bfloat16,) if exact else (torch.float32, torch.bfloat16)
+    linears = norms = small = packed_bytes = 0
     for module in model.modules():
         if _has_fast_path(module):
             linears += isinstance(module, torch.nn.Linear)
             norms += not isinstance(module, torch.nn.Linear)
+            small += getattr(module, "_small_batch", False)
             continue
         if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
             packed = (_packed_if_it_agrees(module) if module.weight.device.type == "cpu"
-                      and module.weight.dtype in (torch.float32, torch.bfloat16) else None)
+                      and module.weight.dtype in dtypes else None)
             if packed is not None:
                 module._packed = _Packed(packed, module.weight._version)
                 module.forward = types.MethodType(_packed_linear_forward, module)
                 linears += 1
                 packed_bytes += module.weight.numel() * module.weight.element_size()
-        elif use_c and _is_rms_norm(module) and _agrees(module):
+                if not exact and use_c and module.weight.dtype == torch.bfloat16 and _small_batch_agrees(module):
+                    module._small_batch = True
+                    small += 1
+        elif not exact and use_c and _is_rms_norm(module) and _agrees(module):
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
-    logger.info("fast CPU layers: %d linears, %d RMSNorms%s", linears, norms,
+    logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows), %d RMSNorms%s", linears, small,
+                SMALL_BATCH_ROWS, norms,
                 f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
-    return FastLayers(linears, norms)
+    return FastLayers(linears, norms, small)
 
 
 def _compare() -> None:

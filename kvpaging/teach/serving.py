@@ -178,20 +178,21 @@ def run_kvpaging(model, work: Workload, tokenizer=None, **llm_kwargs) -> Run:
 
 
 @torch.inference_mode()
-def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_layers: bool = False) -> Run:
+def run_static_generate(model, work: Workload, batch_size: int = 16, cpu_fast_layers: bool | None = False) -> Run:
     """transformers' ``model.generate`` on fixed batches, left-padded, timed.
 
     Each batch runs until its longest request is done (``min_new_tokens`` keeps every
     row going, like ``ignore_eos``); only each request's own tokens count as useful.
     ``cpu_fast_layers=True`` runs it on a private copy of the model with the opt-in CPU layers
-    of ``kvpaging.kernels.cpu.layers``, to compare the two engines on the same layers.
+    of ``kvpaging.kernels.cpu.layers`` (None: the exact ones, as the engine's default), to compare the two
+    engines on the same layers.
     """
-    if cpu_fast_layers:
+    if cpu_fast_layers is not False:
         from kvpaging.kernels.cpu.layers import FastLayers, enable_fast_layers
         from kvpaging.models import private_copy
 
         model = private_copy(model)
-        if enable_fast_layers(model) == FastLayers():
+        if enable_fast_layers(model, exact=cpu_fast_layers is None) == FastLayers():
             raise RuntimeError("no layer of this model has a faster CPU path here (see kvpaging.kernels.cpu.layers)")
     return _run_static_generate(model, work, batch_size)
 
@@ -291,7 +292,8 @@ class EngineResult:
 
 # -- where the time goes --------------------------------------------------------------------
 
-_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"})  # the last: cpu_fast_layers
+# the last two: cpu_fast_layers (oneDNN on packed weights; one bfloat16 row through kernels/cpu/linear.c)
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"})
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",

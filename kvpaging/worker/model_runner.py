@@ -80,10 +80,10 @@ class ModelRunner:
         # a hybrid model's linear-attention / state-space layers: a state slot per sequence (kvpaging/worker/state_layers.py)
         self.state_slots = install_state_layers(model, config.max_num_seqs)
         self.fast_layers = FastLayers()
-        if config.cpu_fast_layers:  # the same maths, faster on a CPU (kernels/cpu/layers.py; bfloat16: by default)
+        if config.cpu_fast_layers is not False:  # faster CPU layers (kernels/cpu/layers.py; None: the exact ones)
             from kvpaging.kernels.cpu.layers import enable_fast_layers
 
-            self.fast_layers = enable_fast_layers(model)
+            self.fast_layers = enable_fast_layers(model, exact=config.cpu_fast_layers is None)
         # with tensor parallelism every rank calibrates once the all-reduces are in place (its forward pass is a
         # part of the model's, not a whole one): kvpaging/distributed/tensor_parallel.py calls calibrate_fp8_scales then
         if self.kv_cache_dtype == torch.float8_e4m3fn and config.tensor_parallel_size == 1:
