@@ -432,13 +432,13 @@ def main(argv: list[str] | None = None):
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvpaging-bench-") as workdir:
         try:
-            if args.target:
-                for spec in args.target:
+            if args.target or args.launch:
+                for spec in args.target or [f"kvpaging:{args.launch}"]:
+                    start = time.perf_counter()
                     process, url, model = start_target(spec, args.api_key, workdir)
+                    print(f"{spec}: start-up {time.perf_counter() - start:.1f} s (process start to /health "
+                          "answering)", flush=True)
                     servers.append((spec, process, url, args.model or model))
-            elif args.launch:
-                process, url, model = launch(args.launch, args.api_key)
-                servers.append((f"kvpaging:{args.launch}", process, url, args.model or model))
             else:
                 model = args.model
                 if model is None:
