@@ -33,6 +33,7 @@ from kvpaging import SamplingParams
 from kvpaging.models import load_trained_model
 from kvpaging.models.trained_model import trained_path
 from kvpaging.teach import serving
+from throughput import FAST_LAYERS  # --cpu-fast-layers off|default|on: the engine's cpu_fast_layers
 
 
 def read_bandwidth() -> float:
@@ -64,13 +65,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cpu-fast-layers", nargs="?", const="on", default="off", choices=("off", "default", "on"),
+    ap.add_argument("--cpu-fast-layers", nargs="?", const="on", default="off", choices=tuple(FAST_LAYERS),
                     help="the engine's cpu_fast_layers: 'on' (the flag alone) True, 'default' None, 'off' False")
     ap.add_argument("--compile", choices=("none", "mlp", "model"), default="none",
                     help="torch.compile (inductor's CPU backend, a C++ compiler) the engine's copy of the model: each "
                          "decoder layer's MLP, or the whole decoder stack (kvpaging's attention breaks the graph)")
     args = ap.parse_args()
-    args.cpu_fast_layers = {"off": False, "default": None, "on": True}[args.cpu_fast_layers]
+    args.cpu_fast_layers = FAST_LAYERS[args.cpu_fast_layers]
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = load_trained_model("smollm2", dtype=dtype, device="cpu")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from kvpaging.kernels import torch_backend
-from kvpaging.kernels.cpu import PROFILER_NAME, RMS_NORM_PROFILER_NAME, available, decode_attention_fn, unavailable_reason
+from kvpaging.kernels.cpu import (PROFILER_NAME, RMS_NORM_PROFILER_NAME, available, call_named, decode_attention_fn,
+                                  unavailable_reason)
 from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention, store_kv
 from kvpaging.kernels.validation import check_decode_args
 
@@ -73,11 +74,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
             block_tables.data_ptr(), block_tables.stride(0), width, seq_lens.data_ptr(), out.data_ptr(),
             scores.data_ptr(), stride, block.data_ptr(), error.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
             block_size, float(scale), threads)
-    if torch.autograd._profiler_enabled():  # name the C call in profiles (kvpaging.teach.serving.time_breakdown)
-        with torch.profiler.record_function(PROFILER_NAME):
-            status = fn(*args)
-    else:
-        status = fn(*args)
+    status = call_named(PROFILER_NAME, fn, args)
     if status == 1:
         b, n = error.tolist()
         raise ValueError(f"seq_lens[{b}]={n} is more than block_tables' {width} blocks of {block_size} tokens hold")

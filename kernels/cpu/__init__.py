@@ -153,6 +153,15 @@ def _load():
     return _decode_fn
 
 
+def call_named(name: str, fn, args: tuple):
+    """``fn(*args)`` (a C function), under ``name`` in torch.profiler tables while a profiler records
+    (kvpaging.teach.serving.time_breakdown reads them)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
+
+
 def available() -> bool:
     """True when the C kernel is built (or can be, now) and loaded."""
     return _load() is not None
@@ -186,11 +195,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                          f"got weight {tuple(weight.shape)}")
     out = torch.empty_like(x)
     args = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1), dim, float(eps))
-    if torch.autograd._profiler_enabled():  # name the C call in profiles (kvpaging.teach.serving.time_breakdown)
-        with torch.profiler.record_function(RMS_NORM_PROFILER_NAME):
-            _rms_norm_fn(*args)
-    else:
-        _rms_norm_fn(*args)
+    call_named(RMS_NORM_PROFILER_NAME, _rms_norm_fn, args)
     return out
 
 
@@ -212,11 +217,6 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = x.new_empty(*x.shape[:-1], n)
     args = (x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,
             torch.get_num_threads())
-    if torch.autograd._profiler_enabled():  # name the C call in profiles
-        with torch.profiler.record_function(LINEAR_PROFILER_NAME):
-            status = _linear_bf16_fn(*args)
-    else:
-        status = _linear_bf16_fn(*args)
-    if status != 0:
+    if call_named(LINEAR_PROFILER_NAME, _linear_bf16_fn, args) != 0:
         raise MemoryError(f"linear_bf16: no memory for {rows} x {k} float32 inputs")
     return out

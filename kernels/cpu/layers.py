@@ -131,7 +131,7 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     ``F.linear`` packs it anew on every call; in float32 it goes to MKL."""
     if input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2:
         return F.linear(input, self.weight, self.bias)
-    if getattr(self, "_small_batch", False) and input.numel() <= SMALL_BATCH_ROWS * self.in_features:  # linear.c
+    if self._small_batch and input.numel() <= SMALL_BATCH_ROWS * self.in_features:  # linear.c
         from kvpaging.kernels.cpu import linear_bf16
 
         return linear_bf16(input.contiguous(), self.weight, self.bias)
@@ -241,19 +241,20 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
         if _has_fast_path(module):
             linears += isinstance(module, torch.nn.Linear)
             norms += not isinstance(module, torch.nn.Linear)
-            small += getattr(module, "_small_batch", False)
+            small += vars(module).get("_small_batch", False)
             continue
         if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
             packed = (_packed_if_it_agrees(module) if module.weight.device.type == "cpu"
                       and module.weight.dtype in dtypes else None)
             if packed is not None:
                 module._packed = _Packed(packed, module.weight._version)
+                # an attribute of its own either way: read on every call, a missing one costs nn.Module's lookup
+                module._small_batch = (not exact and use_c and module.weight.dtype == torch.bfloat16
+                                       and _small_batch_agrees(module))
                 module.forward = types.MethodType(_packed_linear_forward, module)
                 linears += 1
+                small += module._small_batch
                 packed_bytes += module.weight.numel() * module.weight.element_size()
-                if not exact and use_c and module.weight.dtype == torch.bfloat16 and _small_batch_agrees(module):
-                    module._small_batch = True
-                    small += 1
         elif not exact and use_c and _is_rms_norm(module) and _agrees(module):
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
