@@ -50,6 +50,25 @@ from kvpaging.core.scheduler import Scheduler
 from kvpaging.core.sequence import Request
 
 
+class GcTime:
+    """The garbage collector's collections and CPU time per generation while installed in ``gc.callbacks``
+    (inside the timed figures: a collection runs whenever enough new container objects pile up)."""
+
+    def __init__(self) -> None:
+        self.counts, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.process_time() - self._start
+
+    def __str__(self) -> str:
+        return ", ".join(f"generation {g}: {n} ({t * 1e3:.1f} ms)" for g, (n, t) in
+                         enumerate(zip(self.counts, self.seconds)))
+
+
 def run(args) -> dict:
     rng = random.Random(args.seed)
     longest = 2 * 1024 + 1
@@ -73,6 +92,8 @@ def run(args) -> dict:
     # seconds of schedule, input preparation and update, and sequence-steps, per kind of step (--parts prints them)
     parts = {kind: [0.0, 0.0, 0.0, 0] for kind in ("decodes only", "with chunks")}
     clock = time.process_time  # this process's CPU time: other work on the machine does not count
+    gc_time = GcTime()
+    gc.callbacks.append(gc_time)
     while sched.has_unfinished():
         t0 = clock()
         out = sched.schedule()
@@ -90,11 +111,12 @@ def run(args) -> dict:
         part[1] += t2 - t1
         part[2] += t3 - t2
         part[3] += out.num_seqs
+    gc.callbacks.remove(gc_time)
     assert bm.stats().num_used_blocks == 0, "leak"
     schedule, prep, update, seq_steps = (sum(part[i] for part in parts.values()) for i in range(4))
     return {"steps": steps, "seq_steps": seq_steps, "sched_us": (schedule + update) / seq_steps * 1e6,
             "prep_us": prep / seq_steps * 1e6, "preemptions": sched.num_preemptions,
-            "hit_rate": bm.stats().prefix_cache_hit_rate, "parts": parts}
+            "hit_rate": bm.stats().prefix_cache_hit_rate, "parts": parts, "gc": gc_time}
 
 
 def print_parts(runs: list[dict]) -> None:
@@ -106,6 +128,9 @@ def print_parts(runs: list[dict]) -> None:
         figures = [statistics.median(r["parts"][kind][i] for r in runs) / seq_steps * 1e6 for i in range(3)]
         print(f"  {kind:>12} ({seq_steps:,} sequence-steps): schedule {figures[0]:.3f}, input preparation "
               f"{figures[1]:.3f}, update {figures[2]:.3f}")
+    print("garbage collections during kvpaging's runs (count, CPU time; each run):")
+    for r in runs:
+        print(f"  {r['gc']}")
 
 
 def run_trained(args) -> dict:

@@ -576,6 +576,24 @@ def test_free_blocks_is_free_block_in_order():
     assert made[0][0] == [6, 7, 5, 4, 0, 2]
 
 
+def test_blocks_under_one_hash_stay_findable_in_the_order_they_were_cached():
+    """Blocks cached under one hash (collisions here: other tokens) are chained behind the first: a lookup finds
+    each by its tokens, the first cached first, and taking any of them out of the cache, first, middle or last,
+    leaves the others findable."""
+    for gone in range(3):
+        pool = BlockPool(num_blocks=4, block_size=2)
+        blocks = [pool.get_new_block(2) for _ in range(3)]
+        for k, block in enumerate(blocks):
+            assert pool.cache_block(block, 7, (k, k))
+        pool.cache_block(pool.get_new_block(2), 7, (0, 0))  # a twin of the first: found after it
+        assert [pool.lookup(7, (k, k), None) for k in range(3)] == blocks
+        pool.uncache(blocks[gone])
+        check_pool(pool)
+        assert pool.lookup(7, (gone, gone), None) is (pool.blocks[3] if gone == 0 else None)
+        assert all(pool.lookup(7, (k, k), None) is blocks[k] for k in range(3) if k != gone)
+        assert pool.num_cached_blocks == 3
+
+
 def test_free_queue_against_a_plain_list():
     """The linked free queue against a Python list doing the same appends, pops from the front, removals from
     the middle and whole-table extends: same order at every step, and every link has its reverse."""

@@ -54,6 +54,7 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None  # the block's tokens: compared on every hit
     cache_id: int = -1  # what it holds: these tokens after its parent's content (twins share it)
     parent_cache_id: int = -1  # cache_id of the block before it in its sequence (-1: first block)
+    next_same_hash: KVBlock | None = field(default=None, repr=False)  # the next block cached under its hash
     # Links of the free queue (None when the block is not in it).
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -132,9 +133,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        # hash -> {block id: block} of the blocks cached under it (usually one). A block is
-        # cached only while it is registered here; eviction removes it.
-        self._cached: dict[int, dict[int, KVBlock]] = {}
+        # hash -> the first block cached under it; the others under the same hash (twins, collisions: rare)
+        # follow it through next_same_hash, in the order they were cached. A block is cached only while it is
+        # in here; eviction takes it out. (No container per block: nothing for the garbage collector to scan.)
+        self._cached: dict[int, KVBlock] = {}
         self.num_cached_blocks = 0
         self._next_cache_id = 0
         self.num_cached_free_blocks = 0  # cached blocks sitting in the free queue
@@ -157,8 +159,10 @@ class BlockPool:
 
     def cached_blocks(self) -> Iterator[KVBlock]:
         """Every block the prefix cache can find, in use or free."""
-        for same_hash in self._cached.values():
-            yield from same_hash.values()
+        for block in self._cached.values():
+            while block is not None:
+                yield block
+                block = block.next_same_hash
 
     # -- allocation --------------------------------------------------------
     def get_new_block(self, num_filled: int = 0) -> KVBlock:
@@ -273,20 +277,24 @@ class BlockPool:
         """
         if parent_cache_id is None:
             return False
-        same_hash = self._cached.get(block_hash)
-        twin = _same_content(same_hash, token_ids, parent_cache_id)
-        if twin is not None:  # the same content: one identity, so a chain may pass through either copy
-            block.cache_id = twin.cache_id
-        else:
+        first = self._cached.get(block_hash)
+        if first is None:  # most blocks: the first under their hash, so a content of its own
+            self._cached[block_hash] = block
             block.cache_id = self._next_cache_id
             self._next_cache_id += 1
+        else:
+            twin = _same_content(first, token_ids, parent_cache_id)
+            if twin is not None:  # the same content: one identity, so a chain may pass through either copy
+                block.cache_id = twin.cache_id
+            else:  # a hash collision
+                block.cache_id = self._next_cache_id
+                self._next_cache_id += 1
+            while first.next_same_hash is not None:  # after the others: a lookup still finds the first cached
+                first = first.next_same_hash
+            first.next_same_hash = block
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_cache_id = parent_cache_id
-        if same_hash is None:  # most blocks: the first under their hash
-            self._cached[block_hash] = {block.block_id: block}
-        else:
-            same_hash[block.block_id] = block
         self.num_cached_blocks += 1
         return True
 
@@ -299,10 +307,17 @@ class BlockPool:
             self.num_cached_free_blocks -= 1
 
     def _uncache(self, block: KVBlock) -> None:
-        same_hash = self._cached[block.block_hash]
-        del same_hash[block.block_id]
-        if not same_hash:
-            del self._cached[block.block_hash]
+        first = self._cached[block.block_hash]
+        if first is block:
+            if block.next_same_hash is None:
+                del self._cached[block.block_hash]
+            else:
+                self._cached[block.block_hash] = block.next_same_hash
+        else:  # unlink it from behind the block before it
+            while first.next_same_hash is not block:
+                first = first.next_same_hash
+            first.next_same_hash = block.next_same_hash
+        block.next_same_hash = None
         self.num_cached_blocks -= 1
         block.block_hash = None
         block.token_ids = None
@@ -318,12 +333,11 @@ class BlockPool:
         return len(stale)
 
 
-def _same_content(same_hash: dict[int, KVBlock] | None, token_ids: tuple[int, ...],
-                  parent_cache_id: int) -> KVBlock | None:
-    """Of the blocks cached under one hash (None: none), the one holding ``token_ids`` after the parent identity
-    ``parent_cache_id``, or None."""
-    if same_hash is not None:
-        for block in same_hash.values():
-            if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
-                return block
+def _same_content(block: KVBlock | None, token_ids: tuple[int, ...], parent_cache_id: int) -> KVBlock | None:
+    """Of ``block`` and the blocks cached under the same hash after it, the first holding ``token_ids`` after the
+    parent identity ``parent_cache_id``, or None."""
+    while block is not None:
+        if block.token_ids == token_ids and block.parent_cache_id == parent_cache_id:
+            return block
+        block = block.next_same_hash
     return None

@@ -45,17 +45,22 @@ def check_pool(pool: BlockPool) -> None:
                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free}")
         _check(0 <= block.num_filled <= pool.block_size, f"block {block.block_id} holds {block.num_filled}")
         if block.block_hash is not None:
-            _check(pool._cached.get(block.block_hash, {}).get(block.block_id) is block,
-                   f"block {block.block_id} hash not indexed")
             _check(block.token_ids is not None and len(block.token_ids) == pool.block_size,
                    f"cached block {block.block_id} does not hold a full block of tokens")
             _check(block.num_filled == pool.block_size, f"cached block {block.block_id} is not full")
-    for h, same_hash in pool._cached.items():
-        _check(bool(same_hash), f"hash {h} indexed with no block")
-        for block_id, block in same_hash.items():
-            _check(block.block_hash == h and block.block_id == block_id,
-                   f"block {block.block_id} indexed under another hash or id")
-    _check(pool.num_cached_blocks == sum(map(len, pool._cached.values())), "num_cached_blocks out of step")
+        else:
+            _check(block.next_same_hash is None, f"uncached block {block.block_id} still chained to a cached one")
+    indexed = list(pool.cached_blocks())  # every chain, from the first block under each hash
+    for h, first in pool._cached.items():
+        _check(first.block_hash == h, f"block {first.block_id} indexed under another hash")
+    _check(all(b.block_hash is not None and pool._cached[b.block_hash] is not None for b in indexed),
+           "an uncached block in a chain")
+    _check(len(indexed) == len({b.block_id for b in indexed}), "a block chained twice")
+    _check({b.block_id for b in indexed} == {b.block_id for b in pool.blocks if b.block_hash is not None},
+           "the cached blocks and the index disagree")
+    _check(all(b.next_same_hash is None or b.next_same_hash.block_hash == b.block_hash for b in indexed),
+           "a block chained under another hash")
+    _check(pool.num_cached_blocks == len(indexed), "num_cached_blocks out of step")
     _check(pool.num_used_blocks + pool.num_free_blocks == pool.num_blocks, "used + free != all blocks")
     _check(all(b.ref_cnt == 0 and b.block_id in pool._hold_on_free for b in pool._held), "held block not held")
     _check(pool.num_cached_free_blocks == sum(1 for b in pool.free_queue if b.block_hash is not None),

@@ -306,14 +306,13 @@ class Scheduler:
                     seq.output_top_logprobs.append(top)
         now = time.perf_counter() if now is None else now
         # Every sampled sequence has computed all its tokens (a decode its last, a chunk its prompt's end, a
-        # fork its parent's), and gets its token; completion 0 notes the time for its request; one whose
-        # token may end it (a stop token, stop strings to look for, its last allowed length) is looked at closely.
+        # fork its parent's), and gets its token and the time it came; one whose token may end it (a stop
+        # token, stop strings to look for, its last allowed length) is looked at closely.
         for seq, token in zip(samples, token_ids):
             tokens = seq.token_ids
             seq.num_computed_tokens = len(tokens)
             tokens.append(token)
-            if seq.index == 0:
-                seq.request.token_times.append(now)
+            seq.token_times.append(now)
             if token in seq.stop_ids or seq.has_stop_strings or len(tokens) >= seq.max_len:
                 self._check_stop(seq, token, result, keep_tables)
         if result.finished:

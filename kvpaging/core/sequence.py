@@ -67,6 +67,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with logprobs=k > 0
+    token_times: list[float] = field(default_factory=list)  # when each of its tokens came (its step's end)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     _detokenizer: IncrementalDetokenizer | None = None
@@ -127,7 +128,6 @@ class Request:
     forked: bool = False  # True once the n completions exist
     first_scheduled_time: float | None = None
     finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # when each output step of completion 0 ended
     error: BaseException | None = None
     tokenizer: object | None = None  # turns the completions' tokens into text; None: token ids only
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was first admitted
@@ -136,6 +136,11 @@ class Request:
     # there (None for the first, which nothing predicts); filled as the prompt's chunks are computed
     prompt_logprobs: list[dict[int, float] | None] | None = None
     grammar: str | None = None  # with structured outputs: llguidance's grammar, checked at intake
+
+    @property
+    def token_times(self) -> list[float]:
+        """When each output token of completion 0 came."""
+        return self.seqs[0].token_times if self.seqs else []
 
     @property
     def first_token_time(self) -> float | None:
