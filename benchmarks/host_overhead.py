@@ -119,6 +119,16 @@ def run(args) -> dict:
             "hit_rate": bm.stats().prefix_cache_hit_rate, "parts": parts, "gc": gc_time}
 
 
+def print_nano_parts(runs: list[dict]) -> None:
+    """nano-vllm's scheduler + block manager by kind of step (its steps are all prefills or all decodes)."""
+    print("nano-vllm's scheduler + block manager alone by kind of step (median of the runs):")
+    for kind in runs[0]["parts"]:
+        seq_steps = runs[0]["parts"][kind][1]
+        seconds = statistics.median(r["parts"][kind][0] for r in runs)
+        print(f"  {kind:>8} ({seq_steps:,} sequence-steps): {seconds / seq_steps * 1e6:.3f} us per sequence-step, "
+              f"{seconds * 1e3:.1f} ms in all")
+
+
 def print_parts(runs: list[dict]) -> None:
     """Where kvpaging's host time goes: schedule, input preparation and update, for steps of decodes only and for
     steps with prompt chunks, in microseconds per sequence-step of that kind (medians over ``runs``)."""
@@ -172,13 +182,17 @@ def run_trained(args) -> dict:
 
     sched.schedule, sched.update = timed_schedule, timed(update, "sched")
     runner.prepare_inputs = timed(runner.prepare_inputs, "prep")  # the step's table updates, then its tensors
+    gc_time = GcTime()
+    gc.callbacks.append(gc_time)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del runner.prepare_inputs
+        gc.callbacks.remove(gc_time)
     n = spent["seq_steps"]
     return {"steps": spent["steps"], "seq_steps": n, "sched_us": spent["sched"] / n * 1e6,
-            "prep_us": spent["prep"] / n * 1e6, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+            "prep_us": spent["prep"] / n * 1e6, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "gc": gc_time}
 
 
 def run_nano_vllm(args, path: str, with_input_preparation: bool = True) -> dict:
@@ -215,6 +229,7 @@ def run_nano_vllm(args, path: str, with_input_preparation: bool = True) -> dict:
     runner = _nano_input_preparation(path, args.block_size) if with_input_preparation else None
     t_sched = t_prep = 0.0
     seq_steps = steps = 0
+    parts = {"decodes": [0.0, 0], "prefills": [0.0, 0]}  # scheduler + block manager seconds, sequence-steps
     clock = time.process_time  # this process's CPU time: other work on the machine does not count
     while not sched.is_finished():
         t0 = clock()
@@ -228,10 +243,13 @@ def run_nano_vllm(args, path: str, with_input_preparation: bool = True) -> dict:
         t3 = clock()
         t_sched += (t1 - t0) + (t3 - t2)
         t_prep += t2 - t1
+        part = parts["prefills" if is_prefill else "decodes"]
+        part[0] += (t1 - t0) + (t3 - t2)
+        part[1] += len(seqs)
         seq_steps += len(seqs)
         steps += 1
     return {"steps": steps, "seq_steps": seq_steps, "sched_us": t_sched / seq_steps * 1e6,
-            "prep_us": t_prep / seq_steps * 1e6}
+            "prep_us": t_prep / seq_steps * 1e6, "parts": parts}
 
 
 def _nano_input_preparation(path: str, block_size: int):
@@ -305,6 +323,7 @@ def main() -> None:
               f"stopping at end of turn): steps={runs[0]['steps']} sequence-steps={runs[0]['seq_steps']} "
               f"tokens={runs[0]['tokens']}")
         print_figures(runs)
+        print("garbage collections during each run (count, CPU time): " + "; ".join(str(r["gc"]) for r in runs))
         return
     # With --nano-vllm the two engines take turns (kvpaging, nano-vllm, kvpaging, ...), so that both meet
     # the same machine; the first run of each warms up. Ratios are the median of the per-turn ratios.
@@ -336,6 +355,8 @@ def main() -> None:
         print(f"  input preparation:         {nano_prep:.3f} us per sequence-step")
         print(f"  total host overhead:       {nano + nano_prep:.3f} us per sequence-step")
         print(f"  scheduler + block manager, run without its input preparation: {alone:.3f} us per sequence-step")
+        if args.parts:
+            print_nano_parts(nano_alone)
 
         def ratio(ours, theirs, their_runs=nano_runs) -> str:
             values = [ours(a) / theirs(b) for a, b in zip(runs, their_runs)]
