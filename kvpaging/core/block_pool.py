@@ -86,16 +86,9 @@ class FreeBlockQueue:
         self.num_free_blocks += 1
 
     def extend(self, blocks: list[KVBlock]) -> None:
-        """``append`` each of ``blocks``, in order (a whole freed table at once): linked one after another, then
-        the run joins the tail."""
-        last = self._tail.prev_free
+        """``append`` each of ``blocks``, in order (a whole freed table at once)."""
         for block in blocks:
-            last.next_free = block
-            block.prev_free = last
-            last = block
-        last.next_free = self._tail
-        self._tail.prev_free = last
-        self.num_free_blocks += len(blocks)
+            self.append(block)
 
     def popleft(self) -> KVBlock:
         """Take the block that has been free the longest."""
