@@ -269,14 +269,13 @@ class BlockManager:
         """Hash the full blocks of ``st`` up to ``num_tokens`` and offer the uncached ones."""
         bs = self.block_size
         hashes = st.block_hashes
-        first = len(hashes)
-        parent_id = self._parent_cache_id(st, first)
-        h = hashes[-1] if first else None
-        for i in range(first, num_tokens // bs):
+        blocks = st.blocks
+        parent_id = self._parent_cache_id(st, len(hashes))
+        for i in range(len(hashes), num_tokens // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = self.hash_fn(h, toks)
+            h = self.hash_fn(hashes[-1] if i else None, toks)
             hashes.append(h)
-            block = st.blocks[i]
+            block = blocks[i]
             # a prefix hit, or a block shared with a parent that cached it, is cached already
             if block.block_hash is None and self.pool.cache_block(block, h, toks, parent_id):
                 self._cached_in_step.append(block)

@@ -278,18 +278,16 @@ class BlockPool:
         if parent_cache_id is None:
             return False
         first = self._cached.get(block_hash)
-        if first is None:  # most blocks: the first under their hash, so a content of its own
-            self._cached[block_hash] = block
+        twin = _same_content(first, token_ids, parent_cache_id)
+        if twin is not None:  # the same content: one identity, so a chain may pass through either copy
+            block.cache_id = twin.cache_id
+        else:
             block.cache_id = self._next_cache_id
             self._next_cache_id += 1
-        else:
-            twin = _same_content(first, token_ids, parent_cache_id)
-            if twin is not None:  # the same content: one identity, so a chain may pass through either copy
-                block.cache_id = twin.cache_id
-            else:  # a hash collision
-                block.cache_id = self._next_cache_id
-                self._next_cache_id += 1
-            while first.next_same_hash is not None:  # after the others: a lookup still finds the first cached
+        if first is None:  # most blocks: the first under their hash
+            self._cached[block_hash] = block
+        else:  # after the others, so a lookup still finds the first one cached
+            while first.next_same_hash is not None:
                 first = first.next_same_hash
             first.next_same_hash = block
         block.block_hash = block_hash
