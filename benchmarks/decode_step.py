@@ -5,7 +5,9 @@ prompts); once every prompt is computed, ``--steps`` decode steps are timed one 
 and, after them, one step under ``torch.profiler`` splits the time into the linear layers, decode attention,
 RMSNorm and the rest. Each timed step is also split into the runner's part (``ModelRunner.execute``: the step's
 input tensors and the model's forward pass, up to the logits) and the engine's around it (scheduling, sampling,
-``update``, the outputs). Beside the step time: the two floors of that step, measured on this machine in the same
+``update``, the outputs). Then ``--steps`` more steps with a clock around kvpaging's attention function and,
+within it, the cpu backend's ``store_kv``, its decode attention and the C kernel under it: what the glue between
+transformers' layers and the kernels costs a step. Beside the step time: the two floors of that step, measured on this machine in the same
 run, and the step's distance to the larger one:
 
 * bytes: every weight the step reads (the whole model; the tied embedding once, as the LM head) and every cached
@@ -57,6 +59,44 @@ def product_rate(dtype: torch.dtype) -> float:
         F.linear(x, w)
         best = min(best, time.perf_counter() - t0)
     return 2 * 256 * 576 * 1536 / best
+
+
+def attention_glue(engine, steps: int) -> dict | None:
+    """Wall time a step spends in kvpaging's attention function, all layers together, and within it in the
+    backend's ``store_kv``, in its decode attention's Python and in the C kernel that does the arithmetic: each
+    wrapped with a clock for ``steps`` more steps (the cpu backend only; None for the others)."""
+    from transformers import AttentionInterface
+
+    import kvpaging.kernels.cpu_backend as cpu
+    import kvpaging.worker.attention as attention
+
+    if engine.runner.backend is not cpu:
+        return None
+    spent = {"total": 0.0, "store": 0.0, "decode": 0.0, "kernel": 0.0, "calls": 0}
+
+    def clocked(fn, key):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+                spent["calls"] += key == "total"
+        return call
+
+    originals = cpu.store_kv, cpu.paged_decode_attention, cpu.call_named
+    cpu.store_kv, cpu.paged_decode_attention, cpu.call_named = (
+        clocked(originals[0], "store"), clocked(originals[1], "decode"), clocked(originals[2], "kernel"))
+    AttentionInterface.register(attention.ATTN_NAME, clocked(attention.paged_attention_forward, "total"))
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        cpu.store_kv, cpu.paged_decode_attention, cpu.call_named = originals
+        AttentionInterface.register(attention.ATTN_NAME, attention.paged_attention_forward)
+    result = {key: value / steps for key, value in spent.items()}
+    result["wrapper"] = result["decode"] - result["kernel"]
+    return result
 
 
 def main() -> None:
@@ -125,6 +165,7 @@ def main() -> None:
         else:
             groups["other tensor ops"] += seconds
 
+    glue = attention_glue(engine, args.steps)  # after the figures above: its clocks slow the steps a little
     config = model.config
     params = sum(p.numel() for p in model.parameters())  # the tied embedding counted once
     layers = engine.runner.kv_layout
@@ -142,6 +183,10 @@ def main() -> None:
           f"{step * 1e3:.1f} ms (median of {args.steps}; {min(times) * 1e3:.1f} to {max(times) * 1e3:.1f})")
     print(f"  the runner's forward (inputs, model, logits) {forward * 1e3:.1f} ms; the engine around it "
           f"(schedule, sample, update, outputs) {(step - forward) * 1e3:.1f} ms (medians)")
+    if glue is not None:
+        print(f"  in the attention function ({glue['calls']:.0f} calls a step): {glue['total'] * 1e3:.2f} ms a step, "
+              f"of which store_kv {glue['store'] * 1e3:.2f}, decode attention's Python {glue['wrapper'] * 1e3:.2f} "
+              f"and its C kernel {glue['kernel'] * 1e3:.2f} (means of {args.steps} steps more, timed inside)")
     profiled = sum(groups.values())
     for name, seconds in groups.items():
         print(f"  {name:18s} {seconds * 1e3:7.1f} ms  {seconds / profiled:6.1%} of the profiled step's tensor ops")

@@ -28,70 +28,54 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors (None ones are skipped) live on one device; return it."""
     named = [(name, t) for name, t in tensors.items() if t is not None]
     device = named[0][1].device
     for name, t in named[1:]:
-        _require(
-            t.device == device,
-            f"{name} is on {t.device} but {named[0][0]} is on {device}; "
-            "all tensors must be on one device",
-        )
+        if t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device} but {named[0][0]} is on {device}; "
+                "all tensors must be on one device"
+            )
     return device
 
 
 def check_index(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
     """An index tensor (slot mapping, block table, lengths) with an exact dtype
     and shape; ``None`` in ``shape`` means any size."""
-    _require(
-        t.dtype == dtype,
-        f"{name} must be {dtype}, got {t.dtype}",
-    )
-    ok = t.dim() == len(shape) and all(want is None or have == want for have, want in zip(t.shape, shape))
-    wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    _require(ok, f"{name} must have shape {wanted}, got {_shape(t)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and have != want for have, want in zip(t.shape, shape)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {wanted}, got {_shape(t)}")
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """K and V caches: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
     identical shape and dtype, model dtype or FP8."""
-    _require(
-        k_cache.dim() == 4,
-        "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-        f"got shape {_shape(k_cache)}",
-    )
-    _require(
-        v_cache.shape == k_cache.shape,
-        f"v_cache shape {_shape(v_cache)} differs from k_cache shape {_shape(k_cache)}",
-    )
-    _require(
-        v_cache.dtype == k_cache.dtype,
-        f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}",
-    )
-    _require(
-        v_cache.device == k_cache.device,
-        f"v_cache is on {v_cache.device} but k_cache is on {k_cache.device}",
-    )
-    _require(
-        k_cache.dtype in FLOAT_DTYPES or is_fp8(k_cache.dtype),
-        f"cache dtype must be float16, bfloat16, float32 or float8_e4m3fn, got {k_cache.dtype}",
-    )
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {_shape(k_cache)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {_shape(v_cache)} differs from k_cache shape {_shape(k_cache)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device} but k_cache is on {k_cache.device}")
+    if not (k_cache.dtype in FLOAT_DTYPES or is_fp8(k_cache.dtype)):
+        raise ValueError(f"cache dtype must be float16, bfloat16, float32 or float8_e4m3fn, got {k_cache.dtype}")
 
 
 def check_input_dtype(name: str, x: torch.Tensor, cache_dtype: torch.dtype) -> None:
     """Queries, keys and values are float; they match a non-FP8 cache's dtype."""
-    _require(x.dtype in FLOAT_DTYPES, f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
     if not is_fp8(cache_dtype):
-        _require(
-            x.dtype == cache_dtype,
-            f"{name} dtype {x.dtype} differs from the cache dtype {cache_dtype}",
-        )
+        if x.dtype != cache_dtype:
+            raise ValueError(f"{name} dtype {x.dtype} differs from the cache dtype {cache_dtype}")
 
 
 def check_scales(
@@ -103,34 +87,38 @@ def check_scales(
     """FP8 caches need float32 scales, per KV head ``[num_kv_heads]`` or per
     tensor (``[1]`` or 0-d); other caches take none."""
     if not is_fp8(cache_dtype):
-        _require(
-            k_scale is None and v_scale is None,
-            f"k_scale/v_scale only apply to a float8_e4m3fn cache; this cache is {cache_dtype}",
-        )
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale only apply to a float8_e4m3fn cache; this cache is {cache_dtype}")
         return
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        _require(s is not None, f"a float8_e4m3fn cache needs {name} (got None)")
-        _require(isinstance(s, torch.Tensor), f"{name} must be a float32 tensor, got {type(s).__name__}")
-        _require(s.dtype == torch.float32, f"{name} must be float32, got {s.dtype}")
-        _require(
-            s.dim() <= 1 and s.numel() in (1, num_kv_heads),
-            f"{name} must have shape [{num_kv_heads}] (per KV head), [1] or [] (per tensor), "
-            f"got {_shape(s)}",
-        )
+        if s is None:
+            raise ValueError(f"a float8_e4m3fn cache needs {name} (got None)")
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"{name} must be a float32 tensor, got {type(s).__name__}")
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {s.dtype}")
+        if not (s.dim() <= 1 and s.numel() in (1, num_kv_heads)):
+            raise ValueError(
+                f"{name} must have shape [{num_kv_heads}] (per KV head), [1] or [] (per tensor), "
+                f"got {_shape(s)}"
+            )
 
 
 def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     check_cache_pair(k_cache, v_cache)
-    _require(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {_shape(key)}")
-    _require(value.shape == key.shape, f"value shape {_shape(value)} differs from key shape {_shape(key)}")
-    _require(
-        key.shape[1:] == k_cache.shape[2:],
-        f"key [num_tokens, num_kv_heads, head_dim] = {_shape(key)} does not match the cache's "
-        f"[.., num_kv_heads, head_dim] = {_shape(k_cache)}",
-    )
+    if key.dim() != 3:
+        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_dim], got {_shape(key)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {_shape(value)} differs from key shape {_shape(key)}")
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key [num_tokens, num_kv_heads, head_dim] = {_shape(key)} does not match the cache's "
+            f"[.., num_kv_heads, head_dim] = {_shape(k_cache)}"
+        )
     check_input_dtype("key", key, k_cache.dtype)
     check_input_dtype("value", value, k_cache.dtype)
-    _require(value.dtype == key.dtype, f"value dtype {value.dtype} differs from key dtype {key.dtype}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype {value.dtype} differs from key dtype {key.dtype}")
     check_index("slot_mapping", slot_mapping, torch.int64, (key.shape[0],))
     check_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
     check_same_device(
@@ -141,37 +129,28 @@ def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_s
 
 def _check_attention_common(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale):
     check_cache_pair(k_cache, v_cache)
-    _require(
-        query.dim() == 3,
-        f"query must be [tokens, num_heads, head_dim], got {_shape(query)}",
-    )
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, num_heads, head_dim], got {_shape(query)}")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    _require(
-        head_dim == k_cache.shape[3],
-        f"query head_dim {head_dim} differs from the cache head_dim {k_cache.shape[3]}",
-    )
-    _require(
-        num_heads % num_kv_heads == 0,
-        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
-    )
+    if head_dim != k_cache.shape[3]:
+        raise ValueError(f"query head_dim {head_dim} differs from the cache head_dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     check_input_dtype("query", query, k_cache.dtype)
     check_index("block_tables", block_tables, torch.int32, (None, None))
     check_index("seq_lens", seq_lens, torch.int32, (block_tables.shape[0],))
-    _require(isinstance(scale, (int, float)), f"scale must be a Python float, got {type(scale).__name__}")
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float, got {type(scale).__name__}")
     check_scales(k_cache.dtype, k_scale, v_scale, num_kv_heads)
 
 
 def check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits) -> None:
     _check_attention_common(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
-    _require(
-        block_tables.shape[0] == query.shape[0],
-        f"block_tables has {block_tables.shape[0]} rows but query has batch {query.shape[0]}",
-    )
-    _require(
-        num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
-        f"num_splits must be None or a positive int, got {num_splits!r}",
-    )
+    if block_tables.shape[0] != query.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but query has batch {query.shape[0]}")
+    if not (num_splits is None or (isinstance(num_splits, int) and num_splits >= 1)):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     check_same_device(
         query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
         seq_lens=seq_lens, k_scale=k_scale, v_scale=v_scale,
@@ -190,18 +169,16 @@ def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
 def check_copy_blocks_args(
     k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor
 ) -> None:
-    _require(
-        len(k_caches) == len(v_caches) and len(k_caches) > 0,
-        f"need one k_cache and one v_cache per layer, got {len(k_caches)} and {len(v_caches)}",
-    )
+    if len(k_caches) != len(v_caches) or not k_caches:
+        raise ValueError(f"need one k_cache and one v_cache per layer, got {len(k_caches)} and {len(v_caches)}")
     first = k_caches[0]
     for layer, (k, v) in enumerate(zip(k_caches, v_caches)):
         check_cache_pair(k, v)
-        _require(
-            k.shape == first.shape and k.dtype == first.dtype and k.device == first.device,
-            f"layer {layer} cache is {_shape(k)} {k.dtype} on {k.device}, layer 0 is "
-            f"{_shape(first)} {first.dtype} on {first.device}; all layers must match",
-        )
+        if not (k.shape == first.shape and k.dtype == first.dtype and k.device == first.device):
+            raise ValueError(
+                f"layer {layer} cache is {_shape(k)} {k.dtype} on {k.device}, layer 0 is "
+                f"{_shape(first)} {first.dtype} on {first.device}; all layers must match"
+            )
     check_index("block_mapping", block_mapping, torch.int64, (None, 2))
     check_same_device(k_cache=first, block_mapping=block_mapping)
     check_block_mapping(block_mapping, num_blocks=first.shape[0])
@@ -223,24 +200,24 @@ def check_block_mapping(block_mapping: torch.Tensor, num_blocks: int) -> None:
     pairs = block_mapping.tolist()
     for row, (src, dst) in enumerate(pairs):
         for side, block in (("source", src), ("destination", dst)):
-            _require(
-                0 <= block < num_blocks,
-                f"block_mapping row {row}: {side} block {block} is outside the cache's blocks 0..{num_blocks - 1}",
-            )
+            if not 0 <= block < num_blocks:
+                raise ValueError(
+                    f"block_mapping row {row}: {side} block {block} is outside the cache's blocks 0..{num_blocks - 1}"
+                )
     destination_row: dict[int, int] = {}
     for row, (_, dst) in enumerate(pairs):
-        _require(
-            dst not in destination_row,
-            f"block_mapping: destination block {dst} appears twice (rows {destination_row.get(dst)} and {row}); "
-            "each block may be written once per call",
-        )
+        if dst in destination_row:
+            raise ValueError(
+                f"block_mapping: destination block {dst} appears twice (rows {destination_row.get(dst)} and {row}); "
+                "each block may be written once per call"
+            )
         destination_row[dst] = row
     for row, (src, _) in enumerate(pairs):
-        _require(
-            src not in destination_row,
-            f"block_mapping: block {src} is the source of row {row} and the destination of row "
-            f"{destination_row.get(src)}; a block may not be both in one call (the copies run in parallel)",
-        )
+        if src in destination_row:
+            raise ValueError(
+                f"block_mapping: block {src} is the source of row {row} and the destination of row "
+                f"{destination_row.get(src)}; a block may not be both in one call (the copies run in parallel)"
+            )
 
 
 # --- checks specific to the Triton kernels ----------------------------------
@@ -320,16 +297,16 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
 
 def check_window(window) -> int:
     """A sliding window: the number of most recent positions a query sees (itself included); 0 means all."""
-    _require(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
-             f"window must be a non-negative int (0: the whole context), got {window!r}")
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+        raise ValueError(f"window must be a non-negative int (0: the whole context), got {window!r}")
     return window
 
 
 def check_softcap(softcap) -> float:
     """Soft-capping of the attention scores (Gemma 2): ``softcap * tanh(score / softcap)``; 0 means none."""
-    _require(isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap >= 0
-             and softcap == softcap and softcap != float("inf"),
-             f"softcap must be a non-negative finite number (0: none), got {softcap!r}")
+    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap >= 0
+            and softcap == softcap and softcap != float("inf")):
+        raise ValueError(f"softcap must be a non-negative finite number (0: none), got {softcap!r}")
     return float(softcap)
 
 
@@ -337,7 +314,10 @@ def check_sinks(sinks, num_heads: int, device) -> None:
     """Attention sinks (gpt-oss): one learned logit per query head, an extra entry in every softmax."""
     if sinks is None:
         return
-    _require(isinstance(sinks, torch.Tensor) and sinks.shape == (num_heads,) and sinks.is_floating_point(),
-             f"sinks must be a float tensor of shape ({num_heads},) (one logit per query head), got "
-             f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
-    _require(sinks.device == device, f"sinks are on {sinks.device}, the query on {device}")
+    if not (isinstance(sinks, torch.Tensor) and sinks.shape == (num_heads,) and sinks.is_floating_point()):
+        raise ValueError(
+            f"sinks must be a float tensor of shape ({num_heads},) (one logit per query head), got "
+            f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}"
+        )
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, the query on {device}")
