@@ -357,7 +357,7 @@ def _mixed_inputs(out: SchedulerOutput, tables: list[np.ndarray], tensor) -> Ste
     groups = [(tensor(_slots(t, token_rows, cols, offsets, out.block_size)), tensor(t[seq_rows, :width]))
               for t in tables]
     return StepInputs(
-        input_ids=tensor(np.fromiter(input_ids, np.int64, len(input_ids)).reshape(1, -1)),  # (twice np.array's speed)
+        input_ids=tensor(np.fromiter(input_ids, np.int64, len(input_ids)).reshape(1, -1)),  # (faster than np.array)
         positions=tensor(positions.reshape(1, -1)),
         slot_mapping=groups[0][0],
         block_tables=groups[0][1],
