@@ -417,6 +417,27 @@ def test_torch_backend_matches_the_references(fp8):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_store_kv_writes_what_the_reference_writes(dtype):
+    """The cpu backend's store_kv does without the torch backend's look for padding slots before each call: padding
+    (negative) slots, first, in the middle or last, still write nothing, every other token exactly what the
+    reference writes, and a slot past the cache is refused as before."""
+    from kvpaging.kernels import cpu_backend
+
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(40, 16, 2, 32, generator=g).to(dtype) for _ in range(2))
+    # the keys and values as the attention function hands them: views of [heads, tokens, dim] tensors
+    key, value = (torch.randn(2, 5, 32, generator=g).to(dtype).transpose(0, 1) for _ in range(2))
+    for slots in ([3, 17, 40, 41, 600], [3, -1, 40, -1, 600], [-1, 17, 40, 41, 600], [3, 17, 40, 41, -1]):
+        slots = torch.tensor(slots)
+        a_k, a_v, b_k, b_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+        reference.store_kv(key, value, a_k, a_v, slots)
+        cpu_backend.store_kv(key, value, b_k, b_v, slots)
+        assert torch.equal(a_k, b_k) and torch.equal(a_v, b_v)
+    with pytest.raises(IndexError):
+        cpu_backend.store_kv(key, value, k_cache.clone(), v_cache.clone(), torch.tensor([3, 17, 40, 41, 640]))
+
+
 # -- sliding-window attention: each query sees only the last `window` positions, its own included -------------
 
 
