@@ -14,8 +14,8 @@ for models in those dtypes there), over the whole context, the query in float32 
 bfloat16 one is widened first: it is one row per sequence) and the arithmetic in
 float32, as the torch backend does it; anything else (float16 or FP8 caches, CUDA
 tensors, sliding-window, soft-capped or sink layers) is served by the torch
-backend's function, so this backend accepts every input the torch backend does. Prefill attention and
-``copy_blocks`` are the torch backend's; so is ``store_kv``, but for one check it skips (see there).
+backend's function, so this backend accepts every input the torch backend does. ``store_kv``, prefill attention and
+``copy_blocks`` are the torch backend's.
 """
 
 from __future__ import annotations
@@ -25,29 +25,12 @@ import torch
 from kvpaging.kernels import torch_backend
 from kvpaging.kernels.cpu import (PROFILER_NAME, RMS_NORM_PROFILER_NAME, available, call_named, decode_attention_fn,
                                   unavailable_reason)
-from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention
+from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention, store_kv
 from kvpaging.kernels.validation import check_decode_args
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "available",
            "unavailable_reason", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME"]
 NAME = "cpu"
-
-
-def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """The torch backend's ``store_kv``, without its look for padding slots (negative ones) before every call: the
-    engine's CPU steps have none, and on the CPU ``index_copy_`` refuses a slot out of the cache's range, a negative
-    one included, with an IndexError. Such a call goes to the torch backend's function, which skips padding slots
-    (and raises for any other bad slot); what ``index_copy_`` wrote before it raised were real tokens' own keys and
-    values, which that function writes again."""
-    if key.device.type != "cpu" or k_scale is not None or key.dtype != k_cache.dtype:
-        torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    try:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-    except IndexError:
-        torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:

@@ -37,12 +37,21 @@ __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "cop
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    if is_fp8(k_cache.dtype) or key.dtype != k_cache.dtype or bool((slot_mapping < 0).any()):
+    """``reference.store_kv`` by one ``index_copy_`` per cache. A padding (negative) slot goes to the reference,
+    which skips it. On a GPU that means looking for one first (an index out of range there is a device-side
+    assert); on the CPU ``index_copy_`` itself refuses it with an IndexError, so the common call, with none, looks
+    for nothing: what it wrote before raising were real tokens' own keys and values, which the reference writes
+    again (and a slot past the cache raises there too)."""
+    if (is_fp8(k_cache.dtype) or key.dtype != k_cache.dtype
+            or (slot_mapping.device.type != "cpu" and bool((slot_mapping < 0).any()))):
         reference_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     _, _, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    try:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    except IndexError:
+        reference_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale) -> torch.Tensor:

@@ -213,6 +213,13 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.dim() < 1 or x.shape[-1] != k or x.numel() == 0 or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"linear_bf16 needs rows of {k} features and a bias of ({n},), got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}" + ("" if bias is None else f", bias {tuple(bias.shape)}"))
+    return linear_bf16_unchecked(x, weight, bias)
+
+
+def linear_bf16_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear_bf16` for a caller that has made its checks already (a fast layer checks its weight and bias
+    once, when it is set up, and its input's dtype, device, width and layout on each call): the product alone."""
+    n, k = weight.shape
     rows = x.numel() // k
     out = x.new_empty(*x.shape[:-1], n)
     args = (x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, k,

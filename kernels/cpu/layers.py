@@ -61,6 +61,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm
+
 __all__ = ["enable_fast_layers", "FastLayers", "onednn_linear", "onednn_usable"]
 
 logger = logging.getLogger(__name__)
@@ -131,10 +133,10 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     ``F.linear`` packs it anew on every call; in float32 it goes to MKL."""
     if input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2:
         return F.linear(input, self.weight, self.bias)
-    if self._small_batch and input.numel() <= SMALL_BATCH_ROWS * self.in_features:  # linear.c
-        from kvpaging.kernels.cpu import linear_bf16
-
-        return linear_bf16(input.contiguous(), self.weight, self.bias)
+    # linear.c, its weight and bias checked once (_small_batch_agrees), the input's width here
+    if (self._small_batch and input.numel() <= SMALL_BATCH_ROWS * self.in_features
+            and input.shape[-1] == self.in_features):
+        return linear_bf16_unchecked(input.contiguous(), self.weight, self.bias)
     packed = self._packed
     if packed.version != self.weight._version:
         packed.weight, packed.version = _pack(self.weight), self.weight._version
@@ -167,8 +169,6 @@ def _packed_if_it_agrees(module: torch.nn.Linear) -> torch.Tensor | None:
 def _small_batch_agrees(module: torch.nn.Linear) -> bool:
     """``linear.c``'s product agrees with ``F.linear`` on probe rows up to bfloat16's rounding (its sums run in
     another order): a check that the C path works for the layer."""
-    from kvpaging.kernels.cpu import linear_bf16
-
     weight = module.weight
     bias = module.bias
     if not (weight.is_contiguous() and (bias is None or (bias.is_contiguous() and bias.dtype == torch.bfloat16))):
@@ -185,8 +185,6 @@ def _small_batch_agrees(module: torch.nn.Linear) -> bool:
 
 def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu" and hidden_states.is_contiguous():
-        from kvpaging.kernels.cpu import rms_norm
-
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)  # the layer's own code
 
@@ -210,7 +208,6 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
 
 def _agrees(module: torch.nn.Module) -> bool:
     """The C RMSNorm gives what the layer's own forward gives, on a probe input."""
-    from kvpaging.kernels.cpu import rms_norm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, module.weight.shape[0], generator=g) * 3
@@ -231,7 +228,6 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     Call it on a model nobody else uses (the engine calls it on its private copy):
     the layers' ``forward`` changes for every caller. Returns how many layers have it.
     """
-    from kvpaging.kernels.cpu import available
 
     use_onednn = onednn_usable()
     use_c = available()
