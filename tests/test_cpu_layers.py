@@ -155,6 +155,32 @@ def test_other_modules_and_dtypes_are_left_alone():
 
 
 @needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (576, 1536)])
+def test_bfloat16_products_of_any_size_are_f_linears_to_the_bit(threads, n, k):
+    """Every row count from 1 to 520 (decode batches, prefill chunks), the trained model's layer shapes: F.linear's
+    product to the bit. oneDNN may split a large product on a packed weight otherwise than on the plain one (an AMX
+    Xeon at two threads did, at 96 rows for 192 x 576 and from 289 for 576 x 576), so such products must not take
+    the packed weight."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(n + k)
+        layer = torch.nn.Linear(k, n, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        layer = layer.to(torch.bfloat16)
+        plain = copy.deepcopy(layer)
+        assert layers.enable_fast_layers(layer, exact=True).linears == 1
+        with torch.no_grad():
+            for rows in range(1, 521):
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                assert torch.equal(layer(x), plain(x)), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_onednn
 def test_bfloat16_linears_run_on_packed_weights_to_the_bit():
     """A bfloat16 linear's product on its packed weight is F.linear's, bit for bit, at decode and prefill sizes;
     a weight written in place is packed again; a copy computes with its own weights, and the layer saves."""

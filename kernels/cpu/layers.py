@@ -13,7 +13,8 @@ implementation of the *same* maths (measured by
   every call: a decode step reads every weight twice and writes it once more.
   Here the weight is laid out once (``_reorder_linear_weight``) and kept beside
   the layer, in either dtype. In bfloat16 the product is ``F.linear``'s to the
-  bit (checked per layer on probe inputs when it is turned on), 1.6x faster at a
+  bit (checked per layer on probe inputs when it is turned on) for up to 64 rows
+  (a product of more rows, a prefill chunk, is ``F.linear`` itself), 1.6x faster at a
   decode batch of 48 on an AMX Xeon (``benchmarks/RESULTS.md``). In float32 it
   is oneDNN's sum, not MKL's (the same products, added in another order): on
   the AMD EPYC (Zen 4) development machine about half MKL's time at a decode
@@ -54,6 +55,7 @@ RMSNorm variants with other maths (Gemma's ``1 + weight``) keep their own.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import types
 from dataclasses import dataclass
@@ -106,6 +108,12 @@ def onednn_usable() -> bool:
 # was faster at one thread (2026-12-05, the EPYC VM).
 SMALL_BATCH_ROWS = 2
 PACK_BATCH_HINT = 64  # the batch size oneDNN blocks a packed weight for (16 to 128 run alike: see RESULTS.md)
+# A bfloat16 product of more rows than the packing's batch goes to F.linear: up to it, oneDNN ran the same kernels
+# on the packed weight as F.linear on the plain one in every check; beyond, it may split the product otherwise. On
+# an AMX Xeon at two threads (2026-12-05) a 192 x 576 product of 96 rows and 576 x 576 ones of 289 rows on differed
+# from F.linear's in a bit, none of up to 64 rows did (every row count, four shapes and the LM head, one and two
+# threads). The setup's probes stay within the bound.
+PACKED_MAX_ROWS_BF16 = PACK_BATCH_HINT
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -131,7 +139,8 @@ class _Packed:
 def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """A linear on its weight packed once for oneDNN's matrix kernels (AMX where the CPU has it): in bfloat16
     ``F.linear`` packs it anew on every call; in float32 it goes to MKL."""
-    if input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2:
+    if (input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2
+            or input.numel() > self._packed_max_numel):  # bfloat16: more than PACKED_MAX_ROWS_BF16 rows
         return F.linear(input, self.weight, self.bias)
     # linear.c, its weight and bias checked once (_small_batch_agrees), the input's width here
     if (self._small_batch and input.numel() <= SMALL_BATCH_ROWS * self.in_features
@@ -144,17 +153,17 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
 
 
 def _packed_if_it_agrees(module: torch.nn.Linear) -> torch.Tensor | None:
-    """The layer's weight packed, if the packed product agrees with ``F.linear`` on probe inputs of a decode
-    batch's and a prefill chunk's sizes: to the bit in bfloat16 (oneDNN runs the same kernel either way); in float32
-    (oneDNN's sums, not MKL's) within rounding on a small probe, a check that packing works for the layer, kept short
-    because float32 products cost more (the engine's self-check compares the whole model). None where it does not:
-    the layer keeps ``F.linear``."""
+    """The layer's weight packed, if the packed product agrees with ``F.linear`` on probe inputs of the sizes it
+    will get: to the bit in bfloat16, from one row to ``PACKED_MAX_ROWS_BF16`` (oneDNN runs the same kernels
+    either way); in float32 (oneDNN's sums, not MKL's) within rounding on a small probe, a check that packing works
+    for the layer, kept short because float32 products cost more (the engine's self-check compares the whole
+    model). None where it does not: the layer keeps ``F.linear``."""
     g = torch.Generator().manual_seed(0)
     dtype = module.weight.dtype
     try:
         packed = _pack(module.weight)
         with torch.no_grad():
-            for rows in (1, 48, 300) if dtype == torch.bfloat16 else (1, 4):
+            for rows in (1, 2, 16, 48, PACKED_MAX_ROWS_BF16) if dtype == torch.bfloat16 else (1, 4):
                 x = torch.randn(rows, module.in_features, generator=g).to(dtype)
                 got = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
                 own = F.linear(x, module.weight, module.bias)
@@ -244,6 +253,8 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
                       and module.weight.dtype in dtypes else None)
             if packed is not None:
                 module._packed = _Packed(packed, module.weight._version)
+                bf16 = module.weight.dtype == torch.bfloat16
+                module._packed_max_numel = PACKED_MAX_ROWS_BF16 * module.in_features if bf16 else sys.maxsize
                 # an attribute of its own either way: read on every call, a missing one costs nn.Module's lookup
                 module._small_batch = (not exact and use_c and module.weight.dtype == torch.bfloat16
                                        and _small_batch_agrees(module))
