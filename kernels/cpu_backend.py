@@ -10,9 +10,9 @@ every cached key and value once, where it lies. Same maths as
 How the C code is built and loaded: ``kernels/cpu/__init__.py``.
 
 Float32 and bfloat16 caches on the CPU go to the C kernel (what the engine uses
-for models in those dtypes there), over the whole context, the query in float32 (a
-bfloat16 one is widened first: it is one row per sequence) and the arithmetic in
-float32, as the torch backend does it; anything else (float16 or FP8 caches, CUDA
+for models in those dtypes there), over the whole context, the query and the output
+in the cache's dtype and the arithmetic in float32, as the torch backend does it (a
+bfloat16 query is widened and the output rounded inside the kernel); anything else (float16 or FP8 caches, CUDA
 tensors, sliding-window, soft-capped or sink layers) is served by the torch
 backend's function, so this backend accepts every input the torch backend does. ``store_kv``, prefill attention and
 ``copy_blocks`` are the torch backend's.
@@ -61,9 +61,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
     dtype = query.dtype
-    if dtype != torch.float32:
-        query = query.float()  # (contiguous)
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+    out = torch.empty(batch, num_heads, head_dim, dtype=dtype)  # a bfloat16 one: rounded from float32 by the kernel
     threads = max(1, min(torch.get_num_threads(), batch))  # the sequences are shared out among torch's threads
     stride = num_heads * max(width * block_size, 1)  # one thread's [heads, tokens] scratch
     scores = torch.empty(threads * stride, dtype=torch.float32)
@@ -81,4 +79,4 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     if status == 2:
         b, n = error.tolist()
         raise ValueError(f"block_tables row {b} holds block {n}, outside the cache's {num_blocks} blocks")
-    return out if dtype == torch.float32 else out.to(dtype)
+    return out

@@ -116,6 +116,25 @@ def test_bfloat16_caches_match_the_reference_in_float32(gen, block_size, heads, 
     assert (got == want.to(torch.bfloat16)).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bfloat16_call_is_the_float32_call_on_the_same_values_rounded_once(gen, threads):
+    """The bfloat16 entry point widens the query inside the kernel and rounds each output once: bit for bit the
+    float32 kernel on the widened query and caches, its output rounded to bfloat16 by torch (round to nearest even)."""
+    lens = [0, 1, 17, 16, 150, 33]
+    kv = random_paged_kv(lens, 3, 64, 16, dtype=torch.bfloat16, generator=gen, max_blocks=12)
+    query = transposed_query(len(lens), 9, 64, gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_backend.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+        wide = cpu_backend.paged_decode_attention(query.float(), kv.k_cache.float(), kv.v_cache.float(),
+                                                  kv.block_tables, kv.seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert torch.equal(got, wide.to(torch.bfloat16))
+
+
 def test_fp8_caches_are_served_by_the_torch_backend(gen):
     kv = random_paged_kv([5, 33], 2, 32, 16, dtype=torch.float8_e4m3fn, generator=gen)
     query = transposed_query(2, 8, 32, gen)

@@ -40,6 +40,7 @@ __all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm",
            "RMS_NORM_PROFILER_NAME", "LINEAR_PROFILER_NAME"]
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "rms_norm.c", "linear.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]  # included by two of them: part of what a build depends on
 # -ffast-math lets the compiler reorder the dot products' sums into vector lanes. It is used
 # to compile only: linking a shared library with it would switch the whole process to
 # flush-denormals-to-zero on some compilers.
@@ -130,7 +131,7 @@ def _load():
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        sources = [src.read_text() for src in SOURCES]
+        sources = [src.read_text() for src in SOURCES + HEADERS]
         key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
                              .encode()).hexdigest()[:16]
         lib = _library(cc, key)

@@ -10,7 +10,7 @@
  *     p[g][t]     = softmax over t < seq_len of score[g][t]
  *     out[g]      = sum over t of p[g][t] * value[t]
  *
- * Layouts (the query float32, the caches float32 or bfloat16, as the engine keeps them on the CPU):
+ * Layouts (the query, the caches and the output all float32 or all bfloat16, as the engine keeps them on the CPU):
  *     query   [batch, num_heads, head_dim], any strides for batch and head, head_dim contiguous
  *     caches  [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *     tables  [batch, table_width] int32, rows table_stride apart;  seq_lens [batch] int32
@@ -21,7 +21,10 @@
  * A bfloat16 cache holds half the bytes of a float32 one, and reading the cache is most of the
  * time this kernel takes. Each block is widened to float32 in the `block` scratch as it is reached
  * (a bfloat16 number is the top half of a float32 one: widening is a 16-bit shift), and the loops
- * below run on it as on a float32 block: all arithmetic is float32, as in the reference.
+ * below run on it as on a float32 block: all arithmetic is float32, as in the reference. A bfloat16
+ * query is widened the same way, one sequence's rows at a time, and each output row is computed in
+ * float32 and rounded to bfloat16 once at the end (to nearest, ties to even, as torch rounds): the
+ * numbers a float32 query, float32 caches and a float32 output rounded afterwards would give.
  * A sequence of length 0 (padding) gets zeros, as in the reference.
  *
  * Threads: with `threads` > 1 (the caller passes torch's thread count) the sequences are shared out
@@ -45,6 +48,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "bf16.h"
 
 /* Ask for a whole block ahead of its use: the cache is far bigger than the CPU's caches, so every
  * block comes from memory, and the loads of one token alone cannot keep memory busy. */
@@ -72,11 +77,12 @@ static inline const float *block_of(const void *cache, int bf16, const int32_t *
     return scratch;
 }
 
-/* The attention of sequence b, whose table and length were checked: one thread's whole share of work. */
+/* The attention of sequence b, whose table and length were checked, into o: one thread's whole share of work.
+ * q: its query rows, float32, q_head_stride apart. */
 static inline __attribute__((always_inline)) void decode_one(
-    const float *query, int64_t q_batch_stride, int64_t q_head_stride,
+    const float *q, int64_t q_head_stride,
     const void *k_cache, const void *v_cache, int bf16, const int32_t *block_tables, int64_t table_stride,
-    const int32_t *seq_lens, float *out, float *scores, float *block, int64_t b,
+    const int32_t *seq_lens, float *o, float *scores, float *block, int64_t b,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
 {
     const int64_t group = num_heads / num_kv_heads;
@@ -85,8 +91,6 @@ static inline __attribute__((always_inline)) void decode_one(
     const int64_t len = seq_lens[b];
     const int32_t *table = block_tables + b * table_stride;
     const int64_t num_used = (len + block_size - 1) / block_size;
-    const float *q = query + b * q_batch_stride;
-    float *o = out + b * num_heads * head_dim;
     memset(o, 0, sizeof(float) * num_heads * head_dim);
     if (len <= 0)
         return;
@@ -169,19 +173,19 @@ static int64_t check_tables(const int32_t *block_tables, int64_t table_stride, i
  * with head_dim a constant the compiler can unroll and vectorize exactly; any other size runs the
  * general copy. The switch sits inside the threads' loop, so each copy is made inside the code the
  * threads run. */
-#define DECODE(BF16, D) decode_one(query, q_batch_stride, q_head_stride, k_cache, v_cache, BF16, block_tables, \
-    table_stride, seq_lens, out, scores + thread * scores_stride,                                          \
-    BF16 ? block + thread * block_size * num_kv_heads * D : block, b, num_heads, num_kv_heads, D, block_size, scale)
+#define DECODE(BF16, D) decode_one(q, q_stride, k_cache, v_cache, BF16, block_tables, table_stride, seq_lens, o,  \
+    scores + thread * scores_stride, BF16 ? block + thread * block_size * num_kv_heads * D : block, b,          \
+    num_heads, num_kv_heads, D, block_size, scale)
 #ifdef _OPENMP
 #define THREAD_NUM omp_get_thread_num()
 #else
 #define THREAD_NUM 0
 #endif
 #define ENTRY_POINT(NAME, BF16)                                                                               \
-int64_t NAME(const float *query, int64_t q_batch_stride, int64_t q_head_stride,                               \
+int64_t NAME(const void *query, int64_t q_batch_stride, int64_t q_head_stride,                                \
              const void *k_cache, const void *v_cache, int64_t num_blocks,                                   \
              const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens, \
-             float *out, float *scores, int64_t scores_stride, float *block, int64_t *error,                 \
+             void *out, float *scores, int64_t scores_stride, float *block, int64_t *error,                  \
              int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,    \
              float scale, int64_t threads)                                                                    \
 {                                                                                                             \
@@ -191,13 +195,27 @@ int64_t NAME(const float *query, int64_t q_batch_stride, int64_t q_head_stride, 
         return status;                                                                                        \
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)")                    \
     for (int64_t b = 0; b < batch; b++) {                                                                     \
-        const int64_t thread = THREAD_NUM;                                                                    \
+        const int64_t thread = THREAD_NUM, row = num_heads * head_dim;                                        \
+        float q_row[BF16 ? row : 1], o_row[BF16 ? row : 1];  /* bfloat16: the widened query, the float32 output */ \
+        const float *q = (const float *)query + b * q_batch_stride;                                           \
+        float *o = (float *)out + b * row;                                                                    \
+        int64_t q_stride = q_head_stride;                                                                     \
+        if (BF16) {                                                                                           \
+            const uint16_t *src = (const uint16_t *)query + b * q_batch_stride;                               \
+            for (int64_t h = 0; h < num_heads; h++)                                                           \
+                for (int64_t d = 0; d < head_dim; d++)                                                        \
+                    q_row[h * head_dim + d] = bf16_to_f32(src[h * q_head_stride + d]);                        \
+            q = q_row, o = o_row, q_stride = head_dim;                                                        \
+        }                                                                                                     \
         switch (head_dim) {                                                                                   \
         case 32: DECODE(BF16, 32); break;                                                                     \
         case 64: DECODE(BF16, 64); break;                                                                     \
         case 128: DECODE(BF16, 128); break;                                                                   \
         default: DECODE(BF16, head_dim); break;                                                               \
         }                                                                                                     \
+        if (BF16)                                                                                             \
+            for (int64_t i = 0; i < row; i++)                                                                 \
+                ((uint16_t *)out)[b * row + i] = f32_to_bf16(o_row[i]);                                       \
     }                                                                                                         \
     return 0;                                                                                                 \
 }

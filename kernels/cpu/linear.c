@@ -16,25 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define LANES 16
-
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)  /* NaN: keep it a NaN (quiet) */
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest, ties to even */
-    return (uint16_t)(u >> 16);
-}
 
 /* One output: the float32 dot product of xr with the weight row wj (k of them; main_k: k rounded down to LANES). */
 static inline float dot(const float *xr, const uint16_t *wj, int64_t k, int64_t main_k)
