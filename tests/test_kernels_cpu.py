@@ -1,4 +1,4 @@
-"""The "cpu" attention backend: the C decode kernel (kernels/cpu_decode_attention.c) against the reference.
+"""The "cpu" attention backend: the C decode kernel (kernels/cpu/decode_attention.c) against the reference.
 
 The oracle is ``reference.paged_decode_attention`` (itself checked against a
 float64 per-token loop in test_kernels_reference.py). Caches are random, block
