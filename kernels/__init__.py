@@ -15,7 +15,7 @@ Four operations, each in two versions with the same signature:
   ``cpu_backend`` is the "cpu" backend (the default on a CPU with a C compiler): the torch
   backend with decode attention done by a C kernel, ``cpu/decode_attention.c``, that reads
   the blocks in place (compiled on first use). The same library holds the one-pass RMSNorm
-  (``cpu_rms_norm.c``) that ``kvpaging.kernels.cpu.layers`` gives the model's norm layers.
+  (``cpu/rms_norm.c``) that ``kvpaging.kernels.cpu.layers`` gives the model's norm layers.
 * ``kvpaging.kernels.store_kv`` etc. (this package's top level): the Triton
   kernels, in ``triton_*.py``. They run on a CUDA GPU, or on the CPU when
   ``TRITON_INTERPRET=1`` is set (slowly: meant for tests and for reading).

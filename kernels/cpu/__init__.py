@@ -184,7 +184,7 @@ def decode_attention_fn(cache_dtype: torch.dtype = torch.float32):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dimension, in one pass per row
-    (``cpu_rms_norm.c``): contiguous float32 ``x`` on the CPU and a float32 ``weight`` of its last size."""
+    (``rms_norm.c``): contiguous float32 ``x`` on the CPU and a float32 ``weight`` of its last size."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
     dim = x.shape[-1]
