@@ -22,6 +22,7 @@ from kvpaging import LLM, SamplingParams
 from kvpaging.kernels import cpu
 from kvpaging.kernels.cpu import layers
 from kvpaging.models import tiny
+from kvpaging.teach.scheduling import cpu_threads
 
 needs_onednn = pytest.mark.skipif(not layers.onednn_usable(), reason="torch has no usable oneDNN linear here")
 needs_c = pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
@@ -162,22 +163,17 @@ def test_bfloat16_products_of_any_size_are_f_linears_to_the_bit(threads, n, k):
     product to the bit. oneDNN may split a large product on a packed weight otherwise than on the plain one (an AMX
     Xeon at two threads did, at 96 rows for 192 x 576 and from 289 for 576 x 576), so such products must not take
     the packed weight."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(n + k)
-        layer = torch.nn.Linear(k, n, bias=False)
-        with torch.no_grad():
-            layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
-        layer = layer.to(torch.bfloat16)
-        plain = copy.deepcopy(layer)
+    g = torch.Generator().manual_seed(n + k)
+    layer = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    layer = layer.to(torch.bfloat16)
+    plain = copy.deepcopy(layer)
+    with cpu_threads(threads), torch.no_grad():
         assert layers.enable_fast_layers(layer, exact=True).linears == 1
-        with torch.no_grad():
-            for rows in range(1, 521):
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-                assert torch.equal(layer(x), plain(x)), rows
-    finally:
-        torch.set_num_threads(before)
+        for rows in range(1, 521):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            assert torch.equal(layer(x), plain(x)), rows
 
 
 @needs_onednn

@@ -25,6 +25,7 @@ import torch
 
 from kvpaging.kernels import cpu_backend, reference, torch_backend
 from kvpaging.kernels.testing import random_paged_kv
+from kvpaging.teach.scheduling import cpu_threads
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang")) or bool(os.environ.get("CC"))
 pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
@@ -123,14 +124,10 @@ def test_a_bfloat16_call_is_the_float32_call_on_the_same_values_rounded_once(gen
     lens = [0, 1, 17, 16, 150, 33]
     kv = random_paged_kv(lens, 3, 64, 16, dtype=torch.bfloat16, generator=gen, max_blocks=12)
     query = transposed_query(len(lens), 9, 64, gen).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpu_threads(threads):
         got = cpu_backend.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
         wide = cpu_backend.paged_decode_attention(query.float(), kv.k_cache.float(), kv.v_cache.float(),
                                                   kv.block_tables, kv.seq_lens, 0.125)
-    finally:
-        torch.set_num_threads(before)
     assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
     assert torch.equal(got, wide.to(torch.bfloat16))
 

@@ -197,16 +197,13 @@ int64_t NAME(const void *query, int64_t q_batch_stride, int64_t q_head_stride,  
     for (int64_t b = 0; b < batch; b++) {                                                                     \
         const int64_t thread = THREAD_NUM, row = num_heads * head_dim;                                        \
         float q_row[BF16 ? row : 1], o_row[BF16 ? row : 1];  /* bfloat16: the widened query, the float32 output */ \
-        const float *q = (const float *)query + b * q_batch_stride;                                           \
-        float *o = (float *)out + b * row;                                                                    \
-        int64_t q_stride = q_head_stride;                                                                     \
-        if (BF16) {                                                                                           \
-            const uint16_t *src = (const uint16_t *)query + b * q_batch_stride;                               \
-            for (int64_t h = 0; h < num_heads; h++)                                                           \
-                for (int64_t d = 0; d < head_dim; d++)                                                        \
-                    q_row[h * head_dim + d] = bf16_to_f32(src[h * q_head_stride + d]);                        \
-            q = q_row, o = o_row, q_stride = head_dim;                                                        \
-        }                                                                                                     \
+        const float *q = BF16 ? q_row : (const float *)query + b * q_batch_stride;                            \
+        float *o = BF16 ? o_row : (float *)out + b * row;                                                     \
+        const int64_t q_stride = BF16 ? head_dim : q_head_stride;                                             \
+        const uint16_t *q_bf16 = (const uint16_t *)query + b * q_batch_stride;                                \
+        for (int64_t h = 0; BF16 && h < num_heads; h++)                                                       \
+            for (int64_t d = 0; d < head_dim; d++)                                                            \
+                q_row[h * head_dim + d] = bf16_to_f32(q_bf16[h * q_head_stride + d]);                         \
         switch (head_dim) {                                                                                   \
         case 32: DECODE(BF16, 32); break;                                                                     \
         case 64: DECODE(BF16, 64); break;                                                                     \
