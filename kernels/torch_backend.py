@@ -15,7 +15,11 @@ with fewer passes over memory and fewer small operations:
   out as that KV head's "queries", so GQA needs no copy of the keys.
 * ``paged_prefill_attention`` runs one fused SDPA call per sequence, with
   ``enable_gqa`` instead of copying every KV head ``group`` times, and the
-  causal mask built only when the chunk does not start at position 0.
+  causal mask built only when the chunk does not start at position 0. It runs
+  in the query's dtype when the cache holds that dtype unscaled: a bfloat16
+  model's prompt is then attended exactly as its own sdpa attention does it
+  (bit for bit for a chunk from position 0, and 2-3x faster on a CPU than
+  widening everything to float32, which FP8 caches, soft-capping and sinks still do).
 * ``store_kv`` writes all new keys with one ``index_copy_`` into the cache
   viewed as a flat list of slots, when no slot is padding.
 
@@ -54,11 +58,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
         reference_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale) -> torch.Tensor:
-    """The listed blocks' tokens, in order, as float32: ``[len(blocks) * block_size, num_kv_heads, head_dim]``."""
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale, dtype=torch.float32) -> torch.Tensor:
+    """The listed blocks' tokens, in order, as ``dtype``: ``[len(blocks) * block_size, num_kv_heads, head_dim]``."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, blocks)
-    return dequantize_kv_cache(rows.view(-1, num_kv_heads, head_dim), scale, torch.float32)
+    return dequantize_kv_cache(rows.view(-1, num_kv_heads, head_dim), scale, dtype)
 
 
 def _attention(q, k, v, visible, scale, softcap, sink=None, is_causal=False):
@@ -123,6 +127,11 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     check_sinks(sinks, query.shape[1], query.device)
     sink = None if sinks is None else sinks.reshape(1, -1, 1, 1)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    # SDPA in the query's own dtype where the cache holds that dtype unscaled (a bfloat16 model: what its own
+    # sdpa attention computes, to the bit for a chunk from position 0); else in float32 (FP8 caches, the
+    # spelled-out maths of soft-capping and sinks)
+    dtype = (query.dtype if k_cache.dtype == query.dtype and k_scale is None and not softcap and sinks is None
+             else torch.float32)
     out = torch.zeros_like(query)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -134,9 +143,9 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
             raise ValueError(f"sequence {i} has {q_len} queries but only seq_len={seq_len} cached tokens")
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
         # 4-D [1, heads, tokens, head_dim] inputs: CPU SDPA runs its fused kernel only on 4-D tensors
-        k = _gather_blocks(k_cache, blocks, k_scale)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, d]
-        v = _gather_blocks(v_cache, blocks, v_scale)[:seq_len].transpose(0, 1)[None]
-        q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+        k = _gather_blocks(k_cache, blocks, k_scale, dtype)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, d]
+        v = _gather_blocks(v_cache, blocks, v_scale, dtype)[:seq_len].transpose(0, 1)[None]
+        q = query[q_start:q_end].to(dtype).transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
         if q_len == seq_len and not (window and window < seq_len):  # from position 0, no window: plain causal
             o = _attention(q, k, v, None, scale, softcap, sink, is_causal=True)
         else:  # the queries are the LAST q_len positions: the causal mask is aligned to the end

@@ -101,11 +101,31 @@ def test_greedy_tokens_equal_generate(smollm2, chat_prompts, reference, how):
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("fast_layers", [False, None], ids=["own layers", "default layers"])
+def test_a_prompt_through_the_paged_cache_is_the_models_own_forward_to_the_bit(chat_prompts, dtype, fast_layers):
+    """A whole prompt in one step (from position 0, no hit): every position's logits equal the model's own forward
+    pass bit for bit, so the first token's too; in bfloat16 that asks prefill attention to run in bfloat16, as the
+    model's own sdpa attention does (in float32, as it once did, the logits part by a bfloat16 step or two)."""
+    model, _ = trained(dtype=dtype)
+    reference_model, _ = trained(dtype=dtype)
+    engine = LLM(model, num_blocks=64, max_model_len=512, cpu_fast_layers=fast_layers).engine
+    prompt = chat_prompts[1]
+    engine.add_request("whole prompt", {"prompt_token_ids": prompt}, greedy(1))
+    got = engine.runner.execute(engine.scheduler.schedule(), all_positions=True)
+    with torch.no_grad():
+        want = reference_model(torch.tensor([prompt])).logits[0].float()
+    assert got.shape == want.shape == (len(prompt), model.config.vocab_size)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("fast_layers", [False, True], ids=["own layers", "packed linears"])
 def test_bfloat16_greedy_tokens_agree_with_generate_up_to_ties(chat_prompts, fast_layers):
     """In bfloat16 (the C decode kernel reading a bfloat16 cache; with cpu_fast_layers, the linears on packed
     weights), every answer equals transformers' batch-1 generate() in bfloat16, or parts from it only where the
-    reference's two best logits are equal up to bfloat16's rounding (kvpaging.teach.setup_check)."""
+    two best logits generate() chose from are equal up to bfloat16's rounding (kvpaging.teach.setup_check). (Those
+    logits, not a plain forward pass's: the two part by a bfloat16 step of their own, which on these prompts put
+    one parting, where the engine's own two best logits were equal, four steps behind instead of three.)"""
     from kvpaging.teach.setup_check import greedy_agreement
 
     model, tok = trained(dtype=torch.bfloat16)
@@ -116,9 +136,10 @@ def test_bfloat16_greedy_tokens_agree_with_generate_up_to_ties(chat_prompts, fas
     with torch.no_grad():
         for prompt, answer in zip(chat_prompts, got):
             x = torch.tensor([prompt])
-            expected = reference_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                                max_new_tokens=24)[0, len(prompt):].tolist()
-            agreement = greedy_agreement(reference_model, prompt, answer, expected)
+            ran = reference_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24,
+                                           output_logits=True, return_dict_in_generate=True)
+            expected = ran.sequences[0, len(prompt):].tolist()
+            agreement = greedy_agreement(reference_model, prompt, answer, expected, reference_logits=ran.logits)
             assert agreement.agrees, str(agreement)
     assert_pool_clean(llm)
 

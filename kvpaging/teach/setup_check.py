@@ -94,13 +94,13 @@ class GreedyAgreement:
     identical: bool
     position: int | None = None  # the first token where they differ
     gap: float | None = None  # how far below the best logit there the farther of the two tokens lies
-    tolerance: float | None = None  # a gap below this is a tie
+    tolerance: float | None = None  # a gap up to this is a tie
 
     @property
     def agrees(self) -> bool:
         """Identical, or parted at a genuine tie: both tokens' logits were equal to the best up to rounding, so
         either is right."""
-        return self.identical or self.gap < self.tolerance
+        return self.identical or self.gap <= self.tolerance
 
     def __str__(self) -> str:
         if self.identical:
@@ -111,9 +111,11 @@ class GreedyAgreement:
 
 
 def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int],
-                     tolerance: float | None = None) -> GreedyAgreement:
+                     tolerance: float | None = None, reference_logits=None) -> GreedyAgreement:
     """Compare ``got`` with ``reference`` (greedy continuations of ``prompt``); where they first differ, read the
-    reference model's logits after the common prefix, from one plain forward pass.
+    reference model's logits after the common prefix, from one plain forward pass, or, given ``reference_logits``
+    (one row per reference token: ``generate(..., output_logits=True, return_dict_in_generate=True).logits``), the
+    very logits the reference chose its token from.
 
     Greedy decoding picks the largest logit; when the best logits are equal up to the rounding of the model's
     dtype, the order in which the engine and transformers add the same numbers decides between them, and each of
@@ -126,10 +128,13 @@ def greedy_agreement(model, prompt: Sequence[int], got: Sequence[int], reference
     if got == reference:
         return GreedyAgreement(True)
     position = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), min(len(got), len(reference)))
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        ids = torch.tensor([list(prompt) + reference[:position]], device=device)
-        logits = model(ids).logits[0, -1].float()
+    if reference_logits is not None and position < len(reference_logits):
+        logits = reference_logits[position].reshape(-1).float()
+    else:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt) + reference[:position]], device=device)
+            logits = model(ids).logits[0, -1].float()
     best = logits.max().item()
     if tolerance is None:
         dtype = next(model.parameters()).dtype
