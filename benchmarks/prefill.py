@@ -1,0 +1,61 @@
+"""One prompt's prefill: the engine's step that computes a whole prompt, beside the model's own forward pass.
+
+For each prompt length, a fresh random prompt (no prefix-cache hit) goes through ``LLM.generate`` with
+``max_tokens=1`` (one step: the prompt's keys and values stored in the paged cache, attention over them, the first
+token sampled), and the same token ids through the trained model's plain forward pass (transformers, no cache
+object). Medians over ``--repeats`` prompts after one warm-up of each. What the time-to-first-token of a long prompt
+is made of when nothing else runs.
+
+    python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 64 128 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from kvpaging import LLM, SamplingParams
+    from kvpaging.models import load_trained_model
+
+    dtype = getattr(torch, args.dtype)
+    model = load_trained_model("smollm2", dtype=dtype)
+    llm = LLM(load_trained_model("smollm2", dtype=dtype), max_model_len=max(args.lengths) + 8,
+              max_num_batched_tokens=max(2048, max(args.lengths)))
+    rng = random.Random(0)
+    print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | {args.dtype} | "
+          f"attention backend {llm.engine.config.attention_backend} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for length in args.lengths:
+        engine_s, forward_s = [], []
+        for k in range(args.repeats + 1):
+            ids = [rng.randrange(1000, 40000) for _ in range(length)]
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+            engine = time.perf_counter() - start
+            with torch.inference_mode():
+                start = time.perf_counter()
+                model(torch.tensor([ids]))
+                forward = time.perf_counter() - start
+            if k:  # the first of each is a warm-up
+                engine_s.append(engine)
+                forward_s.append(forward)
+        e, f = statistics.median(engine_s) * 1e3, statistics.median(forward_s) * 1e3
+        print(f"prompt of {length:5d} tokens: engine {e:7.1f} ms, the model's own forward pass {f:7.1f} ms "
+              f"({e / f:.2f}x; medians of {args.repeats})")
+
+
+if __name__ == "__main__":
+    main()
