@@ -76,7 +76,9 @@ def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens
     linears = [m for m in by_default.engine.model.modules() if type(m) is torch.nn.Linear]
     assert by_default.engine.config.cpu_fast_layers is None  # resolved: the exact fast layers (True asks for all)
     # bfloat16 norms keep theirs; no small batch goes to linear.c (not F.linear's sums: only with True)
-    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, 0)
+    # ... and its q/k/v and gate/up siblings run as one product each (two groups a layer)
+    groups = 2 * model.config.num_hidden_layers
+    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, 0, groups)
     assert not any(vars(m).get("_small_batch") for m in linears)
     assert all(isinstance(vars(m).get("_packed"), layers._Packed) for m in linears)
     assert not any("forward" in vars(m) for m in model.modules()), "the user's model was patched"
@@ -197,6 +199,82 @@ def test_bfloat16_linears_run_on_packed_weights_to_the_bit():
     torch.save(layer, io.BytesIO())  # the packed copy is left out
 
 
+def _siblings(bias: bool, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """An attention-like module with q/k/v projections of one input (bfloat16), and an untouched copy of it."""
+    g = torch.Generator().manual_seed(seed)
+    parent = torch.nn.Module()
+    for name, n in (("q_proj", 96), ("k_proj", 32), ("v_proj", 32), ("o_proj", 64)):
+        layer = torch.nn.Linear(64, n, bias=bias)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, 64, generator=g) * 0.1)
+            if bias:
+                layer.bias.copy_(torch.randn(n, generator=g))
+        setattr(parent, name, layer.to(torch.bfloat16))
+    return parent, copy.deepcopy(parent)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_sibling_linears_run_as_one_product_and_each_gets_its_own_bits(bias, monkeypatch):
+    """q/k/v called one after another on one input: one oneDNN product, and each member's output its own
+    ``F.linear`` to the bit (every row count to the packing's bound); o_proj, no sibling, runs alone."""
+    parent, plain = _siblings(bias)
+    fast = layers.enable_fast_layers(parent, exact=True)
+    assert fast == layers.FastLayers(4, 0, 0, 1)
+    group = vars(parent.q_proj)["_fused"]
+    assert group is vars(parent.k_proj)["_fused"] is vars(parent.v_proj)["_fused"] and parent.o_proj._fused is None
+    products = []
+    real = layers._onednn_product
+    monkeypatch.setattr(layers, "_onednn_product", lambda *a: products.append(a[0].shape) or real(*a))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for rows in range(1, layers.PACKED_MAX_ROWS_BF16 + 1):
+            x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                assert torch.equal(getattr(parent, name)(x), getattr(plain, name)(x)), (rows, name)
+            assert group.input is None and group.output is None  # nothing held once every member took its slice
+    assert len(products) == layers.PACKED_MAX_ROWS_BF16  # one product a row count, not three
+
+
+@needs_onednn
+def test_siblings_called_out_of_step_get_their_own_products_and_the_group_is_undone():
+    """A model that calls a member on another input while the others' slices wait (cross-attention's keys, say)
+    still gets each member's own product, computed again; after MAX_MISSES such calls the group is undone and each
+    member runs on its own packed weight, with the same bits. A weight written in place is packed again."""
+    parent, plain = _siblings(False, seed=2)
+    layers.enable_fast_layers(parent, exact=True)
+    group = vars(parent.q_proj)["_fused"]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for k in range(group.MAX_MISSES + 2):
+            x, other = (torch.randn(2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+            assert torch.equal(parent.q_proj(x), plain.q_proj(x))
+            assert torch.equal(parent.k_proj(other), plain.k_proj(other)), k  # not q's input: its own product
+            assert torch.equal(parent.v_proj(x), plain.v_proj(x)), k
+        assert all(vars(m)["_fused"] is None for m in (parent.q_proj, parent.k_proj, parent.v_proj))
+        assert torch.equal(parent.k_proj(x), plain.k_proj(x))
+        fresh, twin = _siblings(False, seed=4)
+        layers.enable_fast_layers(fresh, exact=True)
+        for module in (fresh, twin):
+            module.v_proj.weight.mul_(-2)
+        assert all(torch.equal(getattr(fresh, n)(x), getattr(twin, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))
+
+
+@needs_onednn
+def test_a_copy_of_fused_siblings_runs_each_alone_with_its_own_weights():
+    parent, plain = _siblings(True, seed=5)
+    layers.enable_fast_layers(parent, exact=True)
+    twin = copy.deepcopy(parent)
+    assert all(vars(getattr(twin, n))["_fused"] is None for n in ("q_proj", "k_proj", "v_proj"))
+    with torch.no_grad():
+        twin.k_proj.weight.zero_()
+        twin.k_proj.bias.zero_()
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert torch.equal(twin.k_proj(x), torch.zeros(3, 32, dtype=torch.bfloat16))
+        assert all(torch.equal(getattr(parent, n)(x), getattr(plain, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))
+    torch.save(parent, io.BytesIO())
+
+
 @needs_onednn
 def test_a_patched_copy_still_deep_copies_and_pickles_with_its_own_weights():
     model = tiny("qwen3", seed=0, num_hidden_layers=1)
@@ -279,7 +357,8 @@ def test_true_sends_one_or_two_sequences_to_linear_c_and_larger_batches_to_onedn
     fast = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=True)
     linears = [m for m in fast.engine.model.modules() if type(m) is torch.nn.Linear]
     assert fast.engine.config.cpu_fast_layers is True
-    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, len(linears))
+    groups = 2 * model.config.num_hidden_layers  # q/k/v and gate/up: one product each beyond two rows
+    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, len(linears), groups)
     assert not any(vars(m).get("_small_batch") or "forward" in vars(m) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     two = [[5, 9, 2, 7], [3, 1, 4, 1]]
