@@ -23,8 +23,9 @@ implementation of the *same* maths (measured by
   10 ms at 1, packed oneDNN 5.6 ms at either, two threads;
   ``python -m kvpaging.kernels.cpu.layers`` prints the comparison here). The
   cost, in both dtypes: a second copy of the linear weights, which the log states.
-  Each packed product also pays oneDNN's fixed cost per call (about 25 us on the AMX
-  Xeon VM, as much as reading a 192 x 576 weight), so a bfloat16 layer's siblings that
+  Each packed product also pays oneDNN's fixed cost per call (32-40 us for one row of a
+  64 x 64 weight on the AMX Xeon VM, about what a 192 x 576 weight's whole product
+  takes: ``python -m kvpaging.kernels.cpu.layers`` prints both), so a bfloat16 layer's siblings that
   run on one input (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``) are
   packed side by side and run as one product, each taking its slice (``_FusedGroup``:
   each slice is the member's ``F.linear`` to the bit, checked on probe rows; 90 calls
@@ -175,7 +176,7 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
 class _FusedGroup:
     """Sibling bfloat16 linears that the model calls one after another on the same input (an attention's
     ``q_proj``, ``k_proj``, ``v_proj``; an MLP's ``gate_proj``, ``up_proj``), run as one product on their weights
-    packed side by side: oneDNN's fixed cost per call (about 25 us here, as much as a small layer's weight read)
+    packed side by side: oneDNN's fixed cost per call (about as much as a small layer's whole product: see the module docstring)
     paid once instead of per layer. Each member's output is its slice of the product; the slices are the members'
     own ``F.linear`` products to the bit (checked on probe rows when the group is made, as a packed weight is).
 
@@ -408,6 +409,36 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     return FastLayers(linears, norms, small, groups)
 
 
+def _timed(fn, repeats: int = 200) -> float:
+    """Microseconds a call, the best of five rounds."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / repeats * 1e6)
+    return best
+
+
+def _compare_bfloat16() -> None:
+    """Print oneDNN's bfloat16 products on packed weights: one row through a weight of each size (its fixed cost
+    per call shows at the smallest), and the trained model's sibling layers run apart and as one product."""
+    g = torch.Generator().manual_seed(0)
+    print("bfloat16, one row, packed weight (us a call):", ", ".join(
+        f"{n} x {k} {_timed(lambda w=_pack(torch.randn(n, k, generator=g).to(torch.bfloat16)), k=k: _onednn_product(torch.ones(1, k, dtype=torch.bfloat16), w, None)):.1f}"
+        for n, k in ((64, 64), (192, 576), (576, 576), (1536, 576))))
+    for names, outs in ((("q", "k", "v"), (576, 192, 192)), (("gate", "up"), (1536, 1536))):
+        weights = [torch.randn(n, 576, generator=g).to(torch.bfloat16) for n in outs]
+        apart, fused = [_pack(w) for w in weights], _pack(torch.cat(weights))
+        for rows in (1, 16, 48):
+            x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+            separate = _timed(lambda: [_onednn_product(x, w, None) for w in apart])
+            together = _timed(lambda: _onednn_product(x, fused, None))
+            print(f"  {'/'.join(names)} ({' + '.join(map(str, outs))}) x 576, {rows:2d} rows: apart {separate:7.1f} us, "
+                  f"as one product {together:7.1f} us")
+
+
 def _compare() -> None:
     """Print F.linear against oneDNN on a packed weight for layer-sized float32 products on this machine."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; oneDNN usable: {onednn_usable()}; "
@@ -430,4 +461,5 @@ def _compare() -> None:
 
 
 if __name__ == "__main__":
+    _compare_bfloat16()
     _compare()
