@@ -101,8 +101,8 @@ def test_greedy_tokens_equal_generate(smollm2, chat_prompts, reference, how):
     assert_pool_clean(llm)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("fast_layers", [False, None], ids=["own layers", "default layers"])
+@pytest.mark.parametrize(("dtype", "fast_layers"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, None)],
+                         ids=["float32", "bfloat16 own layers", "bfloat16 default layers"])  # (float32's default: its own)
 def test_a_prompt_through_the_paged_cache_is_the_models_own_forward_to_the_bit(chat_prompts, dtype, fast_layers):
     """A whole prompt in one step (from position 0, no hit): every position's logits equal the model's own forward
     pass bit for bit, so the first token's too; in bfloat16 that asks prefill attention to run in bfloat16, as the
