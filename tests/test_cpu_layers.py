@@ -253,10 +253,13 @@ def test_siblings_called_out_of_step_get_their_own_products_and_the_group_is_und
             assert torch.equal(parent.v_proj(x), plain.v_proj(x)), k
         assert all(vars(m)["_fused"] is None for m in (parent.q_proj, parent.k_proj, parent.v_proj))
         assert torch.equal(parent.k_proj(x), plain.k_proj(x))
-        fresh, twin = _siblings(False, seed=4)
+        fresh, twin = _siblings(True, seed=4)
         layers.enable_fast_layers(fresh, exact=True)
         for module in (fresh, twin):
             module.v_proj.weight.mul_(-2)
+        assert all(torch.equal(getattr(fresh, n)(x), getattr(twin, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))
+        for module in (fresh, twin):
+            module.k_proj.bias.add_(3)  # a bias written in place: the group's bias is made again too
         assert all(torch.equal(getattr(fresh, n)(x), getattr(twin, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))
 
 

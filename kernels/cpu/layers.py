@@ -192,8 +192,7 @@ class _FusedGroup:
 
     def __init__(self, members: list[torch.nn.Linear], packed: torch.Tensor) -> None:
         self.members = members
-        self.packed, self.versions = packed, self._versions()
-        self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        self.packed, self.bias, self.versions = packed, _side_by_side_bias(members), self._versions()
         ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
         self.bounds = list(zip([0] + ends[:-1], ends))
         self.input = self.output = None
@@ -204,7 +203,7 @@ class _FusedGroup:
             member._packed = _Packed()  # its own packed copy is made again only if it ever runs alone
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(m.weight._version for m in self.members)
+        return tuple(t._version for m in self.members for t in (m.weight, m.bias) if t is not None)
 
     def take(self, member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         index = member._fused_index
@@ -214,8 +213,9 @@ class _FusedGroup:
                 if self.misses > self.MAX_MISSES:
                     self.undo()
                     return _packed_linear_forward(member, x)
-            if self.versions != self._versions():  # a weight was written in place: pack them again
-                self.packed, self.versions = _pack(torch.cat([m.weight.detach() for m in self.members])), self._versions()
+            if self.versions != self._versions():  # a weight or bias was written in place: pack them again
+                self.packed = _pack(torch.cat([m.weight.detach() for m in self.members]))
+                self.bias, self.versions = _side_by_side_bias(self.members), self._versions()
             self.output = _onednn_product(x, self.packed, self.bias)
             self.input = x
             self.taken = [False] * len(self.members)
@@ -236,6 +236,10 @@ class _FusedGroup:
 
     def __reduce__(self):
         return (type(None), ())
+
+
+def _side_by_side_bias(members: list[torch.nn.Linear]) -> torch.Tensor | None:
+    return None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
 
 
 # Sibling linears that transformers' models call on one input, by the names they give them.
@@ -275,7 +279,7 @@ def _fused_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
     try:
         with torch.no_grad():
             packed = _pack(torch.cat([m.weight.detach() for m in members]))
-            bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+            bias = _side_by_side_bias(members)
             for rows in (1, 2, 16, 48, PACKED_MAX_ROWS_BF16):
                 x = torch.randn(rows, members[0].in_features, generator=g).to(torch.bfloat16)
                 got = _onednn_product(x, packed, bias)
