@@ -1,12 +1,13 @@
 """One prompt's prefill: the engine's step that computes a whole prompt, beside the model's own forward pass.
 
-For each prompt length, a fresh random prompt (no prefix-cache hit) goes through ``LLM.generate`` with
-``max_tokens=1`` (one step: the prompt's keys and values stored in the paged cache, attention over them, the first
-token sampled), and the same token ids through the trained model's plain forward pass (transformers, no cache
-object). Medians over ``--repeats`` prompts after one warm-up of each. What the time-to-first-token of a long prompt
+For each prompt length, ``--batch`` fresh random prompts (no prefix-cache hit) go through ``LLM.generate`` with
+``max_tokens=1`` (one step: the prompts' keys and values stored in the paged cache, attention over them, the first
+tokens sampled), and the same token ids through the trained model's plain forward pass (transformers, no cache
+object; one batch of equal-length rows). Medians over ``--repeats`` prompts after one warm-up of each. What the time-to-first-token of a long prompt
 is made of when nothing else runs.
 
     python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 64 128 256 512
+    python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 128 --batch 16   # a 2,048-token step
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1, help="prompts in the one step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kvpaging import LLM, SamplingParams
@@ -34,26 +36,26 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = load_trained_model("smollm2", dtype=dtype)
     llm = LLM(load_trained_model("smollm2", dtype=dtype), max_model_len=max(args.lengths) + 8,
-              max_num_batched_tokens=max(2048, max(args.lengths)))
+              max_num_batched_tokens=max(2048, args.batch * max(args.lengths)))
     rng = random.Random(0)
     print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | {args.dtype} | "
           f"attention backend {llm.engine.config.attention_backend} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for length in args.lengths:
         engine_s, forward_s = [], []
         for k in range(args.repeats + 1):
-            ids = [rng.randrange(1000, 40000) for _ in range(length)]
+            ids = [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(args.batch)]
             start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+            llm.generate([{"prompt_token_ids": row} for row in ids], SamplingParams(max_tokens=1), use_tqdm=False)
             engine = time.perf_counter() - start
             with torch.inference_mode():
                 start = time.perf_counter()
-                model(torch.tensor([ids]))
+                model(torch.tensor(ids))
                 forward = time.perf_counter() - start
             if k:  # the first of each is a warm-up
                 engine_s.append(engine)
                 forward_s.append(forward)
         e, f = statistics.median(engine_s) * 1e3, statistics.median(forward_s) * 1e3
-        print(f"prompt of {length:5d} tokens: engine {e:7.1f} ms, the model's own forward pass {f:7.1f} ms "
+        print(f"{args.batch} prompt(s) of {length:5d} tokens: engine {e:7.1f} ms, the model's own forward pass {f:7.1f} ms "
               f"({e / f:.2f}x; medians of {args.repeats})")
 
 
