@@ -61,6 +61,7 @@ RMSNorm variants with other maths (Gemma's ``1 + weight``) keep their own.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
@@ -150,7 +151,7 @@ _LINEAR_POINTWISE = None  # torch.ops.mkldnn._linear_pointwise.default, looked u
 def _onednn_product(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     global _LINEAR_POINTWISE
     if _LINEAR_POINTWISE is None:
-        _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+        _LINEAR_POINTWISE = onednn_linear().default
     return _LINEAR_POINTWISE(input, packed, bias, "none", [], "")
 
 
@@ -192,8 +193,8 @@ class _FusedGroup:
 
     def __init__(self, members: list[torch.nn.Linear], packed: torch.Tensor) -> None:
         self.members = members
-        self.packed, self.bias, self.versions = packed, _side_by_side_bias(members), self._versions()
-        ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
+        self.packed, self.bias, self.versions = packed, _side_by_side(members)[1], self._versions()
+        ends = list(itertools.accumulate(m.out_features for m in members))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self.input = self.output = None
         self.taken = [False] * len(members)
@@ -214,8 +215,8 @@ class _FusedGroup:
                     self.undo()
                     return _packed_linear_forward(member, x)
             if self.versions != self._versions():  # a weight or bias was written in place: pack them again
-                self.packed = _pack(torch.cat([m.weight.detach() for m in self.members]))
-                self.bias, self.versions = _side_by_side_bias(self.members), self._versions()
+                weight, self.bias = _side_by_side(self.members)
+                self.packed, self.versions = _pack(weight), self._versions()
             self.output = _onednn_product(x, self.packed, self.bias)
             self.input = x
             self.taken = [False] * len(self.members)
@@ -238,8 +239,12 @@ class _FusedGroup:
         return (type(None), ())
 
 
-def _side_by_side_bias(members: list[torch.nn.Linear]) -> torch.Tensor | None:
-    return None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+def _side_by_side(members: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The members' weights stacked along their outputs, and their biases (None without): one member's own."""
+    if len(members) == 1:
+        return members[0].weight.detach(), None if members[0].bias is None else members[0].bias.detach()
+    weight = torch.cat([m.weight.detach() for m in members])
+    return weight, None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
 
 
 # Sibling linears that transformers' models call on one input, by the names they give them.
@@ -265,48 +270,30 @@ def _fuse_siblings(model: torch.nn.Module) -> int:
             first = members[0]
             if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in members):
                 continue
-            packed = _fused_if_it_agrees(members)
+            packed = _packed_if_it_agrees(members)
             if packed is not None:
                 _FusedGroup(members, packed)
                 groups += 1
     return groups
 
 
-def _fused_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
-    """The members' weights packed side by side, if the product's slices are each member's ``F.linear`` to the bit
-    on probe inputs of 1 to ``PACKED_MAX_ROWS_BF16`` rows; else None."""
+def _packed_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The weight of a layer (or of sibling layers side by side, a fused group's) packed, if oneDNN's product on it
+    agrees with each layer's ``F.linear`` on probe inputs of the sizes it will get: to the bit in bfloat16, from one
+    row to ``PACKED_MAX_ROWS_BF16`` (oneDNN runs the same kernels either way); in float32 (oneDNN's sums, not MKL's)
+    within rounding on a small probe, a check that packing works for the layer, kept short because float32 products
+    cost more (the engine's self-check compares the whole model). None where it does not: the layers keep theirs."""
     g = torch.Generator().manual_seed(0)
+    dtype = members[0].weight.dtype
+    exact = dtype == torch.bfloat16
     try:
+        weight, bias = _side_by_side(members)
+        packed = _pack(weight)
         with torch.no_grad():
-            packed = _pack(torch.cat([m.weight.detach() for m in members]))
-            bias = _side_by_side_bias(members)
-            for rows in (1, 2, 16, 48, PACKED_MAX_ROWS_BF16):
-                x = torch.randn(rows, members[0].in_features, generator=g).to(torch.bfloat16)
+            for rows in (1, 2, 16, 48, PACKED_MAX_ROWS_BF16) if exact else (1, 4):
+                x = torch.randn(rows, members[0].in_features, generator=g).to(dtype)
                 got = _onednn_product(x, packed, bias)
                 own = torch.cat([F.linear(x, m.weight, m.bias) for m in members], dim=-1)
-                if not torch.equal(got, own):
-                    return None
-        return packed
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
-
-
-def _packed_if_it_agrees(module: torch.nn.Linear) -> torch.Tensor | None:
-    """The layer's weight packed, if the packed product agrees with ``F.linear`` on probe inputs of the sizes it
-    will get: to the bit in bfloat16, from one row to ``PACKED_MAX_ROWS_BF16`` (oneDNN runs the same kernels
-    either way); in float32 (oneDNN's sums, not MKL's) within rounding on a small probe, a check that packing works
-    for the layer, kept short because float32 products cost more (the engine's self-check compares the whole
-    model). None where it does not: the layer keeps ``F.linear``."""
-    g = torch.Generator().manual_seed(0)
-    dtype = module.weight.dtype
-    try:
-        packed = _pack(module.weight)
-        with torch.no_grad():
-            for rows in (1, 2, 16, 48, PACKED_MAX_ROWS_BF16) if dtype == torch.bfloat16 else (1, 4):
-                x = torch.randn(rows, module.in_features, generator=g).to(dtype)
-                got = torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
-                own = F.linear(x, module.weight, module.bias)
-                exact = dtype == torch.bfloat16
                 if not (torch.equal(got, own) if exact else torch.allclose(got, own, rtol=1e-4, atol=1e-4)):
                     return None
         return packed
@@ -388,7 +375,7 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             small += vars(module).get("_small_batch", False)
             continue
         if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
-            packed = (_packed_if_it_agrees(module) if module.weight.device.type == "cpu"
+            packed = (_packed_if_it_agrees([module]) if module.weight.device.type == "cpu"
                       and module.weight.dtype in dtypes else None)
             if packed is not None:
                 module._packed = _Packed(packed, module.weight._version)
@@ -453,8 +440,7 @@ def _compare() -> None:
             x, w = torch.randn(rows, k), torch.randn(n, k)
             packed = _pack(w)
             times = []
-            onednn = torch.ops.mkldnn._linear_pointwise
-            for fn in (lambda: F.linear(x, w), lambda: onednn(x, packed, None, "none", [], "")):
+            for fn in (lambda: F.linear(x, w), lambda: _onednn_product(x, packed, None)):
                 fn()
                 t0 = time.perf_counter()
                 for _ in range(20):
