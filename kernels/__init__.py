@@ -14,7 +14,7 @@ Four operations, each in two versions with the same signature:
   the references, with decode attention done by torch's fused SDPA (same maths).
   ``cpu_backend`` is the "cpu" backend (the default on a CPU with a C compiler): the torch
   backend with decode attention done by a C kernel, ``cpu/decode_attention.c``, that reads
-  the blocks in place (compiled on first use). The same library holds the one-pass RMSNorm
+  the blocks in place (compiled on first use). The same library holds the RMSNorm exact to the bit
   (``cpu/rms_norm.c``) that ``kvpaging.kernels.cpu.layers`` gives the model's norm layers.
 * ``kvpaging.kernels.store_kv`` etc. (this package's top level): the Triton
   kernels, in ``triton_*.py``. They run on a CUDA GPU, or on the CPU when

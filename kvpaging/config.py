@@ -64,12 +64,12 @@ class EngineConfig:
     kv_cache_memory_bytes: the KV pool's size in bytes (overrides gpu_memory_utilization).
     cpu_fast_layers: on a CPU, faster layers for the same maths (``kvpaging.kernels.cpu.layers``): a bfloat16
         model's linear layers on weights packed once for oneDNN (``F.linear``'s products to the bit, checked per
-        layer; the price is a second copy of those weights), a float32 model's too (not to the bit: oneDNN's sums
-        run in another order than MKL's), its RMSNorms in one C pass, and a bfloat16 linear's products of one or two
-        rows (decode steps of one or two sequences) through kvpaging's own C product (float32 sums in another order
-        than oneDNN's). None (the default): the bfloat16 packing alone, which changes no result (a resolved config
-        keeps None for it, False where it does not apply); False: the model's own layers, exactly what
-        ``generate()`` runs.
+        layer; the price is a second copy of those weights) and RMSNorms in C (the layer's own results to the bit,
+        checked per layer), a float32 model's linears too (not to the bit: oneDNN's sums run in another order than
+        MKL's), and a bfloat16 linear's products of one or two rows (decode steps of one or two sequences) through
+        kvpaging's own C product (float32 sums in another order than oneDNN's). None (the default): the bfloat16
+        packing and the C RMSNorms, which change no result (a resolved config keeps None for them, False where
+        they do not apply); False: the model's own layers, exactly what ``generate()`` runs.
     tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
         one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/distributed/tensor_parallel.py``).
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are
@@ -187,10 +187,12 @@ class EngineConfig:
                                    num_blocks=num_blocks, max_num_seqs=max_num_seqs, cpu_fast_layers=fast_layers)
 
     def _fast_layers(self, dev: torch.device, dtype: torch.dtype) -> bool | None:
-        """``cpu_fast_layers`` for this model: None stays None (the fast layers that change no result: packed
-        linears) for a bfloat16 model on the CPU served by one process, and becomes False otherwise."""
+        """``cpu_fast_layers`` for this model: None stays None (the fast layers that change no result: a bfloat16
+        model's packed linears, RMSNorms in C) for a bfloat16 or float32 model on the CPU served by one process, and
+        becomes False otherwise."""
         if self.cpu_fast_layers is None:
-            exact_fast_layers_run = dev.type == "cpu" and dtype == torch.bfloat16 and self.tensor_parallel_size == 1
+            exact_fast_layers_run = (dev.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+                                     and self.tensor_parallel_size == 1)
             return None if exact_fast_layers_run else False
         if self.cpu_fast_layers and dev.type != "cpu":
             raise ValueError(f"cpu_fast_layers=True serves models on the CPU, but device={str(dev)!r}")

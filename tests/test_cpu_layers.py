@@ -1,9 +1,9 @@
-"""Faster CPU layers (kernels/cpu/layers.py, ``cpu_fast_layers``): oneDNN linears, one-pass RMSNorms.
+"""Faster CPU layers (kernels/cpu/layers.py, ``cpu_fast_layers``): oneDNN linears, RMSNorms in C.
 
 The engine's tokens with these layers are checked against transformers'
-``generate()`` by test_engine_vs_transformers.py. Here: a float32 model gets them
-only when asked for, a bfloat16 one its packed linears by default (and nothing with
-``cpu_fast_layers=False``); when on, the engine's private copy gets them and the user's model never
+``generate()`` by test_engine_vs_transformers.py. Here: by default a model gets what changes no result (a bfloat16
+one its packed linears, either dtype its RMSNorms in C, each the layer's own result to the bit), the rest only when
+asked for (and nothing with ``cpu_fast_layers=False``); when on, the engine's private copy gets them and the user's model never
 does; large products go to oneDNN and small ones stay on ``F.linear``; RMSNorm
 variants with other maths are left alone; the patched copy still deep-copies
 and pickles.
@@ -53,12 +53,22 @@ def test_the_engine_copy_gets_every_float32_linear_and_rms_norm_and_the_user_mod
     assert served.lm_head.weight is model.lm_head.weight  # the copy shares the weights, no second copy
 
 
-def test_off_by_default_in_float32_and_the_default_engine_runs_the_models_own_layers():
+def test_a_float32_model_gets_only_its_c_norms_by_default_and_false_runs_the_models_own_layers():
     model = tiny("qwen3", seed=0)
-    plain = LLM(model, num_blocks=16, max_model_len=64)
-    assert plain.engine.config.cpu_fast_layers is False
+    by_default = LLM(model, num_blocks=16, max_model_len=64)
+    assert by_default.engine.config.cpu_fast_layers is None  # the exact fast layers: in float32, the norms alone
+    served = list(by_default.engine.model.modules())
+    norms = [m for m in served if type(m).__name__.endswith("RMSNorm")]
+    expected = layers.FastLayers(0, len(norms)) if cpu.available() else layers.FastLayers()
+    assert by_default.engine.runner.fast_layers == expected
+    assert not any("forward" in vars(m) for m in served if type(m) is torch.nn.Linear)
+    plain = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=False)
     assert plain.engine.runner.fast_layers == layers.FastLayers()
     assert not any("forward" in vars(m) for m in plain.engine.model.modules())
+    prompts = [[5, 9, 2, 7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in by_default.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     if layers.onednn_usable():
         fast = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=True)
         prompts = [[5, 9, 2, 7] * 8] * 2
@@ -75,10 +85,11 @@ def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens
     by_default = LLM(model, num_blocks=16, max_model_len=64)
     linears = [m for m in by_default.engine.model.modules() if type(m) is torch.nn.Linear]
     assert by_default.engine.config.cpu_fast_layers is None  # resolved: the exact fast layers (True asks for all)
-    # bfloat16 norms keep theirs; no small batch goes to linear.c (not F.linear's sums: only with True)
-    # ... and its q/k/v and gate/up siblings run as one product each (two groups a layer)
+    # its norms run in C (the layer's own results to the bit); no small batch goes to linear.c (not F.linear's
+    # sums: only with True); its q/k/v and gate/up siblings run as one product each (two groups a layer)
     groups = 2 * model.config.num_hidden_layers
-    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, 0, groups)
+    norms = 2 * model.config.num_hidden_layers + 1 if cpu.available() else 0
+    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), norms, 0, groups)
     assert not any(vars(m).get("_small_batch") for m in linears)
     assert all(isinstance(vars(m).get("_packed"), layers._Packed) for m in linears)
     assert not any("forward" in vars(m) for m in model.modules()), "the user's model was patched"
@@ -114,21 +125,29 @@ def test_float32_linears_run_on_packed_weights_within_rounding():
 
 
 @needs_c
-def test_rms_norm_is_one_c_pass_and_its_own_code_for_what_c_does_not_take():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_in_c_is_the_layers_own_result_to_the_bit_and_its_own_code_for_what_c_does_not_take(dtype):
+    """The squares and the scaling run in C, rounded where torch rounds; the mean is torch's own (its sums' order
+    decides the last bit): so every element equals the layer's own forward, at every row count and scale."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    norm = Qwen3RMSNorm(64, eps=1e-6)
-    norm.weight.data = torch.randn(64)
+    g = torch.Generator().manual_seed(0)
+    norm = Qwen3RMSNorm(576, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(576, generator=g).to(dtype)
     reference = copy.deepcopy(norm)  # the layer's own code, untouched
     assert layers.enable_fast_layers(norm).rms_norms == 1
-    x = torch.randn(2, 9, 64) * 4
     with torch.inference_mode():
+        for rows in (1, 2, 17, 48, 300, 2048):  # 2048 x 576: the C passes share the rows among threads
+            for scale in (1e-4, 1.0, 300.0):
+                x = (torch.randn(1, rows, 576, generator=g) * scale).to(dtype)
+                assert torch.equal(norm(x), reference(x)), (rows, scale)
         assert "aten::rsqrt" in ops_called(lambda: reference(x))
         inside = ops_called(lambda: norm(x))
-        assert "aten::rsqrt" not in inside and "aten::pow" not in inside
-        torch.testing.assert_close(norm(x), reference(x), rtol=1e-5, atol=1e-6)
+        assert "aten::rsqrt" not in inside and "aten::pow" not in inside and "aten::mean" in inside
         strided = x.transpose(0, 1)  # not contiguous: the layer's own code
         assert torch.equal(norm(strided), reference(strided))
+        other = x.to(torch.float16)  # a dtype it was not checked for: the layer's own code
+        assert torch.equal(norm(other), reference(other))
 
 
 @needs_c
@@ -295,8 +314,11 @@ def test_a_patched_copy_still_deep_copies_and_pickles_with_its_own_weights():
 
 @needs_c
 def test_c_rms_norm_refuses_what_it_cannot_serve():
-    with pytest.raises(ValueError, match="float32 CPU tensors, got x torch.bfloat16"):
-        cpu.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-6)
+    with pytest.raises(ValueError, match="bfloat16 CPU tensors of one dtype, got x torch.bfloat16 on cpu, weight "
+                                         "torch.float32"):
+        cpu.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="got x torch.float16"):
+        cpu.rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-6)
     with pytest.raises(ValueError, match=r"weight of shape \(8,\), got weight \(4,\)"):
         cpu.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)
     with pytest.raises(ValueError, match="contiguous x"):
@@ -304,13 +326,14 @@ def test_c_rms_norm_refuses_what_it_cannot_serve():
 
 
 def test_the_default_resolves_by_device_dtype_and_processes():
-    """``cpu_fast_layers=None`` stays None (the exact fast layers) only where they run: a bfloat16 model on the CPU,
-    served by one process (a tensor-parallel rank's layers are not split for the fast path)."""
+    """``cpu_fast_layers=None`` stays None (the exact fast layers) only where they run: a bfloat16 or float32 model
+    on the CPU, served by one process (a tensor-parallel rank's layers are not split for the fast path)."""
     from kvpaging.config import EngineConfig
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert EngineConfig()._fast_layers(cpu, torch.bfloat16) is None  # None: the fast layers that change no result
-    assert EngineConfig()._fast_layers(cpu, torch.float32) is False
+    assert EngineConfig()._fast_layers(cpu, torch.float32) is None
+    assert EngineConfig()._fast_layers(cpu, torch.float16) is False
     assert EngineConfig()._fast_layers(cuda, torch.bfloat16) is False
     assert EngineConfig(tensor_parallel_size=2)._fast_layers(cpu, torch.bfloat16) is False
     assert EngineConfig(cpu_fast_layers=False)._fast_layers(cpu, torch.bfloat16) is False
@@ -361,7 +384,8 @@ def test_true_sends_one_or_two_sequences_to_linear_c_and_larger_batches_to_onedn
     linears = [m for m in fast.engine.model.modules() if type(m) is torch.nn.Linear]
     assert fast.engine.config.cpu_fast_layers is True
     groups = 2 * model.config.num_hidden_layers  # q/k/v and gate/up: one product each beyond two rows
-    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), 0, len(linears), groups)
+    norms = 2 * model.config.num_hidden_layers + 1
+    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), norms, len(linears), groups)
     assert not any(vars(m).get("_small_batch") or "forward" in vars(m) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     two = [[5, 9, 2, 7], [3, 1, 4, 1]]

@@ -1,14 +1,15 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Two small C files live here:
+Three small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
   calls it for float32 and bfloat16 caches on the CPU);
-* ``rms_norm.c``: RMSNorm in one pass per row, for the opt-in fast layers of
-  ``layers.py`` (``EngineConfig(cpu_fast_layers=True)``).
+* ``rms_norm.c``: RMSNorm as transformers computes it, to the bit, for the fast
+  layers of ``layers.py`` (two C passes around torch's own mean: :func:`rms_norm`);
+* ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in).
 
-They are compiled together the first time one is needed, with the C compiler
+They are compiled together (each with its own flags) the first time one is needed, with the C compiler
 found on the machine (``$CC``, else ``cc``), for this machine's CPU
 (``-march=native``), into a cache folder (``$KVPAGING_CACHE_DIR``, else
 ``~/.cache/kvpaging``), and loaded with ``ctypes``: no build step at install
@@ -36,15 +37,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "linear_bf16", "PROFILER_NAME",
-           "RMS_NORM_PROFILER_NAME", "LINEAR_PROFILER_NAME"]
+__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "rms_norm_unchecked", "linear_bf16",
+           "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "LINEAR_PROFILER_NAME"]
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "rms_norm.c", "linear.c")]
-HEADERS = [Path(__file__).with_name("bf16.h")]  # included by two of them: part of what a build depends on
-# -ffast-math lets the compiler reorder the dot products' sums into vector lanes. It is used
-# to compile only: linking a shared library with it would switch the whole process to
-# flush-denormals-to-zero on some compilers.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99"]
+# Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
+# is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
+# on some compilers. rms_norm.c must round as torch does, so nothing may be reordered or fused there.
+SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
+    ("decode_attention.c", ["-ffast-math"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
+    ("linear.c", ["-ffast-math"]))}
+HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
+COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
 # The decode kernel shares a batch's sequences out among torch's threads with OpenMP (libgomp, the runtime torch
 # itself loaded). A compiler without OpenMP builds it without: one thread, the same numbers.
@@ -80,7 +83,8 @@ def _compile(cc: str, target: Path, extra: list[str]) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
         lib = Path(tmp) / target.name
-        commands = [[cc, *COMPILE_FLAGS, *extra, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+        commands = [[cc, *COMPILE_FLAGS, *flags, *extra, "-c", str(src), "-o", obj]
+                    for (src, flags), obj in zip(SOURCES.items(), objects)]
         for cmd in [*commands, [cc, *objects, "-o", str(lib), *LINK_FLAGS, *extra]]:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
@@ -131,8 +135,9 @@ def _load():
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        sources = [src.read_text() for src in SOURCES + HEADERS]
-        key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
+        sources = [src.read_text() for src in [*SOURCES, *HEADERS]]
+        flags = [flag for source_flags in SOURCES.values() for flag in source_flags]
+        key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *flags, *LINK_FLAGS, _cpu_id()])
                              .encode()).hexdigest()[:16]
         lib = _library(cc, key)
     except (OSError, RuntimeError) as exc:
@@ -143,11 +148,12 @@ def _load():
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                        i64, ctypes.c_float, i64]
         fn.restype = i64
-    norm = lib.kvpaging_rms_norm_f32
-    norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    norm.restype = None
+    squares, scale = lib.kvpaging_rms_squares, lib.kvpaging_rms_scale
+    squares.argtypes = [ptr, i64, ptr, i64, i64]
+    scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, i64]
+    squares.restype = scale.restype = None
     _decode_fn, _decode_bf16_fn = lib.kvpaging_decode_attention_f32, lib.kvpaging_decode_attention_bf16
-    _rms_norm_fn = norm
+    _rms_norm_fn = (squares, scale)
     _linear_bf16_fn = lib.kvpaging_linear_bf16
     _linear_bf16_fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     _linear_bf16_fn.restype = i64
@@ -183,20 +189,39 @@ def decode_attention_fn(cache_dtype: torch.dtype = torch.float32):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dimension, in one pass per row
-    (``rms_norm.c``): contiguous float32 ``x`` on the CPU and a float32 ``weight`` of its last size."""
+    """transformers' RMSNorm to the bit: ``weight * (h * rsqrt(mean(h**2, -1) + eps)).to(x.dtype)`` with ``h`` x in
+    float32 (``rms_norm.c``: the squares and the scaling in C, the mean torch's own, so its sums run in torch's
+    order). ``x`` and ``weight``: contiguous CPU tensors of one dtype, float32 or bfloat16; ``weight`` of x's last
+    size."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
     dim = x.shape[-1]
-    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
-        raise ValueError(f"rms_norm needs float32 CPU tensors, got x {x.dtype} on {x.device}, "
-                         f"weight {weight.dtype} on {weight.device}")
+    if not (x.dtype == weight.dtype in (torch.float32, torch.bfloat16) and x.device.type == weight.device.type == "cpu"):
+        raise ValueError(f"rms_norm needs float32 or bfloat16 CPU tensors of one dtype, got x {x.dtype} on "
+                         f"{x.device}, weight {weight.dtype} on {weight.device}")
     if weight.shape != (dim,) or not x.is_contiguous() or not weight.is_contiguous():
         raise ValueError(f"rms_norm needs a contiguous x and a contiguous weight of shape ({dim},), "
                          f"got weight {tuple(weight.shape)}")
+    return rms_norm_unchecked(x, weight, eps)
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` without its checks, for a layer that made them once (``layers.py``) and a contiguous ``x``."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(RMS_NORM_PROFILER_NAME):
+            return _rms_norm(x, weight, eps)
+    return _rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    squares_fn, scale_fn = _rms_norm_fn
+    bf16, threads, dim = int(x.dtype == torch.bfloat16), torch.get_num_threads(), x.shape[-1]
+    squares = torch.empty_like(x, dtype=torch.float32)  # what h.pow(2) would be
+    squares_fn(x.data_ptr(), bf16, squares.data_ptr(), x.numel(), threads)
+    var = squares.mean(-1, keepdim=True)  # torch's own sums
     out = torch.empty_like(x)
-    args = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1), dim, float(eps))
-    call_named(RMS_NORM_PROFILER_NAME, _rms_norm_fn, args)
+    scale_fn(x.data_ptr(), var.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, x.numel() // max(dim, 1), dim, eps,
+             threads)
     return out
 
 

@@ -20,10 +20,9 @@ static inline uint16_t f32_to_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)  /* NaN: keep it a NaN (quiet) */
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest, ties to even */
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  /* round to nearest, ties to even */
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;  /* a NaN stays a NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);  /* a select: loops vectorize */
 }
 
 #endif

@@ -30,10 +30,12 @@ implementation of the *same* maths (measured by
   packed side by side and run as one product, each taking its slice (``_FusedGroup``:
   each slice is the member's ``F.linear`` to the bit, checked on probe rows; 90 calls
   fewer per step of the trained model).
-* **RMSNorm layers.** transformers writes RMSNorm as five tensor operations
-  (square, mean, add, rsqrt, two multiplies), each a pass over memory with its
-  own dispatch: 1.6 ms for a 2048 x 256 prefill chunk, where the one-pass C
-  loop of ``rms_norm.c`` takes 0.05 ms.
+* **RMSNorm layers.** transformers writes RMSNorm as eight tensor operations
+  (a cast, square, mean, add, rsqrt, multiply, a cast back, the weight's multiply), each a pass
+  over memory with its own dispatch: about 1.1 ms for a 2048-row bfloat16 chunk of the trained
+  model. ``rms_norm.c`` does all but the mean in two C passes, rounding where torch rounds,
+  and leaves the mean, a sum whose order decides its last bit, to torch: about half the time,
+  and the layer's own results to the bit (checked per layer on probe inputs).
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
   about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
@@ -43,8 +45,8 @@ implementation of the *same* maths (measured by
 The engine gives a **bfloat16** model's linears their packed weights by default
 (``cpu_fast_layers=None``): the products are ``F.linear``'s to the bit, so nothing a
 user sees changes but the speed and the memory (a second copy of those weights,
-logged). The float32 packed linears and the C RMSNorms are not bit for bit the
-model's own (oneDNN sums in another order), and neither is ``linear.c``'s
+logged), and a bfloat16 or float32 model's RMSNorms the C path. The float32 packed linears are
+not bit for bit the model's own (oneDNN sums in another order), and neither is ``linear.c``'s
 small-batch product, so they stay off unless asked for: ``LLM(..., cpu_fast_layers=True)``.
 With ``cpu_fast_layers=False`` the engine runs the model's own layers, the very code
 ``generate()`` runs, so a comparison of the two measures scheduling and paging and
@@ -71,7 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm
+from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm, rms_norm_unchecked
 
 __all__ = ["enable_fast_layers", "FastLayers", "onednn_linear", "onednn_usable"]
 
@@ -318,9 +320,13 @@ def _small_batch_agrees(module: torch.nn.Linear) -> bool:
             return False
 
 
+_NORM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu" and hidden_states.is_contiguous():
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    dtype = hidden_states.dtype
+    if dtype is self.weight.dtype and dtype in _NORM_DTYPES and hidden_states.is_contiguous():  # (a CPU weight)
+        return rms_norm_unchecked(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)  # the layer's own code
 
 
@@ -336,29 +342,34 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
         and isinstance(getattr(module, "variance_epsilon", None), float)
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 1
-        and weight.dtype == torch.float32
+        and weight.dtype in _NORM_DTYPES
+        and weight.is_contiguous()
         and weight.device.type == "cpu"
     )
 
 
 def _agrees(module: torch.nn.Module) -> bool:
-    """The C RMSNorm gives what the layer's own forward gives, on a probe input."""
-
+    """The C RMSNorm gives what the layer's own forward gives, to the bit, on probe inputs (one row, a few, many;
+    small, ordinary and large values): a norm with other maths (Gemma's ``1 + weight``, a sum in float64, the
+    weight applied before the rounding) keeps its own."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 5, module.weight.shape[0], generator=g) * 3
+    dim, dtype = module.weight.shape[0], module.weight.dtype
     with torch.no_grad():
-        try:
-            return torch.allclose(rms_norm(x, module.weight, module.variance_epsilon), type(module).forward(module, x),
-                                  rtol=1e-5, atol=1e-6)
-        except (RuntimeError, ValueError, TypeError):
-            return False
+        for shape, scale in (((1, 1, dim), 1.0), ((2, 5, dim), 3.0), ((1, 67, dim), 1e-2), ((1, 3, dim), 40.0)):
+            x = (torch.randn(shape, generator=g) * scale).to(dtype)
+            try:
+                if not torch.equal(rms_norm(x, module.weight, module.variance_epsilon), type(module).forward(module, x)):
+                    return False
+            except (RuntimeError, ValueError, TypeError):
+                return False
+    return True
 
 
 def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayers:
-    """Give the CPU layers of ``model`` their fast ``forward``: with ``exact`` (the engine's default for a bfloat16
-    model), only what changes no result, the bfloat16 ``nn.Linear`` layers on packed weights; without
-    (``cpu_fast_layers=True``), the float32 ones too, the float32 RMSNorms in one C pass, and a bfloat16 linear's
-    products of one or two rows (decode steps of one or two sequences) through ``linear.c``.
+    """Give the CPU layers of ``model`` their fast ``forward``: with ``exact`` (the engine's default), only what
+    changes no result, the bfloat16 ``nn.Linear`` layers on packed weights and the RMSNorms in C (float32 or
+    bfloat16, each checked to the bit); without (``cpu_fast_layers=True``), the float32 linears too, and a bfloat16
+    linear's products of one or two rows (decode steps of one or two sequences) through ``linear.c``.
 
     Call it on a model nobody else uses (the engine calls it on its private copy):
     the layers' ``forward`` changes for every caller. Returns how many layers have it.
@@ -389,7 +400,7 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
                 linears += 1
                 small += module._small_batch
                 packed_bytes += module.weight.numel() * module.weight.element_size()
-        elif not exact and use_c and _is_rms_norm(module) and _agrees(module):
+        elif use_c and _is_rms_norm(module) and _agrees(module):
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
     groups = _fuse_siblings(model) if use_onednn else 0
