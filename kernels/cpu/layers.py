@@ -461,6 +461,30 @@ def _compare() -> None:
         print("   ".join(cells))
 
 
+def _compare_rms_norm() -> None:
+    """Print an RMSNorm of the trained model's width (transformers' Llama one) run by its own forward and in C, both
+    dtypes: the same results to the bit (checked here too), and what each costs."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    if not available():
+        print("RMSNorm in C: the C kernels cannot be built here")
+        return
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+        norm.weight.data = torch.randn(576, generator=g).to(dtype)
+        cells = []
+        for rows in (1, 48, 2048):
+            x = torch.randn(1, rows, 576, generator=g).to(dtype)
+            with torch.inference_mode():
+                same = torch.equal(rms_norm(x, norm.weight, 1e-5), norm(x))
+                own = _timed(lambda: norm(x), 50 if rows > 64 else 500)
+                c = _timed(lambda: rms_norm(x, norm.weight, 1e-5), 50 if rows > 64 else 500)
+            cells.append(f"{rows} rows {own:7.1f} / {c:7.1f} us{'' if same else ' (NOT EQUAL)'}")
+        print(f"RMSNorm x 576, {str(dtype).removeprefix('torch.')}, its own forward / C: " + ", ".join(cells))
+
+
 if __name__ == "__main__":
+    _compare_rms_norm()
     _compare_bfloat16()
     _compare()
