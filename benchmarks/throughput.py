@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--cpu-fast-layers", nargs="?", const="on", default="off", choices=tuple(FAST_LAYERS),
                     help="kvpaging and static generate() both run the CPU's fast layers (kvpaging.kernels.cpu.layers) "
                          "instead of the model's own: 'on' (the flag alone) every one, cpu_fast_layers=True; 'default' "
-                         "the exact ones, the engine's default (bfloat16 linears on packed weights)")
+                         "the exact ones, the engine's default (bfloat16 linears on packed weights, RMSNorms in C)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="kvpaging's attention backend ('auto': triton on CUDA, the C kernel on a CPU with a compiler)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,

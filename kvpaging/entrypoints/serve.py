@@ -1262,10 +1262,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     engine.add_argument("--trust-remote-code", action="store_true")
     engine.add_argument("--cpu-fast-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="faster CPU layers (default: a bfloat16 model's linears on packed weights, the same "
-                             "results; --cpu-fast-layers adds a float32 model's packed oneDNN linears and C RMSNorms, "
-                             "and bfloat16 decodes of one or two sequences through kvpaging's own C product (neither "
-                             "to the bit); "
+                        help="faster CPU layers (default: a bfloat16 model's linears on packed weights and the "
+                             "RMSNorms in C, the same results to the bit; --cpu-fast-layers adds a float32 model's "
+                             "packed oneDNN linears and bfloat16 decodes of one or two sequences through kvpaging's "
+                             "own C product (neither to the bit); "
                              "--no-cpu-fast-layers: the model's own)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model and its KV cache across this many processes (GPUs on CUDA)")
