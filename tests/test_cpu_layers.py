@@ -165,6 +165,21 @@ def test_an_rms_norm_with_other_maths_keeps_its_own_forward():
     assert layers.enable_fast_layers(norm).rms_norms == 0
     assert "forward" not in vars(norm)
 
+    class WideningRMSNorm(torch.nn.Module):  # Llama's maths, its result handed back in float32
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(dim).to(torch.bfloat16))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight * h.to(x.dtype)).float()
+
+    widening = WideningRMSNorm(32)  # its values are the C path's, its dtype is not
+    assert layers.enable_fast_layers(widening).rms_norms == 0
+    assert "forward" not in vars(widening)
+
 
 @needs_onednn
 def test_other_modules_and_dtypes_are_left_alone():
