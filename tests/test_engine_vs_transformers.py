@@ -77,7 +77,7 @@ def check_outputs(ref: Reference, prompts, outputs, num_tokens=NUM_TOKENS, n=1, 
 
 
 # "auto" is the C decode kernel on a CPU with a compiler (tests/test_kernels_cpu.py); "torch" the torch backend.
-# "fast layers": with the opt-in oneDNN linears and one-pass RMSNorms of kernels/cpu/layers.py.
+# "fast layers": with the opt-in oneDNN linears of kernels/cpu/layers.py (and its C RMSNorms, which the default has too).
 @pytest.mark.parametrize("backend", ["auto", "torch", "auto, fast layers"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_mixed_batch_equals_generate(ref, block_size, backend):
