@@ -8,6 +8,12 @@ is made of when nothing else runs.
 
     python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 64 128 256 512
     python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 128 --batch 16   # a 2,048-token step
+    python benchmarks/prefill.py --lengths 128 --batch 16 --profile   # ... and where the engine's step goes
+
+``--profile`` runs one more engine step per length under ``torch.profiler`` and splits its operators' own CPU time
+(the profiler's overhead included, so shares, not timings): the linear layers' products, attention (SDPA and the C
+decode kernel), storing keys and values, the RMSNorms in C, transformers' elementwise operations (multiplies, adds,
+SiLU, the rotary embedding's concatenations and negations, casts and copies) and the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1, help="prompts in the one step")
+    ap.add_argument("--profile", action="store_true", help="also split one engine step's operators (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kvpaging import LLM, SamplingParams
@@ -57,6 +64,33 @@ def main() -> None:
         e, f = statistics.median(engine_s) * 1e3, statistics.median(forward_s) * 1e3
         print(f"{args.batch} prompt(s) of {length:5d} tokens: engine {e:7.1f} ms, the model's own forward pass {f:7.1f} ms "
               f"({e / f:.2f}x; medians of {args.repeats})")
+        if args.profile:
+            ids = [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(args.batch)]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                llm.generate([{"prompt_token_ids": row} for row in ids], SamplingParams(max_tokens=1), use_tqdm=False)
+            print_split(prof)
+
+
+# operator name -> group, for --profile (anything else: "the rest")
+GROUPS = {
+    "linear layers": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "kvpaging::cpu_decode_attention",
+                  "aten::index_select"),
+    "storing keys and values": ("aten::index_copy_",),
+    "RMSNorms in C": ("kvpaging::cpu_rms_norm",),
+    "elementwise": ("aten::mul", "aten::add", "aten::silu", "aten::cat", "aten::neg", "aten::copy_", "aten::pow",
+                    "aten::mean", "aten::rsqrt", "aten::sum", "aten::div_", "aten::fill_"),
+}
+
+
+def print_split(prof) -> None:
+    group_of = {name: group for group, names in GROUPS.items() for name in names}
+    seconds = dict.fromkeys([*GROUPS, "the rest"], 0.0)
+    for event in prof.key_averages():
+        seconds[group_of.get(event.key, "the rest")] += event.self_cpu_time_total / 1e6
+    total = sum(seconds.values())
+    print("  one engine step under the profiler, operators' own CPU time: " + ", ".join(
+        f"{group} {s * 1e3:.1f} ms ({s / total:.0%})" for group, s in seconds.items()))
 
 
 if __name__ == "__main__":
