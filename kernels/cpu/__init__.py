@@ -207,10 +207,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm` without its checks, for a layer that made them once (``layers.py``) and a contiguous ``x``."""
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(RMS_NORM_PROFILER_NAME):
-            return _rms_norm(x, weight, eps)
-    return _rms_norm(x, weight, eps)
+    return call_named(RMS_NORM_PROFILER_NAME, _rms_norm, (x, weight, eps))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

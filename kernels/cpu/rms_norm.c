@@ -29,17 +29,16 @@ void kvpaging_rms_squares(const void *x, int64_t bf16, float *squares, int64_t n
 {
     const uint16_t *xh = x;
     const float *xf = x;
+    if (bf16) {
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n >= MANY)
-    for (int64_t i = 0; i < n; i += 4096) {  /* runs of 4096: each a loop the compiler vectorizes */
-        const int64_t end = i + 4096 < n ? i + 4096 : n;
-        if (bf16)
-            for (int64_t j = i; j < end; j++) {
-                const float h = bf16_to_f32(xh[j]);
-                squares[j] = h * h;
-            }
-        else
-            for (int64_t j = i; j < end; j++)
-                squares[j] = xf[j] * xf[j];
+        for (int64_t i = 0; i < n; i++) {
+            const float h = bf16_to_f32(xh[i]);
+            squares[i] = h * h;
+        }
+    } else {
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n >= MANY)
+        for (int64_t i = 0; i < n; i++)
+            squares[i] = xf[i] * xf[i];
     }
 }
 
