@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--compile", choices=("none", "mlp", "model"), default="none",
                     help="torch.compile (inductor's CPU backend, a C++ compiler) the engine's copy of the model: each "
                          "decoder layer's MLP, or the whole decoder stack (kvpaging's attention breaks the graph)")
+    ap.add_argument("--top", type=int, default=0, metavar="N",
+                    help="also list the profiled step's N operators with the most own CPU time (calls, ms)")
     args = ap.parse_args()
     args.cpu_fast_layers = FAST_LAYERS[args.cpu_fast_layers]
     torch.set_num_threads(args.threads)
@@ -196,6 +198,11 @@ def main() -> None:
           f"= {flop_floor * 1e3:.1f} ms")
     print(f"step / larger floor: {step / max(byte_floor, flop_floor):.2f}x "
           f"({config.num_hidden_layers} layers, {params / 1e6:.0f}M parameters)")
+    if args.top:
+        print(f"the profiled step's {args.top} operators with the most own CPU time (the profiler's overhead included):")
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        for event in events[: args.top]:
+            print(f"  {event.key:40s} {event.count:6d} calls {event.self_cpu_time_total / 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":

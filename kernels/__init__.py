@@ -41,9 +41,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from kvpaging.kernels import fp8, reference
-from kvpaging.kernels.fp8 import compute_kv_scales, dequantize_fp8, dequantize_kv_cache, quantize_fp8, quantize_kv_cache
-from kvpaging.kernels.validation import interpreter_enabled
+# Python run from the repository's root also finds this folder as a top-level package called `kernels`: the name
+# of Hugging Face's kernels package, which transformers probes for by importing it while it is itself half imported.
+# Under that name the folder imports nothing (importing kvpaging from here then would be a circular import and break
+# `import transformers`), and it has no __version__, which transformers reads as "kernels not installed".
+if __name__ == "kvpaging.kernels":
+    from kvpaging.kernels import fp8, reference
+    from kvpaging.kernels.fp8 import (compute_kv_scales, dequantize_fp8, dequantize_kv_cache, quantize_fp8,
+                                      quantize_kv_cache)
+    from kvpaging.kernels.validation import interpreter_enabled
 
 # public name -> module that defines it
 _TRITON_ENTRY_POINTS = {

@@ -30,6 +30,18 @@ def test_editable_install_maps_the_folders(tmp_path):
     assert lines[4] == "None" or Path(lines[4]).resolve().parent != REPO / "kernels"  # ours is not top-level `kernels`
 
 
+
+def test_transformers_imports_from_the_repository_root():
+    """Python run from the repository's root (``python -c``, a REPL, a notebook kept there) also finds kernels/ as a
+    top-level ``kernels``: the name of Hugging Face's package, which transformers probes for by importing it while
+    it is itself half imported. A model's module must still import there, before kvpaging and after it."""
+    code = ("import transformers.models.llama.modeling_llama\n"
+            "import kvpaging.kernels as k\n"
+            "print(k.quantize_fp8.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["kvpaging.kernels.fp8"]
+
 def test_built_wheel_imports_all_three(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "-q"],
