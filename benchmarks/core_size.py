@@ -34,6 +34,7 @@ BEYOND = {
     "kvpaging/worker/kv_layout.py": "each layer's key/value shapes and windows",
     "kvpaging/worker/self_check.py": "the load-time self-check and the model-support refusals",
     "kvpaging/worker/state_layers.py": "hybrid models' recurrent and convolution states",
+    "kvpaging/worker/direct_forward.py": "a Llama-structured model's forward with its layers called straight (CPU)",
 }
 LIMIT = 40
 

@@ -1,13 +1,15 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Three small C files live here:
+Four small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
   calls it for float32 and bfloat16 caches on the CPU);
 * ``rms_norm.c``: RMSNorm as transformers computes it, to the bit, for the fast
   layers of ``layers.py`` (two C passes around torch's own mean: :func:`rms_norm`);
-* ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in).
+* ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in);
+* ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
+  engine's direct forward, ``kvpaging/worker/direct_forward.py``).
 
 They are compiled together (each with its own flags) the first time one is needed, with the C compiler
 found on the machine (``$CC``, else ``cc``), for this machine's CPU
@@ -37,15 +39,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "rms_norm_unchecked", "linear_bf16",
+__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "rms_norm_unchecked", "rotary", "linear_bf16",
            "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "LINEAR_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
-# on some compilers. rms_norm.c must round as torch does, so nothing may be reordered or fused there.
+# on some compilers. rms_norm.c and rotary.c must round as torch does, so nothing may be reordered or fused there.
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("decode_attention.c", ["-ffast-math"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
-    ("linear.c", ["-ffast-math"]))}
+    ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -54,12 +56,14 @@ LINK_FLAGS = ["-shared", "-lm"]
 OPENMP_FLAGS = ["-fopenmp"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in torch.profiler tables
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
+ROTARY_PROFILER_NAME = "kvpaging::cpu_rotary"
 LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
 _rms_norm_fn = None
 _linear_bf16_fn = None
+_rotary_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -126,7 +130,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -157,6 +161,9 @@ def _load():
     _linear_bf16_fn = lib.kvpaging_linear_bf16
     _linear_bf16_fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     _linear_bf16_fn.restype = i64
+    _rotary_fn = lib.kvpaging_rotary
+    _rotary_fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    _rotary_fn.restype = None
     return _decode_fn
 
 
@@ -219,6 +226,35 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     out = torch.empty_like(x)
     scale_fn(x.data_ptr(), var.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, x.numel() // max(dim, 1), dim, eps,
              threads)
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding to the bit, ``(x * cos) + (rotate_half(x) * sin)`` with ``cos`` and ``sin``
+    broadcast over the heads (``rotary.c``: each product and the sum rounded where torch rounds them). ``x``:
+    ``[1, tokens, heads, dim]`` with ``dim`` contiguous (a projection's output viewed so); ``cos``, ``sin``: contiguous
+    ``[1, tokens, 1, dim]``; all float32 or all bfloat16 CPU tensors. Returns a new contiguous tensor like ``x``."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    _, tokens, heads, dim = x.shape if x.dim() == 4 else (0, -1, -1, -1)
+    if not (x.dtype == cos.dtype == sin.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == cos.device.type == sin.device.type == "cpu"):
+        raise ValueError(f"rotary needs float32 or bfloat16 CPU tensors of one dtype, got x {x.dtype} on {x.device}, "
+                         f"cos {cos.dtype}, sin {sin.dtype}")
+    if (x.dim() != 4 or x.shape[0] != 1 or x.stride(-1) != 1 or dim % 2 or cos.shape != (1, tokens, 1, dim)
+            or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous())):
+        raise ValueError(f"rotary needs x [1, tokens, heads, dim] (dim even and contiguous) and contiguous cos and sin "
+                         f"[1, tokens, 1, dim], got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    return rotary_unchecked(x, cos, sin)
+
+
+def rotary_unchecked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotary` without its checks, for a caller that made them (the direct forward checks its model once)."""
+    _, tokens, heads, dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype)
+    args = (x.data_ptr(), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+            int(x.dtype == torch.bfloat16), tokens, heads, dim, torch.get_num_threads())
+    call_named(ROTARY_PROFILER_NAME, _rotary_fn, args)
     return out
 
 

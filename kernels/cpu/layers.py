@@ -75,7 +75,7 @@ import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm, rms_norm_unchecked
 
-__all__ = ["enable_fast_layers", "FastLayers", "onednn_linear", "onednn_usable"]
+__all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "onednn_linear", "onednn_usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,8 @@ def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -
     return type(self).forward(self, hidden_states)  # the layer's own code
 
 
-def _has_fast_path(module: torch.nn.Module) -> bool:
+def has_fast_path(module: torch.nn.Module) -> bool:
+    """Whether ``enable_fast_layers`` gave ``module`` its fast ``forward``."""
     forward = vars(module).get("forward")
     return getattr(forward, "__func__", None) in (_packed_linear_forward, _fast_rms_norm_forward)
 
@@ -381,7 +382,7 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     dtypes = (torch.bfloat16,) if exact else (torch.float32, torch.bfloat16)
     linears = norms = small = packed_bytes = 0
     for module in model.modules():
-        if _has_fast_path(module):
+        if has_fast_path(module):
             linears += isinstance(module, torch.nn.Linear)
             norms += not isinstance(module, torch.nn.Linear)
             small += vars(module).get("_small_batch", False)

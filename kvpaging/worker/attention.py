@@ -1,7 +1,10 @@
 """Paged attention plugged into transformers models through ``AttentionInterface``.
 
 We run the transformers model itself, not a re-implementation: its embedding,
-RoPE, norms and MLPs are untouched. Only the attention call is ours. transformers
+RoPE, norms and MLPs are untouched. Only the attention call is ours. (On a CPU a
+Llama-structured model's layers may be called straight rather than through their
+modules, ``kvpaging/worker/direct_forward.py``: the same operations, the same
+logits to the bit, checked before it is used; this function is called either way.) transformers
 looks attention functions up by name (``config._attn_implementation``), so we
 register one called ``"kvpaging"``. For each layer it receives the step's new
 queries, keys and values (RoPE already applied) and:

@@ -34,6 +34,7 @@ from kvpaging.kernels.backends import get_backend
 from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
+from kvpaging.worker.direct_forward import direct_forward_if_exact
 from kvpaging.worker.fp8_scales import calibrate_fp8_scales
 from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout, layer_groups
 from kvpaging.worker.state_layers import install_state_layers
@@ -95,6 +96,9 @@ class ModelRunner:
         self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/worker/self_check.py)
         self.graphs = None
         self._config = config
+        self.direct = None  # a Llama-structured model's forward with no module calls (kvpaging/worker/direct_forward.py)
+        if config.cpu_fast_layers is not False and self.device.type == "cpu" and config.tensor_parallel_size == 1:
+            self.direct = direct_forward_if_exact(self)
         if capture_graphs:
             self.capture_graphs()
 
@@ -185,6 +189,8 @@ class ModelRunner:
             meta.group_tables, meta.layer_group = group_tables, self.layer_groups.layer_group
         step = CURRENT_STEP.set(meta)  # for decoder layers that do not pass the keyword argument on
         try:
+            if self.direct is not None:
+                return self.direct(self.model, meta, input_ids, positions, logits_to_keep)
             return self.model(
                 input_ids=input_ids,
                 position_ids=positions,

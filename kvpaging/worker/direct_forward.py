@@ -1,0 +1,155 @@
+"""A Llama-structured model's forward pass with its layers' own ``forward`` functions called straight (CPU).
+
+transformers' forward pass goes through an ``nn.Module`` call for every decoder layer, attention, MLP, norm and
+linear (each looks up hooks), passes its keyword arguments down through decorators, finds the attention function by
+name at every layer, and applies the rotary embedding in the ``[batch, heads, tokens, dim]`` layout the attention
+interface wants. On a CPU, where a decode step of the trained model takes tens of milliseconds, that costs 6-10% of
+the step (``benchmarks/module_overhead.py`` measures it on the trained model). ``direct_forward`` computes the same
+step with the same tensor operations in the same order, calling each layer's own ``forward`` (the engine's fast
+layers' where they have one) one after the other. The rotary embedding runs on the projections' own
+``[tokens, heads, dim]`` views (elementwise: the same numbers), in one C pass per tensor where the CPU kernels are
+built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch rounds them; six tensor operations
+otherwise). The logits are the model's own to the bit:
+the runner checks that on two probe steps (a prompt chunk, then a decode) before it uses the path, and runs the
+model's own forward otherwise.
+
+Only for a model whose every module is of the class transformers' Llama code defines (LlamaForCausalLM and its
+parts: SmolLM2, Llama and the many checkpoints of that architecture), with no hook on any module and no ``forward``
+replaced but the engine's own fast layers', on the CPU, without tensor parallelism, and only where the engine's
+fast layers are on (``cpu_fast_layers=False`` runs the model's own layers and forward, what ``generate()`` runs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from kvpaging.kernels.cpu import available, rotary_unchecked
+from kvpaging.kernels.cpu.layers import has_fast_path
+from kvpaging.worker.attention import AttentionMetadata, paged_attention_forward
+
+logger = logging.getLogger("kvpaging")
+
+__all__ = ["direct_forward", "direct_forward_if_exact", "direct_forward_refusal", "agrees_with_own_forward"]
+
+# the classes a module of the model may have, by name within transformers' Llama code (and torch's)
+_LLAMA_CLASSES = {"LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm",
+                  "LlamaRotaryEmbedding"}
+_LLAMA_MODULE = "transformers.models.llama.modeling_llama"
+_TORCH_CLASSES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList)
+_ROTARY_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: the same slices, negation and concatenation."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb``'s maths on ``x`` ``[1, tokens, heads, dim]``: in one C pass where the CPU kernels
+    are built and the dtypes are theirs (``kernels/cpu/rotary.c``, rounding where torch rounds), else torch's ops."""
+    if x.dtype is cos.dtype is sin.dtype and x.dtype in _ROTARY_DTYPES and available():
+        return rotary_unchecked(x, cos, sin)
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def direct_forward(model, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                   logits_to_keep) -> torch.Tensor:
+    """``model(input_ids=..., position_ids=..., logits_to_keep=..., kvpaging=meta).logits``, computed as
+    ``LlamaForCausalLM`` computes it, with no module call in between."""
+    inner = model.model
+    hidden = inner.embed_tokens.forward(input_ids)
+    cos, sin = inner.rotary_emb.forward(hidden, positions)  # [1, tokens, dim]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads of [1, tokens, heads, dim]
+    tokens = input_ids.shape[1]
+    for layer in inner.layers[: inner.config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        residual = hidden
+        x = layer.input_layernorm.forward(hidden)
+        q = attn.q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
+        k = attn.k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
+        v = attn.v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                         scaling=attn.scaling, kvpaging=meta)
+        hidden = residual + attn.o_proj.forward(out.reshape(1, tokens, -1))
+        residual = hidden
+        x = layer.post_attention_layernorm.forward(hidden)
+        hidden = residual + mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+    hidden = inner.norm.forward(hidden)
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return model.lm_head.forward(hidden[:, keep])
+
+
+def direct_forward_if_exact(runner):
+    """``direct_forward`` where it is the runner's model's own forward pass to the bit (the model's modules as
+    ``direct_forward_refusal`` wants them, then the probe steps of ``agrees_with_own_forward``), else None. The
+    runner's cache, block tables and fast layers are in place; its ``direct`` is None."""
+    model = runner.model
+    refusal = direct_forward_refusal(model, {id(m) for m in model.modules() if has_fast_path(m)})
+    if refusal is None and any(x is not None for x in (runner.state_slots, runner.layer_groups, runner.cache_indexes)):
+        refusal = "its layers keep state, sliding windows or second caches"
+    if refusal is None and not agrees_with_own_forward(runner, direct_forward):
+        refusal = "its logits on the probe steps differ from the model's own forward's"
+    if refusal is not None:
+        logger.debug("the model's own forward pass runs: %s", refusal)
+        return None
+    logger.info("the forward pass calls the layers straight (no module calls): the model's own logits, to the bit")
+    return direct_forward
+
+
+def direct_forward_refusal(model, fast_forwards: set[int]) -> str | None:
+    """Why ``direct_forward`` would not be ``model``'s own forward pass, or None where it would (the probe steps
+    still to check it). ``fast_forwards``: ids of the modules whose ``forward`` the engine's fast layers replaced."""
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return "a global module hook is registered"
+    for name, module in model.named_modules():
+        cls = type(module)
+        ours = cls.__name__ in _LLAMA_CLASSES and cls.__module__ == _LLAMA_MODULE
+        if not (ours or cls in _TORCH_CLASSES or (name.endswith("act_fn") and cls.__name__ in ("SiLUActivation", "SiLU"))):
+            return f"{name or 'the model'} is a {cls.__qualname__}"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{name or 'the model'} has a hook"
+        if "forward" in vars(module) and id(module) not in fast_forwards:
+            return f"{name or 'the model'} has a forward of its own"
+    return None
+
+
+def agrees_with_own_forward(runner, direct) -> bool:
+    """Two probe steps through the runner's cache, each run with the model's own forward and with ``direct``: a
+    24-token prompt chunk, then a decode after it. True when every logit is the same to the bit. The probe's blocks
+    (the pool's first two) are zeros again afterwards, and its table rows are rewritten by their next owners."""
+    bs = runner.block_size
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, runner.model.config.vocab_size, (25,), generator=gen).tolist()
+    blocks = list(range(-(-25 // bs)))
+    seq = _ProbeSeq(tokens, blocks)
+    chunk = SchedulerOutput(step=0, table_updates=[[(0, 0, blocks)]], block_size=bs,
+                            chunks=[ScheduledSeq(seq, 0, 24, False, True, blocks, 0)])
+    decode = SchedulerOutput(step=0, table_updates=[[]], block_size=bs, decodes=[seq],
+                             decode_rows=np.array([0]), decode_positions=np.array([24]), decode_token_ids=[tokens[24]])
+    try:
+        for out in (chunk, decode):
+            runner.direct = None
+            own = runner.execute(out, all_positions=True)
+            runner.direct = direct
+            if not torch.equal(own, runner.execute(out, all_positions=True)):
+                return False
+        return True
+    finally:
+        runner.direct = None
+        with torch.inference_mode():
+            for k_cache, v_cache in runner.kv_caches:
+                k_cache[blocks] = 0
+                v_cache[blocks] = 0
+
+
+class _ProbeSeq:
+    """What the runner reads of a sequence in a probe step."""
+
+    def __init__(self, token_ids: list[int], blocks: list[int]) -> None:
+        self.token_ids, self.blocks, self.seq_id = token_ids, blocks, "direct-forward-probe"

@@ -1,0 +1,128 @@
+"""The direct forward (kvpaging/worker/direct_forward.py): a Llama-structured model's forward pass with its layers'
+``forward`` functions called straight, used only where it is the model's own forward pass to the bit."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kvpaging import LLM, SamplingParams
+from kvpaging.models import tiny
+from kvpaging.worker import direct_forward as direct_module
+from kvpaging.worker.direct_forward import agrees_with_own_forward, direct_forward
+
+PROMPTS = [[5, 9, 2, 7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], list(range(3, 40))]
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_llama_model_runs_the_direct_forward_and_gives_its_own_forwards_tokens(dtype):
+    model = tiny("llama", seed=0).to(dtype)
+    llm = LLM(model, num_blocks=32, max_model_len=64)
+    assert llm.engine.runner.direct is direct_forward
+    own = LLM(model, num_blocks=32, max_model_len=64, cpu_fast_layers=False)  # the model's own layers and forward
+    assert own.engine.runner.direct is None
+    assert tokens(llm) == tokens(own)
+
+
+def test_every_logit_of_a_mixed_step_is_the_models_own_forwards():
+    """A step with decodes and prompt chunks together, every position's logits: the same bits both ways."""
+    model = tiny("llama", seed=1)
+    llm = LLM(model, num_blocks=32, max_model_len=64, max_num_batched_tokens=20)
+    engine, runner = llm.engine, llm.engine.runner
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, PARAMS)
+    engine.step()
+    engine.step()  # the first prompt decodes while the others' chunks are computed
+    out = engine.scheduler.schedule()
+    assert out.decodes and out.chunks
+    inputs = runner.prepare_inputs(out)
+    args = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
+            inputs.prefill_cu_seqlens_q, inputs.num_decodes, 0, inputs.rows)
+    with torch.inference_mode():
+        direct = runner.forward(*args)
+        runner.direct = None
+        own = runner.forward(*args)
+    assert torch.equal(direct, own)
+
+
+def test_a_hook_a_replaced_forward_or_another_architecture_keeps_the_models_own_forward():
+    hooked = tiny("llama", seed=0)
+    hooked.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    assert LLM(hooked, num_blocks=32, max_model_len=64).engine.runner.direct is None
+    patched = tiny("llama", seed=0)
+    attention = patched.model.layers[0].self_attn
+    attention.forward = types.MethodType(lambda self, *a, **k: type(self).forward(self, *a, **k), attention)
+    assert LLM(patched, num_blocks=32, max_model_len=64).engine.runner.direct is None
+    assert LLM(tiny("qwen3", seed=0), num_blocks=32, max_model_len=64).engine.runner.direct is None
+    assert LLM(tiny("llama", seed=0), num_blocks=32, max_model_len=64).engine.runner.direct is direct_forward
+
+
+def test_a_forward_that_is_off_by_one_bit_is_refused_and_the_probe_leaves_the_cache_as_it_found_it():
+    llm = LLM(tiny("llama", seed=0), num_blocks=32, max_model_len=64)
+    runner = llm.engine.runner
+
+    def nudged(*args):
+        logits = direct_forward(*args)
+        return torch.nextafter(logits, torch.full_like(logits, float("inf")))  # every logit one bit up
+
+    assert agrees_with_own_forward(runner, direct_forward)
+    assert not agrees_with_own_forward(runner, nudged)
+    assert runner.direct is None  # the probe puts nothing in place
+    assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_the_refusal_names_what_it_found():
+    model = tiny("llama", seed=0)
+    assert direct_module.direct_forward_refusal(model, set()) is None
+    model.model.norm.register_forward_pre_hook(lambda module, args: None)
+    assert direct_module.direct_forward_refusal(model, set()) == "model.norm has a hook"
+    other = tiny("qwen3", seed=0)
+    assert "Qwen3ForCausalLM" in direct_module.direct_forward_refusal(other, set())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_the_c_rotary_embedding_is_transformers_to_the_bit(dtype, tokens):
+    """``kernels/cpu/rotary.c`` against transformers' own ``apply_rotary_pos_emb``: every element equal, for queries
+    and keys read from slices of one fused projection (as the packed q/k/v group hands them out), at several
+    scales and with the model's own cos and sin."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from kvpaging.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    model = tiny("llama", seed=0)
+    config, heads, kv_heads, dim = model.config, 4, 2, 16
+    g = torch.Generator().manual_seed(tokens)
+    for scale in (1e-3, 1.0, 30.0):
+        fused = (torch.randn(1, tokens, (heads + 2 * kv_heads) * dim, generator=g) * scale).to(dtype)
+        q = fused[..., : heads * dim].view(1, tokens, heads, dim)
+        k = fused[..., heads * dim : (heads + kv_heads) * dim].view(1, tokens, kv_heads, dim)
+        positions = torch.randint(0, 4000, (1, tokens), generator=g)
+        config.head_dim = dim
+        cos, sin = LlamaRotaryEmbedding(config).forward(fused, positions)
+        want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        got_q = cpu.rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        got_k = cpu.rotary(k, cos.unsqueeze(2), sin.unsqueeze(2))
+        assert got_q.dtype == dtype and torch.equal(got_q, want_q.transpose(1, 2))
+        assert torch.equal(got_k, want_k.transpose(1, 2))
+
+
+def test_the_c_rotary_embedding_refuses_what_it_cannot_compute():
+    from kvpaging.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(cpu.unavailable_reason())
+    x, cos = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu.rotary(x, cos.to(torch.bfloat16), cos)
+    with pytest.raises(ValueError, match=r"cos \(1, 3, 1, 6\)"):
+        cpu.rotary(x, cos[..., :6].contiguous(), cos[..., :6].contiguous())
