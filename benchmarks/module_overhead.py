@@ -24,7 +24,6 @@ from kvpaging import SamplingParams
 from kvpaging.models import load_trained_model
 from kvpaging.models.trained_model import trained_path
 from kvpaging.teach import serving
-from kvpaging.worker.direct_forward import direct_forward
 from throughput import FAST_LAYERS  # --cpu-fast-layers off|default|on: the engine's cpu_fast_layers
 
 
@@ -44,7 +43,8 @@ def one_batch(model, batch: int, fast_layers, repeats: int) -> dict:
     inputs = runner.prepare_inputs(out)
     args = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
             inputs.prefill_cu_seqlens_q, inputs.num_decodes, inputs.logits_indices, inputs.rows)
-    if runner.direct is None:
+    direct_forward = runner.direct
+    if direct_forward is None:
         raise SystemExit("the engine did not take its direct forward for this model (the log says why)")
 
     def own() -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from kvpaging import LLM, SamplingParams
 from kvpaging.models import tiny
 from kvpaging.worker import direct_forward as direct_module
-from kvpaging.worker.direct_forward import agrees_with_own_forward, direct_forward
+from kvpaging.worker.direct_forward import DirectForward, agrees_with_own_forward
 
 PROMPTS = [[5, 9, 2, 7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], list(range(3, 40))]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -25,7 +25,7 @@ def tokens(llm: LLM) -> list[list[int]]:
 def test_a_llama_model_runs_the_direct_forward_and_gives_its_own_forwards_tokens(dtype):
     model = tiny("llama", seed=0).to(dtype)
     llm = LLM(model, num_blocks=32, max_model_len=64)
-    assert llm.engine.runner.direct is direct_forward
+    assert isinstance(llm.engine.runner.direct, DirectForward)
     own = LLM(model, num_blocks=32, max_model_len=64, cpu_fast_layers=False)  # the model's own layers and forward
     assert own.engine.runner.direct is None
     assert tokens(llm) == tokens(own)
@@ -61,21 +61,43 @@ def test_a_hook_a_replaced_forward_or_another_architecture_keeps_the_models_own_
     attention.forward = types.MethodType(lambda self, *a, **k: type(self).forward(self, *a, **k), attention)
     assert LLM(patched, num_blocks=32, max_model_len=64).engine.runner.direct is None
     assert LLM(tiny("qwen3", seed=0), num_blocks=32, max_model_len=64).engine.runner.direct is None
-    assert LLM(tiny("llama", seed=0), num_blocks=32, max_model_len=64).engine.runner.direct is direct_forward
+    assert isinstance(LLM(tiny("llama", seed=0), num_blocks=32, max_model_len=64).engine.runner.direct, DirectForward)
 
 
 def test_a_forward_that_is_off_by_one_bit_is_refused_and_the_probe_leaves_the_cache_as_it_found_it():
     llm = LLM(tiny("llama", seed=0), num_blocks=32, max_model_len=64)
     runner = llm.engine.runner
+    direct = runner.direct
 
-    def nudged(*args):
-        logits = direct_forward(*args)
-        return torch.nextafter(logits, torch.full_like(logits, float("inf")))  # every logit one bit up
+    class Nudged(DirectForward):
+        def __call__(self, *args):
+            logits = super().__call__(*args)
+            return torch.nextafter(logits, torch.full_like(logits, float("inf")))  # every logit one bit up
 
-    assert agrees_with_own_forward(runner, direct_forward)
-    assert not agrees_with_own_forward(runner, nudged)
-    assert runner.direct is None  # the probe puts nothing in place
+    assert agrees_with_own_forward(runner, direct)
+    assert not agrees_with_own_forward(runner, Nudged(runner.model))
+    assert runner.direct is None  # the probe leaves nothing in place
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_a_hook_added_after_the_engine_was_built_runs_the_models_own_forward_for_as_long_as_it_is_there():
+    model = tiny("llama", seed=2)
+    llm = LLM(model, num_blocks=32, max_model_len=64)
+    want = tokens(LLM(model, num_blocks=32, max_model_len=64, cpu_fast_layers=False))
+    direct = llm.engine.runner.direct
+    calls = []
+    handle = llm.engine.model.model.layers[1].register_forward_pre_hook(lambda module, args: calls.append(1))
+    assert not direct.still_exact()
+    assert tokens(llm) == want and calls  # the hook ran: the model's own forward did
+    handle.remove()
+    assert direct.still_exact()
+    calls.clear()
+    assert tokens(llm) == want and not calls
+    mlp = llm.engine.model.model.layers[0].mlp
+    llm.engine.model.model.layers[0].mlp = torch.nn.Identity()  # a module swapped: its own forward again
+    assert not direct.still_exact()
+    llm.engine.model.model.layers[0].mlp = mlp
+    assert direct.still_exact()
 
 
 def test_the_refusal_names_what_it_found():

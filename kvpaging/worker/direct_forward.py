@@ -4,14 +4,15 @@ transformers' forward pass goes through an ``nn.Module`` call for every decoder 
 linear (each looks up hooks), passes its keyword arguments down through decorators, finds the attention function by
 name at every layer, and applies the rotary embedding in the ``[batch, heads, tokens, dim]`` layout the attention
 interface wants. On a CPU, where a decode step of the trained model takes tens of milliseconds, that costs 6-10% of
-the step (``benchmarks/module_overhead.py`` measures it on the trained model). ``direct_forward`` computes the same
+the step (``benchmarks/module_overhead.py`` measures it on the trained model). ``DirectForward`` computes the same
 step with the same tensor operations in the same order, calling each layer's own ``forward`` (the engine's fast
 layers' where they have one) one after the other. The rotary embedding runs on the projections' own
 ``[tokens, heads, dim]`` views (elementwise: the same numbers), in one C pass per tensor where the CPU kernels are
 built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch rounds them; six tensor operations
 otherwise). The logits are the model's own to the bit:
 the runner checks that on two probe steps (a prompt chunk, then a decode) before it uses the path, and runs the
-model's own forward otherwise.
+model's own forward otherwise, and for any step before which a hook was added, a ``forward`` replaced or a module
+swapped on its copy of the model (``DirectForward.still_exact``).
 
 Only for a model whose every module is of the class transformers' Llama code defines (LlamaForCausalLM and its
 parts: SmolLM2, Llama and the many checkpoints of that architecture), with no hook on any module and no ``forward``
@@ -33,7 +34,7 @@ from kvpaging.worker.attention import AttentionMetadata, paged_attention_forward
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["direct_forward", "direct_forward_if_exact", "direct_forward_refusal", "agrees_with_own_forward"]
+__all__ = ["DirectForward", "direct_forward_if_exact", "direct_forward_refusal", "agrees_with_own_forward"]
 
 # the classes a module of the model may have, by name within transformers' Llama code (and torch's)
 _LLAMA_CLASSES = {"LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm",
@@ -41,6 +42,7 @@ _LLAMA_CLASSES = {"LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaA
 _LLAMA_MODULE = "transformers.models.llama.modeling_llama"
 _TORCH_CLASSES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList)
 _ROTARY_DTYPES = (torch.float32, torch.bfloat16)
+PROBE_TOKENS = 25  # the probe steps' sequence: a 24-token chunk, then a decode
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,60 +59,95 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-def direct_forward(model, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
-                   logits_to_keep) -> torch.Tensor:
-    """``model(input_ids=..., position_ids=..., logits_to_keep=..., kvpaging=meta).logits``, computed as
-    ``LlamaForCausalLM`` computes it, with no module call in between."""
-    inner = model.model
-    hidden = inner.embed_tokens.forward(input_ids)
-    cos, sin = inner.rotary_emb.forward(hidden, positions)  # [1, tokens, dim]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads of [1, tokens, heads, dim]
-    tokens = input_ids.shape[1]
-    for layer in inner.layers[: inner.config.num_hidden_layers]:
-        attn, mlp = layer.self_attn, layer.mlp
-        residual = hidden
-        x = layer.input_layernorm.forward(hidden)
-        q = attn.q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
-        k = attn.k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
-        v = attn.v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
-        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-        out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                                         scaling=attn.scaling, kvpaging=meta)
-        hidden = residual + attn.o_proj.forward(out.reshape(1, tokens, -1))
-        residual = hidden
-        x = layer.post_attention_layernorm.forward(hidden)
-        hidden = residual + mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
-    hidden = inner.norm.forward(hidden)
-    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    return model.lm_head.forward(hidden[:, keep])
+class DirectForward:
+    """``model(input_ids=..., position_ids=..., logits_to_keep=..., kvpaging=meta).logits`` for a Llama-structured
+    ``model``, computed as ``LlamaForCausalLM`` computes it, with no module call in between.
+
+    It reads the modules it was made with; before every step :meth:`still_exact` looks at each of them for what would
+    make the model's own forward pass differ from it, as the refusal does once (a hook, a ``forward`` replaced, a
+    module swapped for another), and the runner runs the model's own forward pass for that step if it finds one."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        inner = model.model
+        self.embed, self.rotary_emb, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.layers = [(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
+                        layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
+                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.act_fn, layer.mlp.down_proj)
+                       for layer in inner.layers[: inner.config.num_hidden_layers]]
+        # every module with its place in its parent and its forward as they are now
+        self.watch = [(parent, name, child, vars(child).get("forward"))
+                      for parent in model.modules() for name, child in parent._modules.items()]
+
+    def still_exact(self) -> bool:
+        """Nothing the refusal looks at has changed since this was made."""
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            return False
+        model = self.model
+        if model._forward_hooks or model._forward_pre_hooks or "forward" in vars(model):
+            return False
+        for parent, name, child, forward in self.watch:
+            if (parent._modules.get(name) is not child or child._forward_hooks or child._forward_pre_hooks
+                    or vars(child).get("forward") is not forward):
+                return False
+        return True
+
+    def __call__(self, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_to_keep) -> torch.Tensor:
+        hidden = self.embed.forward(input_ids)
+        cos, sin = self.rotary_emb.forward(hidden, positions)  # [1, tokens, dim]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads of [1, tokens, heads, dim]
+        tokens = input_ids.shape[1]
+        for in_norm, attn, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, act_fn, down_proj in self.layers:
+            residual = hidden
+            x = in_norm.forward(hidden)
+            q = q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
+            k = k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
+            v = v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+            out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                             scaling=attn.scaling, kvpaging=meta)
+            hidden = residual + o_proj.forward(out.reshape(1, tokens, -1))
+            residual = hidden
+            x = post_norm.forward(hidden)
+            hidden = residual + down_proj.forward(act_fn.forward(gate_proj.forward(x)) * up_proj.forward(x))
+        hidden = self.norm.forward(hidden)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self.lm_head.forward(hidden[:, keep])
 
 
-def direct_forward_if_exact(runner):
-    """``direct_forward`` where it is the runner's model's own forward pass to the bit (the model's modules as
-    ``direct_forward_refusal`` wants them, then the probe steps of ``agrees_with_own_forward``), else None. The
-    runner's cache, block tables and fast layers are in place; its ``direct`` is None."""
+def direct_forward_if_exact(runner) -> DirectForward | None:
+    """A ``DirectForward`` of the runner's model where it is the model's own forward pass to the bit (the model's
+    modules as ``direct_forward_refusal`` wants them, then the probe steps of ``agrees_with_own_forward``), else
+    None. The runner's cache, block tables and fast layers are in place; its ``direct`` is None."""
     model = runner.model
     refusal = direct_forward_refusal(model, {id(m) for m in model.modules() if has_fast_path(m)})
     if refusal is None and any(x is not None for x in (runner.state_slots, runner.layer_groups, runner.cache_indexes)):
         refusal = "its layers keep state, sliding windows or second caches"
-    if refusal is None and not agrees_with_own_forward(runner, direct_forward):
-        refusal = "its logits on the probe steps differ from the model's own forward's"
+    if refusal is None and -(-PROBE_TOKENS // runner.block_size) > runner.kv_caches[0][0].shape[0]:
+        refusal = f"the pool is smaller than the probe's {PROBE_TOKENS} tokens"
+    direct = DirectForward(model) if refusal is None else None
+    try:
+        if direct is not None and not agrees_with_own_forward(runner, direct):
+            refusal = "its logits on the probe steps differ from the model's own forward's"
+    except Exception as error:  # noqa: BLE001 - the model's own forward decides; the self-check names what failed
+        refusal = f"a probe step raised {type(error).__name__}: {error}"
     if refusal is not None:
         logger.debug("the model's own forward pass runs: %s", refusal)
         return None
     logger.info("the forward pass calls the layers straight (no module calls): the model's own logits, to the bit")
-    return direct_forward
+    return direct
 
 
 def direct_forward_refusal(model, fast_forwards: set[int]) -> str | None:
-    """Why ``direct_forward`` would not be ``model``'s own forward pass, or None where it would (the probe steps
+    """Why ``DirectForward`` would not be ``model``'s own forward pass, or None where it would (the probe steps
     still to check it). ``fast_forwards``: ids of the modules whose ``forward`` the engine's fast layers replaced."""
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return "a global module hook is registered"
     for name, module in model.named_modules():
         cls = type(module)
         ours = cls.__name__ in _LLAMA_CLASSES and cls.__module__ == _LLAMA_MODULE
-        if not (ours or cls in _TORCH_CLASSES or (name.endswith("act_fn") and cls.__name__ in ("SiLUActivation", "SiLU"))):
+        if not (ours or cls in _TORCH_CLASSES or (name.endswith(".act_fn") and cls.__module__ == "transformers.activations")):
             return f"{name or 'the model'} is a {cls.__qualname__}"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{name or 'the model'} has a hook"
@@ -125,13 +162,14 @@ def agrees_with_own_forward(runner, direct) -> bool:
     (the pool's first two) are zeros again afterwards, and its table rows are rewritten by their next owners."""
     bs = runner.block_size
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, runner.model.config.vocab_size, (25,), generator=gen).tolist()
-    blocks = list(range(-(-25 // bs)))
+    tokens = torch.randint(0, runner.model.config.vocab_size, (PROBE_TOKENS,), generator=gen).tolist()
+    blocks = list(range(-(-PROBE_TOKENS // bs)))
     seq = _ProbeSeq(tokens, blocks)
     chunk = SchedulerOutput(step=0, table_updates=[[(0, 0, blocks)]], block_size=bs,
-                            chunks=[ScheduledSeq(seq, 0, 24, False, True, blocks, 0)])
+                            chunks=[ScheduledSeq(seq, 0, PROBE_TOKENS - 1, False, True, blocks, 0)])
     decode = SchedulerOutput(step=0, table_updates=[[]], block_size=bs, decodes=[seq],
-                             decode_rows=np.array([0]), decode_positions=np.array([24]), decode_token_ids=[tokens[24]])
+                             decode_rows=np.array([0]), decode_positions=np.array([PROBE_TOKENS - 1]),
+                             decode_token_ids=[tokens[-1]])
     try:
         for out in (chunk, decode):
             runner.direct = None

@@ -189,8 +189,8 @@ class ModelRunner:
             meta.group_tables, meta.layer_group = group_tables, self.layer_groups.layer_group
         step = CURRENT_STEP.set(meta)  # for decoder layers that do not pass the keyword argument on
         try:
-            if self.direct is not None:
-                return self.direct(self.model, meta, input_ids, positions, logits_to_keep)
+            if self.direct is not None and self.direct.still_exact():
+                return self.direct(meta, input_ids, positions, logits_to_keep)
             return self.model(
                 input_ids=input_ids,
                 position_ids=positions,
