@@ -51,12 +51,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb``'s maths on ``x`` ``[1, tokens, heads, dim]``: in one C pass where the CPU kernels
-    are built and the dtypes are theirs (``kernels/cpu/rotary.c``, rounding where torch rounds), else torch's ops."""
-    if x.dtype is cos.dtype is sin.dtype and x.dtype in _ROTARY_DTYPES and available():
-        return rotary_unchecked(x, cos, sin)
+def _torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb``'s maths on ``x`` ``[1, tokens, heads, dim]``, by torch's operations."""
     return (x * cos) + (_rotate_half(x) * sin)
+
+
+def _c_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same in one C pass (``kernels/cpu/rotary.c``, rounding where torch rounds) when the dtypes are the C
+    kernel's, else by torch's operations."""
+    if x.dtype is cos.dtype is sin.dtype and x.dtype in _ROTARY_DTYPES:
+        return rotary_unchecked(x, cos, sin)
+    return _torch_rotary(x, cos, sin)
 
 
 class DirectForward:
@@ -69,6 +74,7 @@ class DirectForward:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.rotary = _c_rotary if available() else _torch_rotary  # available(): the C kernels are built here
         inner = model.model
         self.embed, self.rotary_emb, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = [(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
@@ -104,7 +110,7 @@ class DirectForward:
             q = q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             k = k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             v = v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
-            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
             out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                              scaling=attn.scaling, kvpaging=meta)
             hidden = residual + o_proj.forward(out.reshape(1, tokens, -1))
