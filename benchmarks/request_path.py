@@ -3,6 +3,7 @@ into another, in the order they first happen, while ``LLM.generate`` serves one 
 
     python benchmarks/request_path.py            # the hop list docs/ARCHITECTURE.md quotes
     python benchmarks/request_path.py --all      # every crossing, helpers included
+    python benchmarks/request_path.py --own-forward   # the model's own forward (cpu_fast_layers=False)
 
 A hop is a call from a function in one file into a function in another file of the package (``kvpaging/``,
 ``kernels/``), counted once however often it repeats. The script also counts the path the coarser way, as
@@ -33,11 +34,13 @@ def _where(code) -> str | None:
     return str(rel) if rel.parts[0] in ("kvpaging", "kernels") else None
 
 
-def trace_one_request(everything: bool) -> tuple[list[str], list[str], list[str], list[tuple[str, str]]]:
+def trace_one_request(everything: bool, own_forward: bool = False) -> tuple[list[str], list[str], list[str],
+                                                                          list[tuple[str, str]]]:
     from kvpaging import LLM, SamplingParams
     from kvpaging.models import tiny
 
-    llm = LLM(tiny("llama"), block_size=16, num_blocks=64, max_model_len=256, self_check=False)
+    layers = {"cpu_fast_layers": False} if own_forward else {}  # False: the model's own layers and forward
+    llm = LLM(tiny("llama"), block_size=16, num_blocks=64, max_model_len=256, self_check=False, **layers)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     once: list[str] = []
     per_step: list[str] = []
@@ -94,9 +97,11 @@ def trace_one_request(everything: bool) -> tuple[list[str], list[str], list[str]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all", action="store_true", help="list helper calls too")
+    parser.add_argument("--own-forward", action="store_true",
+                        help="the model's own layers and forward (cpu_fast_layers=False), not the direct forward")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    once, per_step, scheduler_calls, edges = trace_one_request(args.all)
+    once, per_step, scheduler_calls, edges = trace_one_request(args.all, args.own_forward)
     print("once per request:")
     for hop in once:
         print("   ", hop)

@@ -122,10 +122,14 @@ class DirectForward:
         return self.lm_head.forward(hidden[:, keep])
 
 
-def direct_forward_if_exact(runner) -> DirectForward | None:
+def direct_forward_if_exact(runner, config) -> DirectForward | None:
     """A ``DirectForward`` of the runner's model where it is the model's own forward pass to the bit (the model's
     modules as ``direct_forward_refusal`` wants them, then the probe steps of ``agrees_with_own_forward``), else
-    None. The runner's cache, block tables and fast layers are in place; its ``direct`` is None."""
+    None; None too off the CPU, with tensor parallelism and with ``cpu_fast_layers=False`` (the model's own layers
+    and forward). The runner's cache, block tables and fast layers are in place (the probe steps set its
+    ``direct`` as they go, and leave it None)."""
+    if config.cpu_fast_layers is False or runner.device.type != "cpu" or config.tensor_parallel_size != 1:
+        return None
     model = runner.model
     refusal = direct_forward_refusal(model, {id(m) for m in model.modules() if has_fast_path(m)})
     if refusal is None and any(x is not None for x in (runner.state_slots, runner.layer_groups, runner.cache_indexes)):

@@ -96,9 +96,8 @@ class ModelRunner:
         self.probe = None  # the load-time self-check's AttentionProbe during its steps (kvpaging/worker/self_check.py)
         self.graphs = None
         self._config = config
-        self.direct = None  # a Llama-structured model's forward with no module calls (kvpaging/worker/direct_forward.py)
-        if config.cpu_fast_layers is not False and self.device.type == "cpu" and config.tensor_parallel_size == 1:
-            self.direct = direct_forward_if_exact(self)
+        # a Llama-structured model's forward with no module calls, where exact (kvpaging/worker/direct_forward.py)
+        self.direct = direct_forward_if_exact(self, config)
         if capture_graphs:
             self.capture_graphs()
 
