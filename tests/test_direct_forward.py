@@ -93,6 +93,18 @@ def test_a_hook_added_after_the_engine_was_built_runs_the_models_own_forward_for
     assert direct.still_exact()
     calls.clear()
     assert tokens(llm) == want and not calls
+    from transformers import AttentionInterface
+
+    from kvpaging.worker.attention import ATTN_NAME, paged_attention_forward
+
+    seen = []
+    AttentionInterface.register(ATTN_NAME, lambda *a, **k: seen.append(1) or paged_attention_forward(*a, **k))
+    try:
+        assert not direct.still_exact()
+        assert tokens(llm) == want and seen  # another function under the name: the model's own forward calls it
+    finally:
+        AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    assert direct.still_exact()
     mlp = llm.engine.model.model.layers[0].mlp
     llm.engine.model.model.layers[0].mlp = torch.nn.Identity()  # a module swapped: its own forward again
     assert not direct.still_exact()
@@ -101,11 +113,17 @@ def test_a_hook_added_after_the_engine_was_built_runs_the_models_own_forward_for
 
 
 def test_the_refusal_names_what_it_found():
+    from kvpaging.worker.attention import ATTN_NAME, register_attention
+
     model = tiny("llama", seed=0)
+    assert "attention" in direct_module.direct_forward_refusal(model, set())  # transformers' own attention yet
+    register_attention()
+    model.set_attn_implementation(ATTN_NAME)
     assert direct_module.direct_forward_refusal(model, set()) is None
     model.model.norm.register_forward_pre_hook(lambda module, args: None)
     assert direct_module.direct_forward_refusal(model, set()) == "model.norm has a hook"
     other = tiny("qwen3", seed=0)
+    other.set_attn_implementation(ATTN_NAME)
     assert "Qwen3ForCausalLM" in direct_module.direct_forward_refusal(other, set())
 
 

@@ -26,11 +26,12 @@ import logging
 
 import numpy as np
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from kvpaging.kernels.cpu import available, rotary_unchecked
 from kvpaging.kernels.cpu.layers import has_fast_path
-from kvpaging.worker.attention import AttentionMetadata, paged_attention_forward
+from kvpaging.worker.attention import ATTN_NAME, AttentionMetadata, paged_attention_forward
 
 logger = logging.getLogger("kvpaging")
 
@@ -70,7 +71,8 @@ class DirectForward:
 
     It reads the modules it was made with; before every step :meth:`still_exact` looks at each of them for what would
     make the model's own forward pass differ from it, as the refusal does once (a hook, a ``forward`` replaced, a
-    module swapped for another), and the runner runs the model's own forward pass for that step if it finds one."""
+    module swapped for another, another function registered under the attention's name), and the runner runs the
+    model's own forward pass for that step if it finds one."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -90,6 +92,8 @@ class DirectForward:
         if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
             return False
         model = self.model
+        if not _attention_is_ours(model):
+            return False
         if model._forward_hooks or model._forward_pre_hooks or "forward" in vars(model):
             return False
         for parent, name, child, forward in self.watch:
@@ -149,11 +153,24 @@ def direct_forward_if_exact(runner, config) -> DirectForward | None:
     return direct
 
 
+def _attention_is_ours(model) -> bool:
+    """The model's layers would call kvpaging's attention function: its attention implementation is kvpaging's,
+    and that name still finds that function in transformers' registry (a test, a view or a user may register
+    another under it: the model's own forward then calls that one, and so must the step)."""
+    name = model.config._attn_implementation
+    try:
+        return name == ATTN_NAME and ALL_ATTENTION_FUNCTIONS[name] is paged_attention_forward
+    except KeyError:
+        return False
+
+
 def direct_forward_refusal(model, fast_forwards: set[int]) -> str | None:
     """Why ``DirectForward`` would not be ``model``'s own forward pass, or None where it would (the probe steps
     still to check it). ``fast_forwards``: ids of the modules whose ``forward`` the engine's fast layers replaced."""
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return "a global module hook is registered"
+    if not _attention_is_ours(model):
+        return "its attention implementation is not kvpaging's attention function"
     for name, module in model.named_modules():
         cls = type(module)
         ours = cls.__name__ in _LLAMA_CLASSES and cls.__module__ == _LLAMA_MODULE
