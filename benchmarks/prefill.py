@@ -12,8 +12,9 @@ is made of when nothing else runs.
 
 ``--profile`` runs one more engine step per length under ``torch.profiler`` and splits its operators' own CPU time
 (the profiler's overhead included, so shares, not timings): the linear layers' products, attention (SDPA and the C
-decode kernel), storing keys and values, the RMSNorms in C, transformers' elementwise operations (multiplies, adds,
-SiLU, the rotary embedding's concatenations and negations, casts and copies) and the rest.
+decode kernel), storing keys and values, the RMSNorms in C, the rotary embedding in C (the direct forward's),
+elementwise operations (multiplies, adds, SiLU, the rotary embedding's concatenations and negations where torch does
+it, casts and copies) and the rest.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ GROUPS = {
                   "aten::index_select"),
     "storing keys and values": ("aten::index_copy_",),
     "RMSNorms in C": ("kvpaging::cpu_rms_norm",),
+    "rotary embedding in C": ("kvpaging::cpu_rotary",),  # the direct forward's (kvpaging/worker/direct_forward.py)
     "elementwise": ("aten::mul", "aten::add", "aten::silu", "aten::cat", "aten::neg", "aten::copy_", "aten::pow",
                     "aten::mean", "aten::rsqrt", "aten::sum", "aten::div_", "aten::fill_"),
 }

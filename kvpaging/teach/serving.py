@@ -294,6 +294,8 @@ class EngineResult:
 
 # the last two: cpu_fast_layers (oneDNN on packed weights; one bfloat16 row through kernels/cpu/linear.c)
 _LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"})
+# the C kernels that do what transformers' elementwise operations would (they count with them)
+_C_LAYER_OPS = frozenset({cpu_backend.RMS_NORM_PROFILER_NAME, cpu_backend.ROTARY_PROFILER_NAME})
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
@@ -436,7 +438,7 @@ def _split(prof, wall: float, profiled_wall: float, steps: int, positions: int, 
             linear += seconds
         elif key in _ATTENTION_OPS:
             attention += seconds
-        elif key.startswith("aten::") or key == cpu_backend.RMS_NORM_PROFILER_NAME:  # cpu_fast_layers
+        elif key.startswith("aten::") or key in _C_LAYER_OPS:  # cpu_fast_layers, the direct forward
             other += seconds
     return TimeBreakdown(wall, steps, linear, attention, other, max(0.0, profiled_wall - linear - attention - other),
                          profiled_wall, positions, tuple(lengths))
