@@ -3,8 +3,9 @@
 transformers' forward pass goes through an ``nn.Module`` call for every decoder layer, attention, MLP, norm and
 linear (each looks up hooks), passes its keyword arguments down through decorators, finds the attention function by
 name at every layer, and applies the rotary embedding in the ``[batch, heads, tokens, dim]`` layout the attention
-interface wants. On a CPU, where a decode step of the trained model takes tens of milliseconds, that costs 6-10% of
-the step (``benchmarks/module_overhead.py`` measures it on the trained model). ``DirectForward`` computes the same
+interface wants, six tensor operations per tensor. On a CPU, where a decode step of the trained model takes tens of
+milliseconds, that is 7-14% of the step (``benchmarks/module_overhead.py`` measures it on the trained model).
+``DirectForward`` computes the same
 step with the same tensor operations in the same order, calling each layer's own ``forward`` (the engine's fast
 layers' where they have one) one after the other. The rotary embedding runs on the projections' own
 ``[tokens, heads, dim]`` views (elementwise: the same numbers), in one C pass per tensor where the CPU kernels are
@@ -12,7 +13,8 @@ built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch ro
 otherwise). The logits are the model's own to the bit:
 the runner checks that on two probe steps (a prompt chunk, then a decode) before it uses the path, and runs the
 model's own forward otherwise, and for any step before which a hook was added, a ``forward`` replaced or a module
-swapped on its copy of the model (``DirectForward.still_exact``).
+swapped on its copy of the model, or another function registered under kvpaging's attention name
+(``DirectForward.still_exact``).
 
 Only for a model whose every module is of the class transformers' Llama code defines (LlamaForCausalLM and its
 parts: SmolLM2, Llama and the many checkpoints of that architecture), with no hook on any module and no ``forward``
