@@ -37,8 +37,6 @@ def one_batch(model, batch: int, fast_layers, repeats: int) -> dict:
     for _ in range(8):  # every prompt computed, a few decodes done
         engine.step()
     runner = engine.runner
-    if type(runner.model).__name__ != "LlamaForCausalLM":
-        raise SystemExit(f"a Llama-structured model only, not {type(runner.model).__name__}")
     out = engine.scheduler.schedule()
     inputs = runner.prepare_inputs(out)
     args = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,

@@ -31,11 +31,17 @@ def test_a_llama_model_runs_the_direct_forward_and_gives_its_own_forwards_tokens
     assert tokens(llm) == tokens(own)
 
 
-def test_every_logit_of_a_mixed_step_is_the_models_own_forwards():
-    """A step with decodes and prompt chunks together, every position's logits: the same bits both ways."""
+@pytest.mark.parametrize("c_rotary", [True, False])
+def test_every_logit_of_a_mixed_step_is_the_models_own_forwards(c_rotary):
+    """A step with decodes and prompt chunks together, every position's logits: the same bits both ways, with the
+    rotary embedding in C and with transformers' own function (where the C kernels are not built)."""
     model = tiny("llama", seed=1)
     llm = LLM(model, num_blocks=32, max_model_len=64, max_num_batched_tokens=20)
     engine, runner = llm.engine, llm.engine.runner
+    direct = runner.direct
+    direct.c_rotary = c_rotary and direct.c_rotary
+    assert agrees_with_own_forward(runner, direct)  # (which leaves the runner's direct forward None)
+    runner.direct = direct
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, PARAMS)
     engine.step()
@@ -46,10 +52,10 @@ def test_every_logit_of_a_mixed_step_is_the_models_own_forwards():
     args = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
             inputs.prefill_cu_seqlens_q, inputs.num_decodes, 0, inputs.rows)
     with torch.inference_mode():
-        direct = runner.forward(*args)
+        straight = runner.forward(*args)
         runner.direct = None
         own = runner.forward(*args)
-    assert torch.equal(direct, own)
+    assert torch.equal(straight, own)
 
 
 def test_a_hook_a_replaced_forward_or_another_architecture_keeps_the_models_own_forward():

@@ -9,8 +9,8 @@ milliseconds, that is 7-14% of the step (``benchmarks/module_overhead.py`` measu
 step with the same tensor operations in the same order, calling each layer's own ``forward`` (the engine's fast
 layers' where they have one) one after the other. The rotary embedding runs on the projections' own
 ``[tokens, heads, dim]`` views (elementwise: the same numbers), in one C pass per tensor where the CPU kernels are
-built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch rounds them; six tensor operations
-otherwise). The logits are the model's own to the bit:
+built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch rounds them; transformers' own
+``apply_rotary_pos_emb`` otherwise). The logits are the model's own to the bit:
 the runner checks that on two probe steps (a prompt chunk, then a decode) before it uses the path, and runs the
 model's own forward otherwise, and for any step before which a hook was added, a ``forward`` replaced or a module
 swapped on its copy of the model, or another function registered under kvpaging's attention name
@@ -25,15 +25,16 @@ fast layers are on (``cpu_fast_layers=False`` runs the model's own layers and fo
 from __future__ import annotations
 
 import logging
+import sys
+from types import SimpleNamespace
 
-import numpy as np
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from kvpaging.kernels.cpu import available, rotary_unchecked
 from kvpaging.kernels.cpu.layers import has_fast_path
 from kvpaging.worker.attention import ATTN_NAME, AttentionMetadata, paged_attention_forward
+from kvpaging.worker.self_check import step_output
 
 logger = logging.getLogger("kvpaging")
 
@@ -48,25 +49,6 @@ _ROTARY_DTYPES = (torch.float32, torch.bfloat16)
 PROBE_TOKENS = 25  # the probe steps' sequence: a 24-token chunk, then a decode
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``rotate_half``: the same slices, negation and concatenation."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb``'s maths on ``x`` ``[1, tokens, heads, dim]``, by torch's operations."""
-    return (x * cos) + (_rotate_half(x) * sin)
-
-
-def _c_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The same in one C pass (``kernels/cpu/rotary.c``, rounding where torch rounds) when the dtypes are the C
-    kernel's, else by torch's operations."""
-    if x.dtype is cos.dtype is sin.dtype and x.dtype in _ROTARY_DTYPES:
-        return rotary_unchecked(x, cos, sin)
-    return _torch_rotary(x, cos, sin)
-
-
 class DirectForward:
     """``model(input_ids=..., position_ids=..., logits_to_keep=..., kvpaging=meta).logits`` for a Llama-structured
     ``model``, computed as ``LlamaForCausalLM`` computes it, with no module call in between.
@@ -78,7 +60,9 @@ class DirectForward:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.rotary = _c_rotary if available() else _torch_rotary  # available(): the C kernels are built here
+        self.c_rotary = available()  # the C kernels are built here
+        # where they are not (or the dtypes are not theirs): transformers' own, from the model's module
+        self.apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
         inner = model.model
         self.embed, self.rotary_emb, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = [(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
@@ -108,7 +92,10 @@ class DirectForward:
                  logits_to_keep) -> torch.Tensor:
         hidden = self.embed.forward(input_ids)
         cos, sin = self.rotary_emb.forward(hidden, positions)  # [1, tokens, dim]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads of [1, tokens, heads, dim]
+        # over the heads of the projections' [1, tokens, heads, dim] views: in C (kernels/cpu/rotary.c, rounding where
+        # torch rounds) where it can, else transformers' own function told where the heads are
+        c_rotary = self.c_rotary and hidden.dtype is cos.dtype is sin.dtype and cos.dtype in _ROTARY_DTYPES
+        cos_heads, sin_heads = cos.unsqueeze(2), sin.unsqueeze(2)
         tokens = input_ids.shape[1]
         for in_norm, attn, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, act_fn, down_proj in self.layers:
             residual = hidden
@@ -116,7 +103,10 @@ class DirectForward:
             q = q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             k = k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             v = v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
-            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+            if c_rotary:
+                q, k = rotary_unchecked(q, cos_heads, sin_heads), rotary_unchecked(k, cos_heads, sin_heads)
+            else:
+                q, k = self.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
             out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                              scaling=attn.scaling, kvpaging=meta)
             hidden = residual + o_proj.forward(out.reshape(1, tokens, -1))
@@ -189,16 +179,13 @@ def agrees_with_own_forward(runner, direct) -> bool:
     """Two probe steps through the runner's cache, each run with the model's own forward and with ``direct``: a
     24-token prompt chunk, then a decode after it. True when every logit is the same to the bit. The probe's blocks
     (the pool's first two) are zeros again afterwards, and its table rows are rewritten by their next owners."""
-    bs = runner.block_size
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.model.config.vocab_size, (PROBE_TOKENS,), generator=gen).tolist()
-    blocks = list(range(-(-PROBE_TOKENS // bs)))
-    seq = _ProbeSeq(tokens, blocks)
-    chunk = SchedulerOutput(step=0, table_updates=[[(0, 0, blocks)]], block_size=bs,
-                            chunks=[ScheduledSeq(seq, 0, PROBE_TOKENS - 1, False, True, blocks, 0)])
-    decode = SchedulerOutput(step=0, table_updates=[[]], block_size=bs, decodes=[seq],
-                             decode_rows=np.array([0]), decode_positions=np.array([PROBE_TOKENS - 1]),
-                             decode_token_ids=[tokens[-1]])
+    blocks = list(range(-(-PROBE_TOKENS // runner.block_size)))
+    seqs = [SimpleNamespace(seq_id="direct-forward-probe", token_ids=tokens, blocks=blocks)]
+    table = [[(0, 0, blocks)]]  # sequence 0 in the runner's row 0
+    chunk, decode = (step_output(step, seqs, table, runner.block_size)
+                     for step in ([(0, 0, PROBE_TOKENS - 1)], [(0, PROBE_TOKENS - 1, 1)]))
     try:
         for out in (chunk, decode):
             runner.direct = None
@@ -214,9 +201,3 @@ def agrees_with_own_forward(runner, direct) -> bool:
                 k_cache[blocks] = 0
                 v_cache[blocks] = 0
 
-
-class _ProbeSeq:
-    """What the runner reads of a sequence in a probe step."""
-
-    def __init__(self, token_ids: list[int], blocks: list[int]) -> None:
-        self.token_ids, self.blocks, self.seq_id = token_ids, blocks, "direct-forward-probe"

@@ -386,7 +386,7 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
     try:
         for i, step in enumerate(steps, 1):
             probe.start_step(sum(n for _, _, n in step))
-            logits = _execute(runner, _step_output(step, seqs, table, bs), True, i, step, lengths)
+            logits = _execute(runner, step_output(step, seqs, table, bs), True, i, step, lengths)
             probe.finish_step()  # the structural causes first: they name the problem better than the numbers
             compare(logits, step, i)
         runner.probe = None
@@ -402,7 +402,7 @@ def run_self_check(runner, model, config, vocab_size: int, capture_graphs: bool 
             last = steps[-1]
             if runner.graphs is not None and all(n == 1 for _, _, n in last):
                 step_no = len(steps) + 1
-                compare(_execute(runner, _step_output(last, seqs, table, bs), False, step_no, last, lengths),
+                compare(_execute(runner, step_output(last, seqs, table, bs), False, step_no, last, lengths),
                         last, step_no, replay=True)
                 replayed = True
     finally:
@@ -427,7 +427,9 @@ def _rms(errors) -> float:
     return (sum(e[0] for e in errors) / len(errors)) ** 0.5 if errors else 0.0
 
 
-def _step_output(step, seqs, table, bs):
+def step_output(step, seqs, table, bs):
+    """A ``SchedulerOutput`` for probe ``step`` (``(sequence, start, tokens)`` triples) over ``seqs`` with the whole
+    ``table`` as its table updates (the self-check's, and the direct forward's probe, kvpaging/worker/direct_forward.py)."""
     out = SchedulerOutput(step=0, table_updates=table, block_size=bs)
     decodes = [(k, start) for k, start, n in step if n == 1]
     out.decodes = [seqs[k] for k, _ in decodes]
