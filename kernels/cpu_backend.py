@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from kvpaging.kernels import torch_backend
-from kvpaging.kernels.cpu import (PROFILER_NAME, RMS_NORM_PROFILER_NAME, ROTARY_PROFILER_NAME, available, call_named,
-                                  decode_attention_fn, unavailable_reason)
+from kvpaging.kernels.cpu import (ARGMAX_PROFILER_NAME, PROFILER_NAME, RMS_NORM_PROFILER_NAME, ROTARY_PROFILER_NAME,
+                                  available, call_named, decode_attention_fn, unavailable_reason)
 from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention, store_kv
 from kvpaging.kernels.validation import check_decode_args
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "available",
-           "unavailable_reason", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "ROTARY_PROFILER_NAME"]
+           "unavailable_reason", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "ROTARY_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
 NAME = "cpu"
 
 

@@ -227,8 +227,9 @@ class SamplingParams:
         penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
         history = (penalties or self.min_tokens > 0 or self.bad_words is not None
                    or self.structured_outputs is not None)
-        object.__setattr__(self, "_flags", (penalties, history, history or self.logit_bias is not None
-                                            or self.allowed_token_ids is not None))
+        changes = history or self.logit_bias is not None or self.allowed_token_ids is not None
+        object.__setattr__(self, "_flags", (penalties, history, changes,
+                                            self.temperature < SAMPLING_EPS and not changes and self.logprobs is None))
 
     @property
     def has_penalties(self) -> bool:
@@ -244,6 +245,11 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """True when the sampler changes this row's logits before choosing (all of the above, and the biases)."""
         return self._flags[2]
+
+    @property
+    def plain_greedy(self) -> bool:
+        """True when the row's token is the argmax of its logits as they are, and nothing else is asked of them."""
+        return self._flags[3]
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -172,3 +172,36 @@ def test_the_c_rotary_embedding_refuses_what_it_cannot_compute():
         cpu.rotary(x, cos.to(torch.bfloat16), cos)
     with pytest.raises(ValueError, match=r"cos \(1, 3, 1, 6\)"):
         cpu.rotary(x, cos[..., :6].contiguous(), cos[..., :6].contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_residual_connection_and_the_norm_after_it_are_one_c_call_with_the_same_bits(dtype, monkeypatch):
+    """Where a norm is the engine's C RMSNorm, the sum before it and the norm are one ``add_rms_norm`` call; a norm that
+    is not (here: a plain transformers RMSNorm) gets the sum, then its own forward. Both give ``residual + y`` and
+    the norm of it, every bit."""
+    from kvpaging.kernels import cpu
+    from kvpaging.kernels.cpu import layers
+
+    if not cpu.available():
+        pytest.skip("the C kernels cannot be built here")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    plain = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(96, generator=g))
+    fast = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    fast.load_state_dict(plain.state_dict())
+    assert layers.enable_fast_layers(fast).rms_norms == 1 and layers.is_c_rms_norm(fast)
+    calls = []
+    real = direct_module.add_rms_norm_unchecked
+    monkeypatch.setattr(direct_module, "add_rms_norm_unchecked", lambda *a: calls.append(1) or real(*a))
+    residual = torch.randn(1, 5, 96, generator=g).to(dtype)
+    y = torch.randn(1, 5, 96, generator=g).to(dtype)
+    with torch.inference_mode():
+        want_hidden, want = residual + y, plain(residual + y)
+        for norm, c_calls in ((plain, 0), (fast, 1)):
+            calls.clear()
+            hidden, normed = direct_module._add_then_norm(norm)(residual, y)
+            assert len(calls) == c_calls
+            assert torch.equal(hidden, want_hidden) and torch.equal(normed, want)

@@ -1,15 +1,18 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Four small C files live here:
+Five small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
   calls it for float32 and bfloat16 caches on the CPU);
 * ``rms_norm.c``: RMSNorm as transformers computes it, to the bit, for the fast
-  layers of ``layers.py`` (two C passes around torch's own mean: :func:`rms_norm`);
+  layers of ``layers.py`` (two C passes around torch's own mean: :func:`rms_norm`), and with the residual
+  connection before it in the same first pass (:func:`add_rms_norm`, for the engine's direct forward);
 * ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in);
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
-  engine's direct forward, ``kvpaging/worker/direct_forward.py``).
+  engine's direct forward, ``kvpaging/worker/direct_forward.py``);
+* ``argmax.c``: each row's greedy pick, the index ``torch.max(x, dim=-1)`` gives (:func:`argmax_rows`, for the
+  sampler when every row of a step is greedy).
 
 They are compiled together (each with its own flags) the first time one is needed, with the C compiler
 found on the machine (``$CC``, else ``cc``), for this machine's CPU
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -39,15 +43,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "rms_norm_unchecked", "rotary", "linear_bf16",
-           "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "LINEAR_PROFILER_NAME"]
+__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
+           "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
+           "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
-# on some compilers. rms_norm.c and rotary.c must round as torch does, so nothing may be reordered or fused there.
+# on some compilers. rms_norm.c and rotary.c must round as torch does, so nothing may be reordered or fused there;
+# argmax.c must see NaNs and both signs of zero as torch's comparisons do.
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("decode_attention.c", ["-ffast-math"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
-    ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]))}
+    ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]),
+    ("argmax.c", ["-fno-math-errno"]))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -58,12 +65,17 @@ PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in t
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 ROTARY_PROFILER_NAME = "kvpaging::cpu_rotary"
 LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
+ARGMAX_PROFILER_NAME = "kvpaging::cpu_argmax"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
 _rms_norm_fn = None
 _linear_bf16_fn = None
 _rotary_fn = None
+_add_squares_fn = None
+_rms_rows_fn = None
+_mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
+_argmax_fn = None
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -130,7 +142,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _add_squares_fn, _rms_rows_fn, _argmax_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -164,6 +176,15 @@ def _load():
     _rotary_fn = lib.kvpaging_rotary
     _rotary_fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     _rotary_fn.restype = None
+    _add_squares_fn = lib.kvpaging_add_rms_squares
+    _add_squares_fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64]
+    _add_squares_fn.restype = None
+    _rms_rows_fn = lib.kvpaging_rms_norm_rows
+    _rms_rows_fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, i64, i64]
+    _rms_rows_fn.restype = None
+    _argmax_fn = lib.kvpaging_argmax_rows
+    _argmax_fn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
+    _argmax_fn.restype = None
     return _decode_fn
 
 
@@ -218,6 +239,17 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    lanes = _mean_lanes if _mean_lanes is not None else _find_mean_lanes()
+    if lanes and lanes <= dim < TORCH_GRAIN:  # one C call, the mean in torch's order
+        out = torch.empty_like(x)
+        _rms_rows_fn(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
+                     x.numel() // dim, dim, eps, lanes, torch.get_num_threads())
+        return out
+    return _rms_norm_around_torch_mean(x, weight, eps)
+
+
+def _rms_norm_around_torch_mean(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     squares_fn, scale_fn = _rms_norm_fn
     bf16, threads, dim = int(x.dtype == torch.bfloat16), torch.get_num_threads(), x.shape[-1]
     squares = torch.empty_like(x, dtype=torch.float32)  # what h.pow(2) would be
@@ -226,6 +258,106 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     out = torch.empty_like(x)
     scale_fn(x.data_ptr(), var.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, x.numel() // max(dim, 1), dim, eps,
              threads)
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden = residual + y`` and :func:`rms_norm` of it, both to the bit (a decoder layer's residual connection
+    and the norm after it): returns ``(hidden, normed)``. The sum and its squares come from one C pass
+    (``rms_norm.c``), then torch's own mean and the scaling pass, as in :func:`rms_norm`. ``residual``, ``y``:
+    contiguous CPU tensors of one shape; ``weight`` of their last size; all float32 or all bfloat16."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    dim = residual.shape[-1]
+    if not (residual.dtype == y.dtype == weight.dtype in (torch.float32, torch.bfloat16)
+            and residual.device.type == y.device.type == weight.device.type == "cpu"):
+        raise ValueError(f"add_rms_norm needs float32 or bfloat16 CPU tensors of one dtype, got residual "
+                         f"{residual.dtype} on {residual.device}, y {y.dtype} on {y.device}, weight {weight.dtype} on "
+                         f"{weight.device}")
+    if (residual.shape != y.shape or weight.shape != (dim,) or not residual.is_contiguous() or not y.is_contiguous()
+            or not weight.is_contiguous()):
+        raise ValueError(f"add_rms_norm needs contiguous residual and y of one shape and a contiguous weight of shape "
+                         f"({dim},), got residual {tuple(residual.shape)}, y {tuple(y.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    return add_rms_norm_unchecked(residual, y, weight, eps)
+
+
+def add_rms_norm_unchecked(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` without its checks, for a caller that made them (the direct forward checks its model
+    once)."""
+    return call_named(RMS_NORM_PROFILER_NAME, _add_rms_norm, (residual, y, weight, eps))
+
+
+def _add_rms_norm(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    bf16, threads, dim = int(residual.dtype == torch.bfloat16), torch.get_num_threads(), residual.shape[-1]
+    hidden = torch.empty_like(residual)
+    lanes = _mean_lanes if _mean_lanes is not None else _find_mean_lanes()
+    if lanes and lanes <= dim < TORCH_GRAIN:  # one C call, the mean in torch's order
+        out = torch.empty_like(residual)
+        _rms_rows_fn(y.data_ptr(), residual.data_ptr(), hidden.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16,
+                     residual.numel() // dim, dim, eps, lanes, threads)
+        return hidden, out
+    _, scale_fn = _rms_norm_fn
+    squares = torch.empty_like(residual, dtype=torch.float32)
+    _add_squares_fn(residual.data_ptr(), y.data_ptr(), hidden.data_ptr(), bf16, squares.data_ptr(), residual.numel(),
+                    threads)
+    var = squares.mean(-1, keepdim=True)  # torch's own sums
+    out = torch.empty_like(residual)
+    scale_fn(hidden.data_ptr(), var.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, residual.numel() // max(dim, 1),
+             dim, eps, threads)
+    return hidden, out
+
+
+# rows of these lengths, at these scales, decide whether rms_norm.c's mean is torch's (some cross the cascade's first
+# and second levels: 16 and 256 groups of four vectors)
+_PROBE_DIMS = (8, 11, 16, 29, 64, 100, 576, 960, 1031, 2048, 4096, 5120, 8195, 16448, 32767)
+# torch's internal grain size: a row at least this long, alone in its tensor, is summed in parts on several threads
+# (another order); the C mean is used only for shorter rows
+TORCH_GRAIN = 32768
+_PROBE_SCALES = (1e-3, 1.0, 37.0)
+
+
+def _find_mean_lanes() -> int:
+    """The vector width for which ``rms_norm.c`` sums a row as torch's mean does, to the bit, here: the first of 16,
+    8 and 4 lanes (torch's float32 vectors for its sums; 8 on an AVX-512 Xeon with torch 2.13) for which every probe
+    row's norm is the same both ways, else 0 (torch's mean between two C passes then, always)."""
+    global _mean_lanes
+    _mean_lanes = next((lanes for lanes in (16, 8, 4) if _same_norms(lanes)), 0)
+    return _mean_lanes
+
+
+def _same_norms(lanes: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for dim, scale, dtype in itertools.product(_PROBE_DIMS, _PROBE_SCALES, (torch.float32, torch.bfloat16)):
+        if dim >= lanes:
+            x = (torch.randn(3, dim, generator=gen) * scale).to(dtype)
+            weight = torch.randn(dim, generator=gen).to(dtype)
+            got = torch.empty_like(x)
+            _rms_rows_fn(x.data_ptr(), None, None, weight.data_ptr(), got.data_ptr(), int(dtype == torch.bfloat16), 3,
+                         dim, 1e-6, lanes, 1)
+            if not torch.equal(got, _rms_norm_around_torch_mean(x, weight, 1e-6)):
+                return False
+    return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.max(x, dim=-1).indices`` of a 2-D float32 or bfloat16 CPU tensor whose rows are contiguous, as an int64
+    tensor (``argmax.c``: ties to the first index, a NaN to the first NaN, as torch's; bfloat16 read as it is, no
+    float32 copy made)."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"argmax_rows needs a float32 or bfloat16 CPU tensor, got {x.dtype} on {x.device}")
+    if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        raise ValueError(f"argmax_rows needs rows [n, vocab] of at least one contiguous value, got shape "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    args = (x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+            torch.get_num_threads())
+    call_named(ARGMAX_PROFILER_NAME, _argmax_fn, args)
     return out
 
 

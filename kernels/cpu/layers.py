@@ -32,10 +32,12 @@ implementation of the *same* maths (measured by
   fewer per step of the trained model).
 * **RMSNorm layers.** transformers writes RMSNorm as eight tensor operations
   (a cast, square, mean, add, rsqrt, multiply, a cast back, the weight's multiply), each a pass
-  over memory with its own dispatch. ``rms_norm.c`` does all but the mean in two C passes,
-  rounding where torch rounds, and leaves the mean, a sum whose order decides its last bit, to
-  torch: the layer's own results to the bit (checked per layer on probe inputs), in less time
-  (``python -m kvpaging.kernels.cpu.layers`` prints both, for one row to a 2,048-row chunk).
+  over memory with its own dispatch. ``rms_norm.c`` does it in one C call, rounding where torch
+  rounds, its mean (a sum whose order decides its last bit) added in the order torch's sum adds
+  a row, found for this CPU and torch by probe rows at load (where none is found, the mean is
+  torch's own, between two C passes): the layer's own results to the bit (checked per layer on
+  probe inputs), in less time (``python -m kvpaging.kernels.cpu.layers`` prints both, for one
+  row to a 2,048-row chunk).
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
   about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
@@ -75,7 +77,7 @@ import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm, rms_norm_unchecked
 
-__all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "onednn_linear", "onednn_usable"]
+__all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +336,11 @@ def has_fast_path(module: torch.nn.Module) -> bool:
     """Whether ``enable_fast_layers`` gave ``module`` its fast ``forward``."""
     forward = vars(module).get("forward")
     return getattr(forward, "__func__", None) in (_packed_linear_forward, _fast_rms_norm_forward)
+
+
+def is_c_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether ``enable_fast_layers`` gave ``module`` the C RMSNorm (``rms_norm.c``) as its ``forward``."""
+    return getattr(vars(module).get("forward"), "__func__", None) is _fast_rms_norm_forward
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:

@@ -294,8 +294,9 @@ class EngineResult:
 
 # the last two: cpu_fast_layers (oneDNN on packed weights; one bfloat16 row through kernels/cpu/linear.c)
 _LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"})
-# the C kernels that do what transformers' elementwise operations would (they count with them)
-_C_LAYER_OPS = frozenset({cpu_backend.RMS_NORM_PROFILER_NAME, cpu_backend.ROTARY_PROFILER_NAME})
+# the C kernels that do what transformers' elementwise operations (and the sampler's max) would: they count with them
+_C_LAYER_OPS = frozenset({cpu_backend.RMS_NORM_PROFILER_NAME, cpu_backend.ROTARY_PROFILER_NAME,
+                          cpu_backend.ARGMAX_PROFILER_NAME})
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",

@@ -10,7 +10,9 @@ step with the same tensor operations in the same order, calling each layer's own
 layers' where they have one) one after the other. The rotary embedding runs on the projections' own
 ``[tokens, heads, dim]`` views (elementwise: the same numbers), in one C pass per tensor where the CPU kernels are
 built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch rounds them; transformers' own
-``apply_rotary_pos_emb`` otherwise). The logits are the model's own to the bit:
+``apply_rotary_pos_emb`` otherwise), and each residual connection with the norm after it in one C call where that
+norm is the engine's C RMSNorm (``add_rms_norm``: the sum rounded as torch rounds it, then the norm's own arithmetic,
+its mean in torch's order of sums). The logits are the model's own to the bit:
 the runner checks that on two probe steps (a prompt chunk, then a decode) before it uses the path, and runs the
 model's own forward otherwise, and for any step before which a hook was added, a ``forward`` replaced or a module
 swapped on its copy of the model, or another function registered under kvpaging's attention name
@@ -31,8 +33,8 @@ from types import SimpleNamespace
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvpaging.kernels.cpu import available, rotary_unchecked
-from kvpaging.kernels.cpu.layers import has_fast_path
+from kvpaging.kernels.cpu import add_rms_norm_unchecked, available, rotary_unchecked
+from kvpaging.kernels.cpu.layers import has_fast_path, is_c_rms_norm
 from kvpaging.worker.attention import ATTN_NAME, AttentionMetadata, paged_attention_forward
 from kvpaging.worker.self_check import step_output
 
@@ -65,10 +67,15 @@ class DirectForward:
         self.apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
         inner = model.model
         self.embed, self.rotary_emb, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
-        self.layers = [(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
-                        layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
-                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.act_fn, layer.mlp.down_proj)
-                       for layer in inner.layers[: inner.config.num_hidden_layers]]
+        layers = inner.layers[: inner.config.num_hidden_layers]
+        # each residual connection with the norm after it (the next layer's first norm; the model's last norm after the
+        # last layer): one C pass for the sum and its squares where that norm is the engine's C RMSNorm
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        self.first_norm = layers[0].input_layernorm if len(layers) else self.norm
+        self.layers = [(layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.self_attn.o_proj, _add_then_norm(layer.post_attention_layernorm), layer.mlp.gate_proj,
+                        layer.mlp.up_proj, layer.mlp.act_fn, layer.mlp.down_proj, _add_then_norm(next_norm))
+                       for layer, next_norm in zip(layers, next_norms)]
         # every module with its place in its parent and its forward as they are now
         self.watch = [(parent, name, child, vars(child).get("forward"))
                       for parent in model.modules() for name, child in parent._modules.items()]
@@ -97,9 +104,9 @@ class DirectForward:
         c_rotary = self.c_rotary and hidden.dtype is cos.dtype is sin.dtype and cos.dtype in _ROTARY_DTYPES
         cos_heads, sin_heads = cos.unsqueeze(2), sin.unsqueeze(2)
         tokens = input_ids.shape[1]
-        for in_norm, attn, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, act_fn, down_proj in self.layers:
-            residual = hidden
-            x = in_norm.forward(hidden)
+        x = self.first_norm.forward(hidden)
+        for attn, q_proj, k_proj, v_proj, o_proj, add_post_norm, gate_proj, up_proj, act_fn, down_proj, add_next_norm \
+                in self.layers:
             q = q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             k = k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             v = v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
@@ -109,13 +116,28 @@ class DirectForward:
                 q, k = self.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
             out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                              scaling=attn.scaling, kvpaging=meta)
-            hidden = residual + o_proj.forward(out.reshape(1, tokens, -1))
-            residual = hidden
-            x = post_norm.forward(hidden)
-            hidden = residual + down_proj.forward(act_fn.forward(gate_proj.forward(x)) * up_proj.forward(x))
-        hidden = self.norm.forward(hidden)
+            hidden, x = add_post_norm(hidden, o_proj.forward(out.reshape(1, tokens, -1)))
+            hidden, x = add_next_norm(hidden, down_proj.forward(act_fn.forward(gate_proj.forward(x)) * up_proj.forward(x)))
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return self.lm_head.forward(hidden[:, keep])
+        return self.lm_head.forward(x[:, keep])  # x: the model's last norm of the hidden states
+
+
+def _add_then_norm(norm):
+    """``(residual, y) -> (hidden, norm(hidden))`` with ``hidden = residual + y``, what a decoder layer computes at a
+    residual connection and the norm after it: in one C pass for the sum and its squares (``add_rms_norm``, the same
+    bits) where ``norm`` is the engine's C RMSNorm and the tensors are its kind, else the sum, then ``norm``'s
+    forward."""
+    c_norm = is_c_rms_norm(norm)
+
+    def add_then_norm(residual: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = norm.weight
+        if (c_norm and residual.dtype is y.dtype is weight.dtype and residual.shape == y.shape
+                and residual.is_contiguous() and y.is_contiguous()):
+            return add_rms_norm_unchecked(residual, y, weight, norm.variance_epsilon)
+        hidden = residual + y
+        return hidden, norm.forward(hidden)
+
+    return add_then_norm
 
 
 def direct_forward_if_exact(runner, config) -> DirectForward | None:

@@ -7,7 +7,9 @@ The sampler turns that into one token id per row:
 0. Rows whose params change the logits (structured outputs, allowed tokens, bad words, min_tokens,
    logit_bias, penalties) get them changed, in vLLM's order (``logits_processors.py``).
 1. Greedy rows (temperature 0) take the argmax. A batch that is all greedy
-   stops here: no softmax, no sort.
+   stops here: no softmax, no sort; on the CPU, when no row asks for more
+   (logprobs, a processor), one C pass over the logits as they come
+   (``kernels/cpu/argmax.c``), with no float32 copy of bfloat16 ones.
 2. Sampled rows are divided by their temperature, then filtered in the same
    order as vLLM's first engine (and Hugging Face's ``generate``):
    top-k, then top-p (on the probabilities left after top-k), then min-p.
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpaging.kernels.cpu import argmax_rows
+from kvpaging.kernels.cpu import available as c_kernels_available
 from kvpaging.sampling_params import SamplingParams, SamplingType
 from kvpaging.worker.logits_processors import RowHistory, apply_logits_processors  # noqa: F401 (RowHistory: re-exported)
 
@@ -86,6 +90,10 @@ class Sampler:
         when a row's params need it (``needs_history``): a list, or a function that
         makes it (called only then)."""
         _check_inputs(logits, params, generators)
+        if logits.device.type == "cpu" and all(p.plain_greedy for p in params) and _c_argmax_takes(logits):
+            # every row greedy, with nothing to change and no logprobs: one pass in C over the logits as they are
+            # (kernels/cpu/argmax.c: max's indices, ties and NaN alike; no float32 copy of bfloat16 logits)
+            return SamplerOutput(token_ids=argmax_rows(logits).tolist())
         if generators is None:
             generators = [None] * len(params)
         raw = logits.float()  # bf16 has too few digits to tell close probabilities apart
@@ -112,6 +120,10 @@ class Sampler:
 
         logprobs, top_logprobs = _logprobs(raw, token_ids, params)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def _c_argmax_takes(logits: torch.Tensor) -> bool:
+    return logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1 and c_kernels_available()
 
 
 def _check_inputs(logits: torch.Tensor, params: list[SamplingParams], generators) -> None:
