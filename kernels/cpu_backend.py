@@ -14,8 +14,10 @@ for models in those dtypes there), over the whole context, the query and the out
 in the cache's dtype and the arithmetic in float32, as the torch backend does it (a
 bfloat16 query is widened and the output rounded inside the kernel); anything else (float16 or FP8 caches, CUDA
 tensors, sliding-window, soft-capped or sink layers) is served by the torch
-backend's function, so this backend accepts every input the torch backend does. ``store_kv``, prefill attention and
-``copy_blocks`` are the torch backend's.
+backend's function, so this backend accepts every input the torch backend does. ``store_kv`` writes a step's keys and
+values with one C call where the rows allow (the torch backend's otherwise); prefill attention and ``copy_blocks`` are
+the torch backend's. For a step of decodes only, ``store_and_decode`` does a layer's store and attention in two C
+calls, with the step's checks made and the kernel's scratch allocated once, at its first layer (``DecodeStep``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import torch
 
 from kvpaging.kernels import torch_backend
 from kvpaging.kernels.cpu import (ARGMAX_PROFILER_NAME, PROFILER_NAME, RMS_NORM_PROFILER_NAME, ROTARY_PROFILER_NAME,
-                                  available, call_named, decode_attention_fn, unavailable_reason)
-from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention, store_kv
+                                  available, call_named, decode_attention_fn, store_kv_fn, unavailable_reason)
+from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention
 from kvpaging.kernels.validation import check_decode_args
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "available",
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "store_and_decode", "available",
            "unavailable_reason", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "ROTARY_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
 NAME = "cpu"
 
@@ -45,38 +47,105 @@ def _served_by_c(query, k_cache, block_tables, seq_lens, k_scale) -> bool:
     )
 
 
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """``torch_backend.store_kv``: one C call for both caches where the rows allow it (float32 or bfloat16 rows of
+    the caches' own dtype, each token's heads side by side); the torch backend's otherwise (FP8 caches, other
+    layouts) and for a step with a slot outside the cache (a padding slot, which it skips: the C call writes nothing
+    then)."""
+    fn = store_kv_fn()
+    if fn is None or not _c_stores(key, value, k_cache, v_cache, slot_mapping) or _store(fn, key, value, k_cache,
+                                                                                         v_cache, slot_mapping):
+        torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def _c_stores(key, value, k_cache, v_cache, slot_mapping) -> bool:
+    head_dim = k_cache.shape[-1]
+    return (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and key.device.type == slot_mapping.device.type == "cpu" and key.dim() == 3
+            and key.shape[1:] == k_cache.shape[2:] and value.shape == key.shape and v_cache.shape == k_cache.shape
+            and key.stride(2) == value.stride(2) == 1 and key.stride(1) == value.stride(1) == head_dim
+            and slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1] and slot_mapping.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def _store(fn, key, value, k_cache, v_cache, slot_mapping) -> int:
+    """The C store; 0, or (nothing written) 1 + the first token whose slot is outside the cache."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+              slot_mapping.data_ptr(), key.shape[0], num_kv_heads * head_dim, key.element_size(),
+              num_blocks * block_size)
+
+
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
                            num_splits=None, window=0, softcap=0.0, sinks=None):
     """``reference.paged_decode_attention``, by the C kernel for float32 and bfloat16 on the CPU (see the module
     docstring)."""
     check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
-    fn = decode_attention_fn(k_cache.dtype)
-    if (fn is None or window or softcap or sinks is not None
+    if (decode_attention_fn(k_cache.dtype) is None or window or softcap or sinks is not None
             or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale)):
         return torch_backend.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                                     k_scale, v_scale, num_splits, window, softcap, sinks)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):  # (the torch backend's views need that too)
         raise ValueError("the cpu backend needs contiguous caches (as the engine allocates them)")
-    batch, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    width = block_tables.shape[1]
-    dtype = query.dtype
-    out = torch.empty(batch, num_heads, head_dim, dtype=dtype)  # a bfloat16 one: rounded from float32 by the kernel
-    threads = max(1, min(torch.get_num_threads(), batch))  # the sequences are shared out among torch's threads
-    stride = num_heads * max(width * block_size, 1)  # one thread's [heads, tokens] scratch
-    scores = torch.empty(threads * stride, dtype=torch.float32)
-    block = torch.empty(threads * block_size * num_kv_heads * head_dim if dtype != torch.float32 else 1,
-                        dtype=torch.float32)  # where each thread widens a bfloat16 block
-    error = torch.zeros(2, dtype=torch.int64)
-    args = (query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-            block_tables.data_ptr(), block_tables.stride(0), width, seq_lens.data_ptr(), out.data_ptr(),
-            scores.data_ptr(), stride, block.data_ptr(), error.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-            block_size, float(scale), threads)
-    status = call_named(PROFILER_NAME, fn, args)
-    if status == 1:
-        b, n = error.tolist()
-        raise ValueError(f"seq_lens[{b}]={n} is more than block_tables' {width} blocks of {block_size} tokens hold")
-    if status == 2:
-        b, n = error.tolist()
-        raise ValueError(f"block_tables row {b} holds block {n}, outside the cache's {num_blocks} blocks")
-    return out
+    return DecodeStep(query, k_cache, block_tables, seq_lens).attend(query, k_cache, v_cache, scale)
+
+
+class DecodeStep:
+    """The C decode kernel's call as every layer of one step makes it: the step's block tables and lengths, the
+    shapes, and the scratch the kernel works in (each thread's scores, each thread's widened block), worked out and
+    allocated once. Made from arguments already checked (``check_decode_args``, ``_served_by_c``)."""
+
+    def __init__(self, query, k_cache, block_tables, seq_lens) -> None:
+        self.batch, self.num_heads, self.head_dim = query.shape
+        self.num_blocks, self.block_size, self.num_kv_heads, _ = k_cache.shape
+        self.dtype, self.cache_shape, self.query_shape, self.query_strides = (query.dtype, k_cache.shape, query.shape,
+                                                                               query.stride())
+        self.fn = decode_attention_fn(k_cache.dtype)
+        self.block_tables, self.seq_lens, self.width = block_tables, seq_lens, block_tables.shape[1]
+        self.threads = max(1, min(torch.get_num_threads(), self.batch))  # the sequences are shared out among them
+        self.stride = self.num_heads * max(self.width * self.block_size, 1)  # one thread's [heads, tokens] scratch
+        self.scores = torch.empty(self.threads * self.stride, dtype=torch.float32)
+        self.block = torch.empty(self.threads * self.block_size * self.num_kv_heads * self.head_dim
+                                 if self.dtype != torch.float32 else 1, dtype=torch.float32)  # a bfloat16 block widened
+        self.error = torch.zeros(2, dtype=torch.int64)
+
+    def fits(self, query, k_cache, block_tables) -> bool:
+        """Whether this layer's call is one this step's plan was made for."""
+        return (block_tables is self.block_tables and query.dtype is self.dtype and query.shape == self.query_shape
+                and query.stride() == self.query_strides and k_cache.shape == self.cache_shape
+                and k_cache.dtype is self.dtype)
+
+    def attend(self, query, k_cache, v_cache, scale) -> torch.Tensor:
+        out = torch.empty(self.batch, self.num_heads, self.head_dim, dtype=self.dtype)  # rounded by the kernel
+        args = (query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                self.num_blocks, self.block_tables.data_ptr(), self.block_tables.stride(0), self.width,
+                self.seq_lens.data_ptr(), out.data_ptr(), self.scores.data_ptr(), self.stride, self.block.data_ptr(),
+                self.error.data_ptr(), self.batch, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
+                float(scale), self.threads)
+        status = call_named(PROFILER_NAME, self.fn, args)
+        if status == 1:
+            b, n = self.error.tolist()
+            raise ValueError(f"seq_lens[{b}]={n} is more than block_tables' {self.width} blocks of {self.block_size} "
+                             "tokens hold")
+        if status == 2:
+            b, n = self.error.tolist()
+            raise ValueError(f"block_tables row {b} holds block {n}, outside the cache's {self.num_blocks} blocks")
+        return out
+
+
+def store_and_decode(meta, query, key, value, k_cache, v_cache, slot_mapping, block_tables, scale):
+    """``store_kv`` then ``paged_decode_attention`` for one layer of a step whose every token is a decode, both in C,
+    the step's checks made and its scratch allocated at its first layer (kept in ``meta.backend_state``); None, with
+    nothing done, where the C kernels do not serve the call (the caller then takes the general path)."""
+    plan = meta.backend_state
+    if not (isinstance(plan, DecodeStep) and plan.fits(query, k_cache, block_tables)):
+        seq_lens = meta.seq_lens
+        if (decode_attention_fn(k_cache.dtype) is None or not _served_by_c(query, k_cache, block_tables, seq_lens, None)
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return None
+        check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, None, None, None)
+        plan = meta.backend_state = DecodeStep(query, k_cache, block_tables, seq_lens)
+    if not _c_stores(key, value, k_cache, v_cache, slot_mapping) or _store(store_kv_fn(), key, value, k_cache, v_cache,
+                                                                           slot_mapping):
+        return None
+    return plan.attend(query, k_cache, v_cache, scale)

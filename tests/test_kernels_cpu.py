@@ -287,3 +287,60 @@ def test_the_cpu_backend_is_refused_for_other_devices():
 
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on the CPU, but device='meta'"):
         LLM(tiny("llama", seed=0), num_blocks=16, max_model_len=64, attention_backend="cpu", device="meta")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_store_writes_what_the_reference_writes_padding_and_strided_rows_included(gen, dtype):
+    """``cpu_backend.store_kv`` (one C call for both caches) against ``reference.store_kv``: every slot the same, for rows
+    side by side in a wider tensor (a fused projection's slice), for a step with a padding slot (-1: the torch path,
+    which skips it), and in FP8 (the torch path); a slot past the cache is refused as the reference refuses it."""
+    num_blocks, block_size, kv_heads, dim, tokens = 6, 4, 2, 8, 9
+    fused = torch.randn(tokens, 3 * kv_heads * dim, generator=gen).to(dtype)
+    key = fused[:, : kv_heads * dim].view(tokens, kv_heads, dim)  # rows 3 x wider apart
+    value = fused[:, 2 * kv_heads * dim:].view(tokens, kv_heads, dim)
+    for slots in (torch.randperm(num_blocks * block_size, generator=gen)[:tokens],
+                  torch.cat([torch.tensor([-1]), torch.randperm(num_blocks * block_size, generator=gen)[:tokens - 1]])):
+        caches = [torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+        want = [c.clone() for c in caches]
+        cpu_backend.store_kv(key, value, *caches, slots)
+        reference.store_kv(key, value, *want, slots)
+        assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype) for _ in range(2)]
+    with pytest.raises(IndexError, match="out of bounds"):
+        cpu_backend.store_kv(key, value, *caches, torch.full((tokens,), num_blocks * block_size))
+
+
+def decode_meta(kv):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(backend_state=None, seq_lens=kv.seq_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_layers_store_and_attend_as_the_two_calls_do_with_one_plan_a_step(gen, dtype):
+    """``store_and_decode``, layer after layer of one step, gives every layer's caches and outputs what ``store_kv``
+    then ``paged_decode_attention`` give; the step's plan is made at its first layer and kept; another step's block
+    tables make a new one; a call the C kernels do not serve (an FP8 cache) returns None, having done nothing."""
+    lens = [1, 5, 17, 33]
+    kv = random_paged_kv(lens, 2, 32, 16, generator=gen, max_blocks=4)
+    slots = torch.tensor([int(kv.block_tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(lens)])
+    meta = decode_meta(kv)
+    plans = []
+    for layer in range(3):
+        caches = [kv.k_cache.to(dtype), kv.v_cache.to(dtype)]
+        want = [c.clone() for c in caches]
+        query = transposed_query(len(lens), 8, 32, gen).to(dtype)
+        key, value = (torch.randn(len(lens), 2, 32, generator=gen).to(dtype) for _ in range(2))
+        got = cpu_backend.store_and_decode(meta, query, key, value, *caches, slots, kv.block_tables, 32**-0.5)
+        cpu_backend.store_kv(key, value, *want, slots)
+        assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+        assert torch.equal(got, cpu_backend.paged_decode_attention(query, *want, kv.block_tables, kv.seq_lens, 32**-0.5))
+        plans.append(meta.backend_state)
+    assert plans[0] is plans[1] is plans[2] and isinstance(plans[0], cpu_backend.DecodeStep)
+    tables = kv.block_tables.clone()  # the next step's tables: a new plan
+    cpu_backend.store_and_decode(meta, query, key, value, *caches, slots, tables, 32**-0.5)
+    assert meta.backend_state is not plans[0] and meta.backend_state.block_tables is tables
+    fp8 = [c.to(torch.float8_e4m3fn) for c in caches]
+    before = [c.clone() for c in fp8]
+    assert cpu_backend.store_and_decode(decode_meta(kv), query, key, value, *fp8, slots, tables, 0.1) is None
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fp8, before))

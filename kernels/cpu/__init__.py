@@ -4,7 +4,8 @@ Five small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
-  calls it for float32 and bfloat16 caches on the CPU);
+  calls it for float32 and bfloat16 caches on the CPU), and the store of a step's
+  keys and values into their slots;
 * ``rms_norm.c``: RMSNorm as transformers computes it, to the bit, for the fast
   layers of ``layers.py`` (two C passes around torch's own mean: :func:`rms_norm`), and with the residual
   connection before it in the same first pass (:func:`add_rms_norm`, for the engine's direct forward);
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "decode_attention_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
+__all__ = ["available", "unavailable_reason", "decode_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
            "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
            "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
 
@@ -73,6 +74,7 @@ _rms_norm_fn = None
 _linear_bf16_fn = None
 _rotary_fn = None
 _add_squares_fn = None
+_store_kv_fn = None
 _rms_rows_fn = None
 _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
 _argmax_fn = None
@@ -142,7 +144,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _add_squares_fn, _rms_rows_fn, _argmax_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _add_squares_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -179,6 +181,9 @@ def _load():
     _add_squares_fn = lib.kvpaging_add_rms_squares
     _add_squares_fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64]
     _add_squares_fn.restype = None
+    _store_kv_fn = lib.kvpaging_store_kv
+    _store_kv_fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    _store_kv_fn.restype = i64
     _rms_rows_fn = lib.kvpaging_rms_norm_rows
     _rms_rows_fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, i64, i64]
     _rms_rows_fn.restype = None
@@ -214,6 +219,12 @@ def decode_attention_fn(cache_dtype: torch.dtype = torch.float32):
     if _load() is None:
         return None
     return {torch.float32: _decode_fn, torch.bfloat16: _decode_bf16_fn}.get(cache_dtype)
+
+
+def store_kv_fn():
+    """The C function that writes a step's keys and values into their cache slots (``decode_attention.c``:
+    ``kvpaging_store_kv``, a ctypes function), or None where the C kernels cannot be built."""
+    return None if _load() is None else _store_kv_fn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

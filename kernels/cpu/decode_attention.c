@@ -219,3 +219,23 @@ int64_t NAME(const void *query, int64_t q_batch_stride, int64_t q_head_stride,  
 
 ENTRY_POINT(kvpaging_decode_attention_f32, 0)
 ENTRY_POINT(kvpaging_decode_attention_bf16, 1)
+
+/* The step's new keys and values into their cache slots, before any layer attends: token i's row of `row_elems`
+ * values (`elem_size` bytes each, contiguous; rows `key_stride` and `value_stride` values apart in key and value) to
+ * slot slots[i] of k_cache and of v_cache (rows of the same size, slot after slot). Returns 0, or i + 1 for the
+ * first token whose slot lies outside [0, num_slots): then nothing is written (the caller's general path handles
+ * padding slots and names a bad one). */
+int64_t kvpaging_store_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+                          void *k_cache, void *v_cache, const int64_t *slots, int64_t tokens, int64_t row_elems,
+                          int64_t elem_size, int64_t num_slots)
+{
+    for (int64_t i = 0; i < tokens; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots)
+            return i + 1;
+    const size_t row = (size_t)(row_elems * elem_size);
+    for (int64_t i = 0; i < tokens; i++) {
+        memcpy((char *)k_cache + slots[i] * (int64_t)row, (const char *)key + i * key_stride * elem_size, row);
+        memcpy((char *)v_cache + slots[i] * (int64_t)row, (const char *)value + i * value_stride * elem_size, row);
+    }
+    return 0;
+}

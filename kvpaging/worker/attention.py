@@ -72,6 +72,7 @@ class AttentionMetadata:
     # (kvpaging/core/layer_groups.py); None: every layer reads slot_mapping and block_tables above
     group_tables: list | None = None
     layer_group: tuple[int, ...] | None = None
+    backend_state: object = None  # what the backend keeps for the step's later layers (the cpu backend's DecodeStep)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -104,11 +105,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                 f"{width}: the cache was sized for other shapes", "kv_shape")
         q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     k_scale, v_scale = meta.kv_scales[layer]
-    meta.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
     softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per query head
-    out = _attend(meta, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
+    out = None
+    store_and_decode = getattr(meta.backend, "store_and_decode", None)  # a backend's one call for a decodes-only step
+    if (store_and_decode is not None and meta.num_decodes == q.shape[0] and k_scale is None and not window
+            and not softcap and sinks is None):
+        out = store_and_decode(meta, q, k, v, k_cache, v_cache, slot_mapping, block_tables, scaling)
+    if out is None:
+        meta.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        out = _attend(meta, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
     if value_width != width:
         out = out[..., :value_width]
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
