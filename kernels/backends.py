@@ -44,6 +44,10 @@ class AttentionBackend(Protocol):
 
     def copy_blocks(self, k_caches, v_caches, block_mapping) -> None: ...
 
+    # Optional (the cpu backend has it): ``store_and_decode(meta, query, key, value, k_cache, v_cache, slot_mapping,
+    # block_tables, scale)``, a layer's store_kv and paged_decode_attention in a step of decodes only, with what the
+    # step's layers share kept in ``meta.backend_state``; None when it does not serve the call (nothing done).
+
 
 def get_backend(name: str) -> AttentionBackend:
     """The backend module called ``name`` ("reference", "torch", "cpu" or "triton")."""
