@@ -95,7 +95,8 @@ class DecodeStep:
     shapes, and the scratch the kernel works in (each thread's scores, each thread's widened block), worked out and
     allocated once. Made from arguments already checked (``check_decode_args``, ``_served_by_c``)."""
 
-    def __init__(self, query, k_cache, block_tables, seq_lens) -> None:
+    def __init__(self, query, k_cache, block_tables, seq_lens, key=None, value=None, slot_mapping=None) -> None:
+        """``key``, ``value`` and ``slot_mapping`` (checked by ``_c_stores``): also the store's layout, for ``store``."""
         self.batch, self.num_heads, self.head_dim = query.shape
         self.num_blocks, self.block_size, self.num_kv_heads, _ = k_cache.shape
         self.dtype, self.cache_shape, self.query_shape, self.query_strides = (query.dtype, k_cache.shape, query.shape,
@@ -108,12 +109,25 @@ class DecodeStep:
         self.block = torch.empty(self.threads * self.block_size * self.num_kv_heads * self.head_dim
                                  if self.dtype != torch.float32 else 1, dtype=torch.float32)  # a bfloat16 block widened
         self.error = torch.zeros(2, dtype=torch.int64)
+        self.slot_mapping = slot_mapping
+        if key is not None:
+            self.store_fn, self.kv_layout = store_kv_fn(), (key.shape, key.stride(), value.stride())
+            self.store_args = (key.stride(0), value.stride(0), slot_mapping.data_ptr(), key.shape[0],
+                               self.num_kv_heads * self.head_dim, key.element_size(), self.num_blocks * self.block_size)
 
-    def fits(self, query, k_cache, block_tables) -> bool:
-        """Whether this layer's call is one this step's plan was made for."""
-        return (block_tables is self.block_tables and query.dtype is self.dtype and query.shape == self.query_shape
-                and query.stride() == self.query_strides and k_cache.shape == self.cache_shape
-                and k_cache.dtype is self.dtype)
+    def fits(self, query, key, value, k_cache, v_cache, slot_mapping, block_tables) -> bool:
+        """Whether this layer's call is one this step's plan was made for (the store's layout included)."""
+        return (block_tables is self.block_tables and slot_mapping is self.slot_mapping and query.dtype is self.dtype
+                and query.shape == self.query_shape and query.stride() == self.query_strides
+                and (key.shape, key.stride(), value.stride()) == self.kv_layout and key.dtype is value.dtype is self.dtype
+                and k_cache.shape == v_cache.shape == self.cache_shape and k_cache.dtype is v_cache.dtype is self.dtype
+                and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+    def store(self, key, value, k_cache, v_cache) -> int:
+        """The C store of this layer's keys and values (``_store``, from the layout worked out once)."""
+        key_stride, value_stride, slots, tokens, row, size, num_slots = self.store_args
+        return self.store_fn(key.data_ptr(), key_stride, value.data_ptr(), value_stride, k_cache.data_ptr(),
+                             v_cache.data_ptr(), slots, tokens, row, size, num_slots)
 
     def attend(self, query, k_cache, v_cache, scale) -> torch.Tensor:
         out = torch.empty(self.batch, self.num_heads, self.head_dim, dtype=self.dtype)  # rounded by the kernel
@@ -138,14 +152,13 @@ def store_and_decode(meta, query, key, value, k_cache, v_cache, slot_mapping, bl
     the step's checks made and its scratch allocated at its first layer (kept in ``meta.backend_state``); None, with
     nothing done, where the C kernels do not serve the call (the caller then takes the general path)."""
     plan = meta.backend_state
-    if not (isinstance(plan, DecodeStep) and plan.fits(query, k_cache, block_tables)):
+    if not (isinstance(plan, DecodeStep) and plan.fits(query, key, value, k_cache, v_cache, slot_mapping, block_tables)):
         seq_lens = meta.seq_lens
         if (decode_attention_fn(k_cache.dtype) is None or not _served_by_c(query, k_cache, block_tables, seq_lens, None)
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+                or not _c_stores(key, value, k_cache, v_cache, slot_mapping)):
             return None
         check_decode_args(query, k_cache, v_cache, block_tables, seq_lens, scale, None, None, None)
-        plan = meta.backend_state = DecodeStep(query, k_cache, block_tables, seq_lens)
-    if not _c_stores(key, value, k_cache, v_cache, slot_mapping) or _store(store_kv_fn(), key, value, k_cache, v_cache,
-                                                                           slot_mapping):
-        return None
+        plan = meta.backend_state = DecodeStep(query, k_cache, block_tables, seq_lens, key, value, slot_mapping)
+    if plan.store(key, value, k_cache, v_cache):
+        return None  # a slot outside the cache: nothing written
     return plan.attend(query, k_cache, v_cache, scale)
