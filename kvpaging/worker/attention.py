@@ -108,17 +108,25 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     window = kwargs.get("sliding_window") or 0  # a sliding layer's window (transformers: keys after q - window)
     softcap = kwargs.get("softcap") or 0.0  # Gemma 2's soft-capped attention scores
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per query head
-    out = None
-    store_and_decode = getattr(meta.backend, "store_and_decode", None)  # a backend's one call for a decodes-only step
-    if (store_and_decode is not None and meta.num_decodes == q.shape[0] and k_scale is None and not window
-            and not softcap and sinks is None):
-        out = store_and_decode(meta, q, k, v, k_cache, v_cache, slot_mapping, block_tables, scaling)
-    if out is None:
-        meta.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        out = _attend(meta, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
+    out = _store_and_attend(meta, slot_mapping, block_tables, q, k, v, k_cache, v_cache, scaling, k_scale, v_scale,
+                            window, softcap, sinks)
     if value_width != width:
         out = out[..., :value_width]
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], as transformers expects
+
+
+def _store_and_attend(meta: AttentionMetadata, slot_mapping, block_tables, q, k, v, k_cache, v_cache, scaling, k_scale,
+                      v_scale, window, softcap, sinks) -> torch.Tensor:
+    """The layer's keys and values into the cache, then its attention: in a step of decodes only, by the backend's
+    one call for both where it has one (``store_and_decode``: the cpu backend's), else ``store_kv`` then ``_attend``."""
+    store_and_decode = getattr(meta.backend, "store_and_decode", None)
+    if (store_and_decode is not None and meta.num_decodes == q.shape[0] and k_scale is None and not window
+            and not softcap and sinks is None):
+        out = store_and_decode(meta, q, k, v, k_cache, v_cache, slot_mapping, block_tables, scaling)
+        if out is not None:
+            return out
+    meta.backend.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _attend(meta, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap, sinks)
 
 
 def _attend(meta: AttentionMetadata, block_tables, q, k_cache, v_cache, scaling, k_scale, v_scale, window, softcap,
