@@ -85,11 +85,10 @@ def attention_glue(engine, steps: int) -> dict | None:
                 spent["calls"] += key == "total"
         return call
 
-    owners = (cpu, cpu.DecodeStep, cpu, cpu, cpu)  # the store: the general path's, and a decodes-only step's
-    names = ("_store", "store", "store_and_decode", "paged_decode_attention", "call_named")
-    originals = [getattr(owner, name) for owner, name in zip(owners, names)]
-    for owner, name, fn, key in zip(owners, names, originals, ("store", "store", "decode", "decode", "kernel")):
-        setattr(owner, name, clocked(fn, key))
+    names = ("_store", "store_and_decode", "paged_decode_attention", "call_named")
+    originals = [getattr(cpu, name) for name in names]
+    for name, fn, key in zip(names, originals, ("store", "decode", "decode", "kernel")):
+        setattr(cpu, name, clocked(fn, key))
     # (another function under the attention's name: the engine's direct forward steps aside, so the model's own
     # forward calls the clocked one)
     AttentionInterface.register(attention.ATTN_NAME, clocked(attention.paged_attention_forward, "total"))
@@ -97,8 +96,8 @@ def attention_glue(engine, steps: int) -> dict | None:
         for _ in range(steps):
             engine.step()
     finally:
-        for owner, name, fn in zip(owners, names, originals):
-            setattr(owner, name, fn)
+        for name, fn in zip(names, originals):
+            setattr(cpu, name, fn)
         AttentionInterface.register(attention.ATTN_NAME, attention.paged_attention_forward)
     result = {key: value / steps for key, value in spent.items()}
     result["wrapper"] = result["decode"] - result["kernel"] - result["store"]  # (decodes only: the store is inside)

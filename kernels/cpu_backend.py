@@ -53,9 +53,10 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
     layouts) and for a step with a slot outside the cache (a padding slot, which it skips: the C call writes nothing
     then)."""
     fn = store_kv_fn()
-    if fn is None or not _c_stores(key, value, k_cache, v_cache, slot_mapping) or _store(fn, key, value, k_cache,
-                                                                                         v_cache, slot_mapping):
-        torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if fn is not None and _c_stores(key, value, k_cache, v_cache, slot_mapping):
+        if not _store(fn, _store_layout(key, value, k_cache, slot_mapping), key, value, k_cache, v_cache):
+            return
+    torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _c_stores(key, value, k_cache, v_cache, slot_mapping) -> bool:
@@ -68,12 +69,18 @@ def _c_stores(key, value, k_cache, v_cache, slot_mapping) -> bool:
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
-def _store(fn, key, value, k_cache, v_cache, slot_mapping) -> int:
-    """The C store; 0, or (nothing written) 1 + the first token whose slot is outside the cache."""
+def _store_layout(key, value, k_cache, slot_mapping) -> tuple:
+    """The C store's arguments besides the four tensors' addresses: rows' strides, the slots, their count and size."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    return fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-              slot_mapping.data_ptr(), key.shape[0], num_kv_heads * head_dim, key.element_size(),
-              num_blocks * block_size)
+    return (key.stride(0), value.stride(0), slot_mapping.data_ptr(), key.shape[0], num_kv_heads * head_dim,
+            key.element_size(), num_blocks * block_size)
+
+
+def _store(fn, layout, key, value, k_cache, v_cache) -> int:
+    """The C store; 0, or (nothing written) 1 + the first token whose slot is outside the cache."""
+    key_stride, value_stride, slots, tokens, row, size, num_slots = layout
+    return fn(key.data_ptr(), key_stride, value.data_ptr(), value_stride, k_cache.data_ptr(), v_cache.data_ptr(),
+              slots, tokens, row, size, num_slots)
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
@@ -109,11 +116,10 @@ class DecodeStep:
         self.block = torch.empty(self.threads * self.block_size * self.num_kv_heads * self.head_dim
                                  if self.dtype != torch.float32 else 1, dtype=torch.float32)  # a bfloat16 block widened
         self.error = torch.zeros(2, dtype=torch.int64)
-        self.slot_mapping = slot_mapping
+        self.slot_mapping, self.kv_layout, self.store_layout = slot_mapping, None, None
         if key is not None:
-            self.store_fn, self.kv_layout = store_kv_fn(), (key.shape, key.stride(), value.stride())
-            self.store_args = (key.stride(0), value.stride(0), slot_mapping.data_ptr(), key.shape[0],
-                               self.num_kv_heads * self.head_dim, key.element_size(), self.num_blocks * self.block_size)
+            self.kv_layout = (key.shape, key.stride(), value.stride())
+            self.store_fn, self.store_layout = store_kv_fn(), _store_layout(key, value, k_cache, slot_mapping)
 
     def fits(self, query, key, value, k_cache, v_cache, slot_mapping, block_tables) -> bool:
         """Whether this layer's call is one this step's plan was made for (the store's layout included)."""
@@ -125,9 +131,7 @@ class DecodeStep:
 
     def store(self, key, value, k_cache, v_cache) -> int:
         """The C store of this layer's keys and values (``_store``, from the layout worked out once)."""
-        key_stride, value_stride, slots, tokens, row, size, num_slots = self.store_args
-        return self.store_fn(key.data_ptr(), key_stride, value.data_ptr(), value_stride, k_cache.data_ptr(),
-                             v_cache.data_ptr(), slots, tokens, row, size, num_slots)
+        return _store(self.store_fn, self.store_layout, key, value, k_cache, v_cache)
 
     def attend(self, query, k_cache, v_cache, scale) -> torch.Tensor:
         out = torch.empty(self.batch, self.num_heads, self.head_dim, dtype=self.dtype)  # rounded by the kernel

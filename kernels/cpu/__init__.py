@@ -7,8 +7,9 @@ Five small C files live here:
   calls it for float32 and bfloat16 caches on the CPU), and the store of a step's
   keys and values into their slots;
 * ``rms_norm.c``: RMSNorm as transformers computes it, to the bit, for the fast
-  layers of ``layers.py`` (two C passes around torch's own mean: :func:`rms_norm`), and with the residual
-  connection before it in the same first pass (:func:`add_rms_norm`, for the engine's direct forward);
+  layers of ``layers.py`` (one C call, its mean in torch's order of sums where a probe at load finds that order,
+  else two C passes around torch's own mean: :func:`rms_norm`), and with the residual connection before it
+  (:func:`add_rms_norm`, for the engine's direct forward);
 * ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in);
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
   engine's direct forward, ``kvpaging/worker/direct_forward.py``);
@@ -73,7 +74,6 @@ _decode_bf16_fn = None  # bfloat16 caches
 _rms_norm_fn = None
 _linear_bf16_fn = None
 _rotary_fn = None
-_add_squares_fn = None
 _store_kv_fn = None
 _rms_rows_fn = None
 _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
@@ -144,7 +144,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
-    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _add_squares_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
+    global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -178,9 +178,6 @@ def _load():
     _rotary_fn = lib.kvpaging_rotary
     _rotary_fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     _rotary_fn.restype = None
-    _add_squares_fn = lib.kvpaging_add_rms_squares
-    _add_squares_fn.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64]
-    _add_squares_fn.restype = None
     _store_kv_fn = lib.kvpaging_store_kv
     _store_kv_fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
     _store_kv_fn.restype = i64
@@ -229,8 +226,8 @@ def store_kv_fn():
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm to the bit: ``weight * (h * rsqrt(mean(h**2, -1) + eps)).to(x.dtype)`` with ``h`` x in
-    float32 (``rms_norm.c``: the squares and the scaling in C, the mean torch's own, so its sums run in torch's
-    order). ``x`` and ``weight``: contiguous CPU tensors of one dtype, float32 or bfloat16; ``weight`` of x's last
+    float32 (``rms_norm.c``: one C call, its mean summed in torch's order where the probe of ``_find_mean_lanes``
+    found that order here; else the squares and the scaling in C around torch's own mean). ``x`` and ``weight``: contiguous CPU tensors of one dtype, float32 or bfloat16; ``weight`` of x's last
     size."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
@@ -249,15 +246,22 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return call_named(RMS_NORM_PROFILER_NAME, _rms_norm, (x, weight, eps))
 
 
+def _one_call_lanes(dim: int) -> int:
+    """The vector width for a whole RMSNorm of rows of ``dim`` in one C call, its mean in torch's order; 0 where the
+    mean must be torch's own (no width found here, or rows torch would sum otherwise)."""
+    lanes = _mean_lanes if _mean_lanes is not None else _find_mean_lanes()
+    return lanes if lanes and lanes <= dim < TORCH_GRAIN else 0
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
-    lanes = _mean_lanes if _mean_lanes is not None else _find_mean_lanes()
-    if lanes and lanes <= dim < TORCH_GRAIN:  # one C call, the mean in torch's order
-        out = torch.empty_like(x)
-        _rms_rows_fn(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
-                     x.numel() // dim, dim, eps, lanes, torch.get_num_threads())
-        return out
-    return _rms_norm_around_torch_mean(x, weight, eps)
+    lanes = _one_call_lanes(dim)
+    if not lanes:
+        return _rms_norm_around_torch_mean(x, weight, eps)
+    out = torch.empty_like(x)
+    _rms_rows_fn(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
+                 x.numel() // dim, dim, eps, lanes, torch.get_num_threads())
+    return out
 
 
 def _rms_norm_around_torch_mean(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -275,8 +279,8 @@ def _rms_norm_around_torch_mean(x: torch.Tensor, weight: torch.Tensor, eps: floa
 def add_rms_norm(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden = residual + y`` and :func:`rms_norm` of it, both to the bit (a decoder layer's residual connection
-    and the norm after it): returns ``(hidden, normed)``. The sum and its squares come from one C pass
-    (``rms_norm.c``), then torch's own mean and the scaling pass, as in :func:`rms_norm`. ``residual``, ``y``:
+    and the norm after it): returns ``(hidden, normed)``. One C call where :func:`rms_norm` is one (the sum rounded
+    as torch's add rounds it, then the norm); elsewhere torch's add, then :func:`rms_norm`. ``residual``, ``y``:
     contiguous CPU tensors of one shape; ``weight`` of their last size; all float32 or all bfloat16."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
@@ -303,32 +307,24 @@ def add_rms_norm_unchecked(residual: torch.Tensor, y: torch.Tensor, weight: torc
 
 def _add_rms_norm(residual: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    bf16, threads, dim = int(residual.dtype == torch.bfloat16), torch.get_num_threads(), residual.shape[-1]
-    hidden = torch.empty_like(residual)
-    lanes = _mean_lanes if _mean_lanes is not None else _find_mean_lanes()
-    if lanes and lanes <= dim < TORCH_GRAIN:  # one C call, the mean in torch's order
-        out = torch.empty_like(residual)
-        _rms_rows_fn(y.data_ptr(), residual.data_ptr(), hidden.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16,
-                     residual.numel() // dim, dim, eps, lanes, threads)
-        return hidden, out
-    _, scale_fn = _rms_norm_fn
-    squares = torch.empty_like(residual, dtype=torch.float32)
-    _add_squares_fn(residual.data_ptr(), y.data_ptr(), hidden.data_ptr(), bf16, squares.data_ptr(), residual.numel(),
-                    threads)
-    var = squares.mean(-1, keepdim=True)  # torch's own sums
-    out = torch.empty_like(residual)
-    scale_fn(hidden.data_ptr(), var.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, residual.numel() // max(dim, 1),
-             dim, eps, threads)
+    dim = residual.shape[-1]
+    lanes = _one_call_lanes(dim)
+    if not lanes:  # torch's own add, then the norm around torch's mean
+        hidden = residual + y
+        return hidden, _rms_norm_around_torch_mean(hidden, weight, eps)
+    hidden, out = torch.empty_like(residual), torch.empty_like(residual)
+    _rms_rows_fn(y.data_ptr(), residual.data_ptr(), hidden.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                 int(residual.dtype == torch.bfloat16), residual.numel() // dim, dim, eps, lanes, torch.get_num_threads())
     return hidden, out
 
 
 # rows of these lengths, at these scales, decide whether rms_norm.c's mean is torch's (some cross the cascade's first
 # and second levels: 16 and 256 groups of four vectors)
 _PROBE_DIMS = (8, 11, 16, 29, 64, 100, 576, 960, 1031, 2048, 4096, 5120, 8195, 16448, 32767)
+_PROBE_SCALES = (1e-3, 1.0, 37.0)
 # torch's internal grain size: a row at least this long, alone in its tensor, is summed in parts on several threads
 # (another order); the C mean is used only for shorter rows
 TORCH_GRAIN = 32768
-_PROBE_SCALES = (1e-3, 1.0, 37.0)
 
 
 def _find_mean_lanes() -> int:

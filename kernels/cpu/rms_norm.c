@@ -54,34 +54,6 @@ void kvpaging_rms_squares(const void *x, int64_t bf16, float *squares, int64_t n
     }
 }
 
-/* The residual connection before a norm, and the norm's squares, in one pass (transformers' decoder layers compute
- * `hidden = residual + out` and normalize `hidden` next): sum[i] = a[i] + b[i] in their dtype, squares[i] = sum[i] *
- * sum[i] in float32. torch adds two bfloat16 tensors in float32 and rounds the sum to bfloat16 once; so does this. */
-void kvpaging_add_rms_squares(const void *a, const void *b, void *sum, int64_t bf16, float *squares, int64_t n,
-                              int64_t threads)
-{
-    if (bf16) {
-        const uint16_t *ah = a, *bh = b;
-        uint16_t *sh = sum;
-#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n >= MANY)
-        for (int64_t i = 0; i < n; i++) {
-            const uint16_t s = f32_to_bf16(bf16_to_f32(ah[i]) + bf16_to_f32(bh[i]));
-            const float h = bf16_to_f32(s);
-            sh[i] = s;
-            squares[i] = h * h;
-        }
-    } else {
-        const float *af = a, *bf = b;
-        float *sf = sum;
-#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n >= MANY)
-        for (int64_t i = 0; i < n; i++) {
-            const float h = af[i] + bf[i];
-            sf[i] = h;
-            squares[i] = h * h;
-        }
-    }
-}
-
 /* out[r][d] = weight[d] * round(x[r][d] * (1 / sqrt(var[r] + eps))), in x's dtype (weight's is the same) */
 void kvpaging_rms_scale(const void *x, const float *var, const void *weight, void *out, int64_t bf16, int64_t rows,
                         int64_t dim, float eps, int64_t threads)

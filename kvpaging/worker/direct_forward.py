@@ -69,7 +69,7 @@ class DirectForward:
         self.embed, self.rotary_emb, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         layers = inner.layers[: inner.config.num_hidden_layers]
         # each residual connection with the norm after it (the next layer's first norm; the model's last norm after the
-        # last layer): one C pass for the sum and its squares where that norm is the engine's C RMSNorm
+        # last layer): one C call for the sum and the norm where that norm is the engine's C RMSNorm
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         self.first_norm = layers[0].input_layernorm if len(layers) else self.norm
         self.layers = [(layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
@@ -124,7 +124,7 @@ class DirectForward:
 
 def _add_then_norm(norm):
     """``(residual, y) -> (hidden, norm(hidden))`` with ``hidden = residual + y``, what a decoder layer computes at a
-    residual connection and the norm after it: in one C pass for the sum and its squares (``add_rms_norm``, the same
+    residual connection and the norm after it: in one C call for the sum and the norm (``add_rms_norm``, the same
     bits) where ``norm`` is the engine's C RMSNorm and the tensors are its kind, else the sum, then ``norm``'s
     forward."""
     c_norm = is_c_rms_norm(norm)

@@ -122,14 +122,8 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
 
 
-_c_kernels: bool | None = None  # whether the C kernels are built here, once asked
-
-
 def _c_argmax_takes(logits: torch.Tensor) -> bool:
-    global _c_kernels
-    if _c_kernels is None:
-        _c_kernels = c_kernels_available()
-    return _c_kernels and logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1
+    return logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1 and c_kernels_available()
 
 
 def _check_inputs(logits: torch.Tensor, params: list[SamplingParams], generators) -> None:
