@@ -112,7 +112,7 @@ def test_a_prompt_through_the_paged_cache_is_the_models_own_forward_to_the_bit(c
     engine = LLM(model, num_blocks=64, max_model_len=512, cpu_fast_layers=fast_layers).engine
     prompt = chat_prompts[1]
     engine.add_request("whole prompt", {"prompt_token_ids": prompt}, greedy(1))
-    got = engine.runner.execute(engine.scheduler.schedule(), all_positions=True)
+    got = engine.runner.execute(engine.scheduler.schedule(), all_positions=True).float()
     with torch.no_grad():
         want = reference_model(torch.tensor([prompt])).logits[0].float()
     assert got.shape == want.shape == (len(prompt), model.config.vocab_size)

@@ -303,7 +303,7 @@ class LLMEngine:
             logits = self.runner.execute(out)  # one row per sequence whose chunk reached its end
             if out.prompt_logprob_chunks:  # then one row per token of those chunks
                 num_rows = len(out.samples) - len(out.children)
-                record_prompt_logprobs([out.chunks[k] for k in out.prompt_logprob_chunks], logits[num_rows:])
+                record_prompt_logprobs([out.chunks[k] for k in out.prompt_logprob_chunks], logits[num_rows:].float())
                 logits = logits[:num_rows]
             sampled, failed_rows = self._sample(out, logits)
             if sched.num_structured:

@@ -81,7 +81,8 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def run(self, inputs, size: int) -> torch.Tensor:
-        """Replay the graph for ``size`` on a decode-only step; returns float32 logits for ``logits_indices``."""
+        """Replay the graph for ``size`` on a decode-only step; returns the logits for ``logits_indices`` (the model's
+        dtype)."""
         n = inputs.num_decodes
         width = inputs.block_tables.shape[1]
         self.input_ids[0, :n].copy_(inputs.input_ids[0])
@@ -95,4 +96,4 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()
         self.graphs[size].replay()
-        return self.logits[size][0].index_select(0, inputs.logits_indices).float()
+        return self.logits[size][0].index_select(0, inputs.logits_indices)

@@ -62,7 +62,7 @@ def teacher_forced_logits(llm, token_ids: list[int], chunk_size: int = 64) -> to
             chunk = ScheduledSeq(seq, start, n, True, True, table.block_ids, table.row)
             out = SchedulerOutput(step=0, chunks=[chunk], table_updates=bm.take_step_changes()[1],
                                   block_size=bm.block_size)
-            rows.append(runner.execute(out, all_positions=True))
+            rows.append(runner.execute(out, all_positions=True).float())
     finally:
         if bm.has_sequence(seq.seq_id):
             bm.free(seq.seq_id)

@@ -208,8 +208,10 @@ class ModelRunner:
         return prepare_step_inputs(out, [table.array for table in self.block_tables], self.device)
 
     def execute(self, out: SchedulerOutput, all_positions: bool = False) -> torch.Tensor:
-        """Run the step. Returns float32 logits, one row per sampling sequence, in scheduled order
-        (or, with ``all_positions``, one row per packed token: for teacher-forced measurements)."""
+        """Run the step. Returns the logits in the model's dtype, one row per sampling sequence, in scheduled order
+        (or, with ``all_positions``, one row per packed token: for teacher-forced measurements). Whoever needs float32
+        widens them (the sampler does; an all-greedy step on the CPU reads bfloat16 logits as they are, so a batch's
+        float32 copy of them, megabytes a step, is never made)."""
         logits = self.run(self.prepare_inputs(out), out.blocks_to_copy, all_positions)
         if self.state_slots is not None and out.children:  # n > 1: each completion goes on from the prompt's state
             self.state_slots.copy_rows([(c.request.seqs[0].blocks.row, c.blocks.row) for c in out.children])
@@ -230,7 +232,7 @@ class ModelRunner:
             0 if all_positions else inputs.logits_indices,  # 0: transformers' "keep every position"
             inputs.rows, inputs.group_tables,
         )
-        return logits[0].float()
+        return logits[0]
 
 
 class BlockTable:

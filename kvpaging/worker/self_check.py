@@ -443,7 +443,7 @@ def step_output(step, seqs, table, bs):
 
 def _execute(runner, out, all_positions: bool, step_no: int, step, lengths) -> torch.Tensor:
     try:
-        return runner.execute(out, all_positions=all_positions)
+        return runner.execute(out, all_positions=all_positions).float()
     except (UnsupportedModelError, TensorParallelError, torch.OutOfMemoryError, KeyboardInterrupt):
         raise
     except Exception as error:
