@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import types
 
 import pytest
@@ -160,6 +162,29 @@ def test_the_c_rotary_embedding_is_transformers_to_the_bit(dtype, tokens):
         got_k = cpu.rotary(k, cos.unsqueeze(2), sin.unsqueeze(2))
         assert got_q.dtype == dtype and torch.equal(got_q, want_q.transpose(1, 2))
         assert torch.equal(got_k, want_k.transpose(1, 2))
+        # both in one call (k's heads follow q's in the fused rows), and each alone (separate tensors): the same bits
+        calls = []
+        for pair in ((q, k), (q.clone(), k.clone())):
+            with count_calls(cpu, "_rotary_fn") as calls:
+                got_q, got_k = cpu.rotary_pair_unchecked(*pair, cos.unsqueeze(2), sin.unsqueeze(2))
+            assert torch.equal(got_q, want_q.transpose(1, 2)) and torch.equal(got_k, want_k.transpose(1, 2))
+            assert len(calls) == (1 if pair[0] is q else 2)
+
+
+@contextlib.contextmanager
+def count_calls(module, name: str):
+    """Every call of ``module.name`` (a C function) while in the block, in a list the block gets."""
+    fn, calls = getattr(module, name), []
+
+    def counted(*args):
+        calls.append(args)
+        return fn(*args)
+
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, fn)
 
 
 def test_the_c_rotary_embedding_refuses_what_it_cannot_compute():

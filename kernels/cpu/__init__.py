@@ -397,6 +397,22 @@ def rotary_unchecked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out
 
 
+def rotary_pair_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotary_unchecked(q, ...), rotary_unchecked(k, ...))``, in one C call where ``k``'s heads follow ``q``'s in the
+    same rows (the slices of one fused q/k/v product): the same numbers (each element's own arithmetic), one call
+    fewer per layer. The results are then views of one tensor, ``q``'s heads then ``k``'s in each token's row."""
+    _, tokens, q_heads, dim = q.shape
+    size = q.element_size()
+    same_storage = q.data_ptr() - q.storage_offset() * size == k.data_ptr() - k.storage_offset() * size
+    if not (same_storage and q.stride(2) == k.stride(2) == dim
+            and (tokens == 1 or q.stride(1) == k.stride(1)) and k.dtype is q.dtype and k.shape[3] == dim
+            and k.data_ptr() == q.data_ptr() + q_heads * dim * size):
+        return rotary_unchecked(q, cos, sin), rotary_unchecked(k, cos, sin)
+    both = rotary_unchecked(q.as_strided((1, tokens, q_heads + k.shape[2], dim), q.stride()), cos, sin)
+    return both[:, :, :q_heads], both[:, :, q_heads:]
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows of bfloat16 on the CPU (``linear.c``: each weight row read once
     per call, float32 sums, not in ``F.linear``'s order), on torch's threads. ``x``: rows of ``k`` features in any

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvpaging.kernels.cpu import add_rms_norm_unchecked, available, rotary_unchecked
+from kvpaging.kernels.cpu import add_rms_norm_unchecked, available, rotary_pair_unchecked
 from kvpaging.kernels.cpu.layers import has_fast_path, is_c_rms_norm
 from kvpaging.worker.attention import ATTN_NAME, AttentionMetadata, paged_attention_forward
 from kvpaging.worker.self_check import step_output
@@ -111,7 +111,7 @@ class DirectForward:
             k = k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             v = v_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             if c_rotary:
-                q, k = rotary_unchecked(q, cos_heads, sin_heads), rotary_unchecked(k, cos_heads, sin_heads)
+                q, k = rotary_pair_unchecked(q, k, cos_heads, sin_heads)  # one C call where k's heads follow q's
             else:
                 q, k = self.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
             out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
