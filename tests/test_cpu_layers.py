@@ -280,6 +280,29 @@ def test_sibling_linears_run_as_one_product_and_each_gets_its_own_bits(bias, mon
 
 
 @needs_onednn
+def test_the_warm_up_makes_each_products_kernels_once_per_row_count_and_changes_nothing(monkeypatch):
+    """``warm_packed_products`` runs each distinct packed product (the q/k/v group's, o_proj's) once for every row
+    count up to its bound, on zeros, and never again for what it did; the group is left as it was (no slices held,
+    no misses counted) and every product is still the layer's own ``F.linear`` to the bit."""
+    parent, plain = _siblings(True, seed=5)
+    layers.enable_fast_layers(parent, exact=True)
+    group = vars(parent.q_proj)["_fused"]
+    products = []
+    real = layers._onednn_product
+    monkeypatch.setattr(layers, "_onednn_product", lambda *a: products.append(tuple(a[0].shape)) or real(*a))
+    monkeypatch.setattr(layers, "_warmed", set())
+    layers.warm_packed_products(parent, 5)
+    assert sorted(products) == sorted([(rows, 64) for rows in range(1, 6)] * 2)  # the group's and o_proj's
+    layers.warm_packed_products(parent, 200)  # past the bound: up to PACKED_MAX_ROWS_BF16, the first five not again
+    assert len(products) == 2 * layers.PACKED_MAX_ROWS_BF16
+    assert group.input is None and group.output is None and group.misses == 0
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert all(torch.equal(getattr(parent, n)(x), getattr(plain, n)(x)) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                        "o_proj"))
+
+
+@needs_onednn
 def test_siblings_called_out_of_step_get_their_own_products_and_the_group_is_undone():
     """A model that calls a member on another input while the others' slices wait (cross-attention's keys, say)
     still gets each member's own product, computed again; after MAX_MISSES such calls the group is undone and each

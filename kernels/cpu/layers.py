@@ -77,7 +77,8 @@ import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm, rms_norm_unchecked
 
-__all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable"]
+__all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
+           "warm_packed_products"]
 
 logger = logging.getLogger(__name__)
 
@@ -418,6 +419,39 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
                 f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
     return FastLayers(linears, norms, small, groups)
+
+
+# (packed weight's shape, bias or not, threads, rows): the bfloat16 products whose oneDNN kernels this process has made
+_warmed: set[tuple] = set()
+
+
+def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
+    """Run every bfloat16 packed product of ``model`` (each distinct shape once: a lone layer's, a fused group's) on
+    zeros of every row count from 1 to ``max_rows`` (at most ``PACKED_MAX_ROWS_BF16``, the most a packed product
+    takes), so that oneDNN makes its kernels for them now, at load. It makes them the first time a shape comes, about
+    a millisecond for each of a model's products at each new row count (``benchmarks/RESULTS.md``), and a run of
+    requests would otherwise pay that in the middle of its decode steps, each time a finished request makes the batch
+    a size not seen before. Shapes this process made already (another engine on the same model) are skipped. Returns
+    the seconds it took."""
+    start, threads = time.perf_counter(), torch.get_num_threads()
+    products = {}
+    for module in model.modules():
+        packed = vars(module).get("_packed")
+        group = vars(module).get("_fused")
+        if group is not None:
+            products[id(group)] = (group.packed, group.bias)
+        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
+            products[id(module)] = (packed.weight, module.bias)
+    with torch.no_grad():
+        for weight, bias in products.values():
+            in_features = weight.shape[-1] if weight.dim() == 2 else None
+            for rows in range(1, min(max_rows, PACKED_MAX_ROWS_BF16) + 1):
+                key = (tuple(weight.shape), bias is None, threads, rows)
+                if in_features is None or key in _warmed:
+                    continue
+                _onednn_product(torch.zeros(rows, in_features, dtype=torch.bfloat16), weight, bias)
+                _warmed.add(key)
+    return time.perf_counter() - start
 
 
 def _timed(fn, repeats: int = 200) -> float:

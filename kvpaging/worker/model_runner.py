@@ -82,9 +82,14 @@ class ModelRunner:
         self.state_slots = install_state_layers(model, config.max_num_seqs)
         self.fast_layers = FastLayers()
         if config.cpu_fast_layers is not False:  # faster CPU layers (kernels/cpu/layers.py; None: the exact ones)
-            from kvpaging.kernels.cpu.layers import enable_fast_layers
+            from kvpaging.kernels.cpu.layers import enable_fast_layers, warm_packed_products
 
             self.fast_layers = enable_fast_layers(model, exact=config.cpu_fast_layers is None)
+            # oneDNN's kernels for every decode batch size now, not one new size at a time in the middle of steps
+            seconds = warm_packed_products(model, config.max_num_seqs) if self.fast_layers.linears else 0.0
+            if seconds > 0.05:
+                logger.info("oneDNN's kernels for decode batches of up to %d sequences made in %.2f s",
+                            config.max_num_seqs, seconds)
         # with tensor parallelism every rank calibrates once the all-reduces are in place (its forward pass is a
         # part of the model's, not a whole one): kvpaging/distributed/tensor_parallel.py calls calibrate_fp8_scales then
         if self.kv_cache_dtype == torch.float8_e4m3fn and config.tensor_parallel_size == 1:
