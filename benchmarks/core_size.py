@@ -35,6 +35,7 @@ BEYOND = {
     "kvpaging/worker/self_check.py": "the load-time self-check and the model-support refusals",
     "kvpaging/worker/state_layers.py": "hybrid models' recurrent and convolution states",
     "kvpaging/worker/direct_forward.py": "a Llama-structured model's forward with its layers called straight (CPU)",
+    "kvpaging/worker/host_memory.py": "glibc's malloc told to keep freed memory (CPU)",
 }
 LIMIT = 40
 
