@@ -4,7 +4,8 @@ For each prompt length, ``--batch`` fresh random prompts (no prefix-cache hit) g
 ``max_tokens=1`` (one step: the prompts' keys and values stored in the paged cache, attention over them, the first
 tokens sampled), and the same token ids through the trained model's plain forward pass (transformers, no cache
 object; one batch of equal-length rows). Medians over ``--repeats`` prompts after one warm-up of each. What the time-to-first-token of a long prompt
-is made of when nothing else runs.
+is made of when nothing else runs. Beside the engine's time, the page faults the process took during it (minor faults:
+pages the kernel mapped and zeroed, as for temporaries malloc got fresh from it; ``kvpaging/worker/host_memory.py``).
 
     python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 64 128 256 512
     python benchmarks/prefill.py --dtype bfloat16 --threads 2 --lengths 128 --batch 16   # a 2,048-token step
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import resource
 import statistics
 import time
 
@@ -49,12 +51,14 @@ def main() -> None:
     print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | {args.dtype} | "
           f"attention backend {llm.engine.config.attention_backend} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for length in args.lengths:
-        engine_s, forward_s = [], []
+        engine_s, forward_s, faults_n = [], [], []
         for k in range(args.repeats + 1):
             ids = [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(args.batch)]
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": row} for row in ids], SamplingParams(max_tokens=1), use_tqdm=False)
             engine = time.perf_counter() - start
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             with torch.inference_mode():
                 start = time.perf_counter()
                 model(torch.tensor(ids))
@@ -62,9 +66,10 @@ def main() -> None:
             if k:  # the first of each is a warm-up
                 engine_s.append(engine)
                 forward_s.append(forward)
+                faults_n.append(faults)
         e, f = statistics.median(engine_s) * 1e3, statistics.median(forward_s) * 1e3
         print(f"{args.batch} prompt(s) of {length:5d} tokens: engine {e:7.1f} ms, the model's own forward pass {f:7.1f} ms "
-              f"({e / f:.2f}x; medians of {args.repeats})")
+              f"({e / f:.2f}x; medians of {args.repeats}); the engine's page faults {statistics.median(faults_n):,.0f}")
         if args.profile:
             ids = [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(args.batch)]
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -195,3 +195,30 @@ def test_list_flags_take_commas_or_json_and_refuse_empty_names():
     assert default_allowed_hosts("0.0.0.0") is None
     with pytest.raises(ValueError, match="allowed_hosts"):
         create_app(tiny_llm(), allowed_hosts="localhost")
+
+
+def test_the_server_takes_what_exists_at_start_out_of_the_collectors_sight(monkeypatch):
+    """``kvpaging serve`` freezes the garbage collector's view once the model is loaded and before the first
+    request: a full collection no longer walks the model's, the engine's and the libraries' objects, a pause that
+    would land in some request's time to first token. (The app and the server are stand-ins here: nothing is
+    loaded or served.)"""
+    import gc
+
+    from kvpaging.entrypoints import serve
+
+    frozen_when_served = []
+
+    class Server:
+        def run(self):
+            frozen_when_served.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(serve, "create_app", lambda *a, **k: object())
+    monkeypatch.setattr(serve, "make_server", lambda *a, **k: Server())
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)  # the test process keeps its own handlers
+    monkeypatch.setattr(serve.logging, "basicConfig", lambda **k: None)
+    gc.unfreeze()
+    try:
+        serve.run(serve.make_parser().parse_args(["some-model"]))
+        assert frozen_when_served and frozen_when_served[0] > 1000
+    finally:
+        gc.unfreeze()

@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import hmac
 import json
 import logging
@@ -1350,6 +1351,11 @@ def run(args: argparse.Namespace) -> None:
         app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
                          max_request_body_bytes=args.max_request_body_bytes, allowed_hosts=hosts,
                          allowed_origins=args.allowed_origins, body_timeout_s=args.body_timeout)
+        # Everything made so far (the model, the engine, the libraries' objects: some 400,000 the collector tracks)
+        # lives as long as the server: out of the collector's sight, a full collection no longer walks it all (about
+        # 0.1 s on the 2-core VM, a pause that lands in some request's time to first token). vLLM does the same.
+        gc.collect()
+        gc.freeze()
         logger.info("serving %s on http://%s:%d/v1%s", args.model, args.host, args.port,
                     " (API key required)" if api_key else "")
         make_server(app, host=args.host, port=args.port, log_level=args.log_level,
