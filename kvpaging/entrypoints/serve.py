@@ -1352,8 +1352,9 @@ def run(args: argparse.Namespace) -> None:
                          max_request_body_bytes=args.max_request_body_bytes, allowed_hosts=hosts,
                          allowed_origins=args.allowed_origins, body_timeout_s=args.body_timeout)
         # Everything made so far (the model, the engine, the libraries' objects: some 400,000 the collector tracks)
-        # lives as long as the server: out of the collector's sight, a full collection no longer walks it all (about
-        # 0.1 s on the 2-core VM, a pause that lands in some request's time to first token). vLLM does the same.
+        # lives as long as the server: out of the collector's sight, a full collection no longer walks it all (80 ms
+        # on the 2-core VM, benchmarks/one_time_costs.py: a pause that lands in some request's time to first token).
+        # vLLM does the same.
         gc.collect()
         gc.freeze()
         logger.info("serving %s on http://%s:%d/v1%s", args.model, args.host, args.port,

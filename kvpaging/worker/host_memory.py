@@ -4,8 +4,9 @@ torch's CPU tensors come from ``malloc``. glibc hands out a block over its mmap 
 such blocks are freed, to 32 MiB at most) as pages fresh from the kernel and gives them back when the block is freed;
 and it gives back the free memory at the top of its heap past a trim threshold. A forward pass makes and frees the
 same large temporaries at every layer (a 2,048-token prefill of the trained model: a few megabytes each, hundreds a
-step), so each of them came as fresh pages, each page a fault and the kernel zeroing it: 182,000 faults a prefill, a
-third of its time (RESULTS.md, "The thirteenth session"). Here glibc keeps blocks up to 32 MiB in its heap and keeps
+step), so each of them came as fresh pages, each page a fault and the kernel zeroing it: 130,000 to 183,000 faults a
+prefill, a third of its time (``benchmarks/prefill.py --engine-only``; RESULTS.md, "The thirteenth session"). Here
+glibc keeps blocks up to 32 MiB in its heap and keeps
 up to 256 MiB of free memory instead of giving it back: after the first step the temporaries reuse memory already
 mapped. The process keeps that memory (its peak of temporaries) until it ends.
 
