@@ -39,13 +39,7 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     model = load_trained_model("smollm2", dtype=torch.bfloat16)
     layers.enable_fast_layers(model, exact=True)
-    products = {}
-    for module in model.modules():
-        group, packed = vars(module).get("_fused"), vars(module).get("_packed")
-        if group is not None:  # one of each shape: layers of one shape share oneDNN's kernels
-            products[(tuple(group.packed.shape), group.bias is None)] = (group.packed, group.bias)
-        elif packed is not None and packed.weight is not None:
-            products[(tuple(packed.weight.shape), module.bias is None)] = (packed.weight, module.bias)
+    products = layers.packed_products(model)
     firsts, seconds = [], []
     with torch.no_grad():
         for rows in (37, 23, 11):  # row counts nothing here has run yet

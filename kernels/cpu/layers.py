@@ -425,6 +425,19 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
 _warmed: set[tuple] = set()
 
 
+def packed_products(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``model``'s bfloat16 packed products (a lone layer's, a fused group's), one of each shape with a bias or
+    without (layers of one shape share oneDNN's kernels): ``{(packed shape, no bias): (packed weight, bias)}``."""
+    products = {}
+    for module in model.modules():
+        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
+        if group is not None:
+            products[(tuple(group.packed.shape), group.bias is None)] = (group.packed, group.bias)
+        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
+            products[(tuple(packed.weight.shape), module.bias is None)] = (packed.weight, module.bias)
+    return products
+
+
 def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
     """Run every bfloat16 packed product of ``model`` (each distinct shape once: a lone layer's, a fused group's) on
     zeros of every row count from 1 to ``max_rows`` (at most ``PACKED_MAX_ROWS_BF16``, the most a packed product
@@ -435,23 +448,12 @@ def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
     a size not seen before. Shapes this process made already (another engine on the same model) are skipped. Returns
     the seconds it took."""
     start, threads = time.perf_counter(), torch.get_num_threads()
-    products = {}
-    for module in model.modules():
-        packed = vars(module).get("_packed")
-        group = vars(module).get("_fused")
-        if group is not None:
-            products[id(group)] = (group.packed, group.bias)
-        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
-            products[id(module)] = (packed.weight, module.bias)
     with torch.no_grad():
-        for weight, bias in products.values():
-            in_features = weight.shape[-1] if weight.dim() == 2 else None
+        for (shape, no_bias), (weight, bias) in packed_products(model).items():
             for rows in range(1, min(max_rows, PACKED_MAX_ROWS_BF16) + 1):
-                key = (tuple(weight.shape), bias is None, threads, rows)
-                if in_features is None or key in _warmed:
-                    continue
-                _onednn_product(torch.zeros(rows, in_features, dtype=torch.bfloat16), weight, bias)
-                _warmed.add(key)
+                if (shape, no_bias, threads, rows) not in _warmed:
+                    _onednn_product(torch.zeros(rows, shape[-1], dtype=torch.bfloat16), weight, bias)
+                    _warmed.add((shape, no_bias, threads, rows))
     return time.perf_counter() - start
 
 

@@ -6,9 +6,9 @@ and it gives back the free memory at the top of its heap past a trim threshold. 
 same large temporaries at every layer (a 2,048-token prefill of the trained model: a few megabytes each, hundreds a
 step), so each of them came as fresh pages, each page a fault and the kernel zeroing it: 130,000 to 183,000 faults a
 prefill, a third of its time (``benchmarks/prefill.py --engine-only``; RESULTS.md, "The thirteenth session"). Here
-glibc keeps blocks up to 32 MiB in its heap and keeps
-up to 256 MiB of free memory instead of giving it back: after the first step the temporaries reuse memory already
-mapped. The process keeps that memory (its peak of temporaries) until it ends.
+glibc keeps blocks up to 32 MiB in its heap and keeps up to 256 MiB of free memory instead of giving it back: after
+the first step the temporaries reuse memory already mapped. The process keeps that memory (its peak of temporaries)
+until it ends.
 
 It is the process's allocator, so the setting is process-wide: set once, and not where the user tuned glibc's
 malloc already (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES`` in the environment).
