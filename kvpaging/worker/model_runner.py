@@ -83,16 +83,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_NAME)  # on the private copy: the user's model keeps its attention
         # a hybrid model's linear-attention / state-space layers: a state slot per sequence (kvpaging/worker/state_layers.py)
         self.state_slots = install_state_layers(model, config.max_num_seqs)
-        self.fast_layers = FastLayers()
-        if config.cpu_fast_layers is not False:  # faster CPU layers (kernels/cpu/layers.py; None: the exact ones)
-            from kvpaging.kernels.cpu.layers import enable_fast_layers, warm_packed_products
-
-            self.fast_layers = enable_fast_layers(model, exact=config.cpu_fast_layers is None)
-            # oneDNN's kernels for every decode batch size now, not one new size at a time in the middle of steps
-            seconds = warm_packed_products(model, config.max_num_seqs) if self.fast_layers.linears else 0.0
-            if seconds > 0.05:
-                logger.info("oneDNN's kernels for decode batches of up to %d sequences made in %.2f s",
-                            config.max_num_seqs, seconds)
+        self.fast_layers = _fast_layers(model, config)
         # with tensor parallelism every rank calibrates once the all-reduces are in place (its forward pass is a
         # part of the model's, not a whole one): kvpaging/distributed/tensor_parallel.py calls calibrate_fp8_scales then
         if self.kv_cache_dtype == torch.float8_e4m3fn and config.tensor_parallel_size == 1:
@@ -241,6 +232,21 @@ class ModelRunner:
             inputs.rows, inputs.group_tables,
         )
         return logits[0]
+
+
+def _fast_layers(model, config: EngineConfig) -> FastLayers:
+    """Faster CPU layers for the private copy (``kernels/cpu/layers.py``; ``cpu_fast_layers=None``: the exact ones),
+    and oneDNN's kernels for every decode batch size made now, not one new size at a time in the middle of steps."""
+    if config.cpu_fast_layers is False:
+        return FastLayers()
+    from kvpaging.kernels.cpu.layers import enable_fast_layers, warm_packed_products
+
+    fast = enable_fast_layers(model, exact=config.cpu_fast_layers is None)
+    seconds = warm_packed_products(model, config.max_num_seqs) if fast.linears else 0.0
+    if seconds > 0.05:
+        logger.info("oneDNN's kernels for decode batches of up to %d sequences made in %.2f s", config.max_num_seqs,
+                    seconds)
+    return fast
 
 
 class BlockTable:
