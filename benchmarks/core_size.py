@@ -24,7 +24,10 @@ CORE = [
 # counted above, printed below so that nothing leaves the count unseen.
 BEYOND = {
     "kvpaging/core/invariants.py": "the tests' full scans of the books",
-    "kvpaging/core/kv_stats.py": "KVCacheStats, the figures the lessons and views read",
+    "kvpaging/core/kv_stats.py": "KVCacheStats and its high-water marks, the figures the lessons and views read",
+    "kvpaging/core/stop_checker.py": "stop tokens, stop strings, min_tokens; nano-vllm's EOS and length tests too",
+    "kvpaging/sampling_checks.py": "the checks of SamplingParams' vLLM settings; nano-vllm asserts one",
+    "kvpaging/checks.py": "the value checks the settings and the memory core share",
     "kvpaging/core/sliding_window.py": "a window on every layer: passed blocks back to the pool",
     "kvpaging/core/layer_groups.py": "sliding layers among full ones: a block table per layer group",
     "kvpaging/worker/logits_processors.py": "penalties, logit bias, bad words, min_tokens, allowed tokens, grammars",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import numbers
 from dataclasses import dataclass
+
+from kvpaging.sampling_checks import check_sampling_params
 
 # Temperatures below this are treated as 0, i.e. greedy. Dividing logits by a
 # temperature this small would overflow to inf anyway; vLLM uses the same 1e-5.
@@ -128,81 +128,11 @@ class SamplingParams:
     structured_outputs: object | None = None  # a StructuredOutputsParams
 
     def __post_init__(self) -> None:
-        self._check_numbers()
-        self._check_token_lists()
-        self._check_kinds()
-        self._normalise()
-
-    def _check_numbers(self) -> None:
-        _check_int("n", self.n, minimum=1)
-        _check_float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_float("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, minimum=-1)
-        _check_float("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=-(2**63))
-            if self.seed >= 2**64:
-                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-        for name in ("presence_penalty", "frequency_penalty"):
-            _check_float(name, getattr(self, name))
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        _check_float("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
-
-    def _check_token_lists(self) -> None:
-        stop = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in stop):
-            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stop!r}")
-        stop_strings = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
-        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(t, str) and t for t in stop_strings):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        bias = {} if self.logit_bias is None else self.logit_bias
-        if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
-        for token, value in bias.items():
-            if not (_is_int(token) and 0 <= token <= INT64_MAX):
-                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-            _check_float(f"logit_bias[{token}]", value)
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
-        allowed = self.allowed_token_ids
-        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed or not all(
-                _is_int(t) and 0 <= t <= INT64_MAX for t in allowed)):
-            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {allowed!r}")
-        bad = self.bad_words
-        if bad is not None and (not isinstance(bad, (list, tuple)) or not all(
-                isinstance(w, str) and w.strip() for w in bad)):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {bad!r}")
-
-    def _check_kinds(self) -> None:
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.structured_outputs is not None:
-            from kvpaging.engine.structured_outputs import StructuredOutputsParams
-
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
-                                 f"{type(self.structured_outputs).__name__}")
+        check_sampling_params(self)  # every value, a ValueError naming the first bad one (sampling_checks.py)
         if not isinstance(self.output_kind, RequestOutputKind) or self.output_kind == RequestOutputKind.DELTA:
             raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}"
                              " (kvpaging has no DELTA outputs)")
+        self._normalise()
 
     def _normalise(self) -> None:
         stop = [] if self.stop_token_ids is None else self.stop_token_ids
@@ -268,26 +198,3 @@ class SamplingParams:
             changes.setdefault(name, None if value is None else type(value)(value))
         return dataclasses.replace(self, **changes)
 
-
-def _is_int(value) -> bool:
-    # bool is a subclass of int in Python; n=True is a bug, not a request for one sample.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-INT64_MAX = 2**63 - 1  # every integer setting becomes a tensor element or a C integer somewhere
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > INT64_MAX:
-        raise ValueError(f"{name} must fit in a signed 64-bit integer (at most 2**63 - 1), got {value}")
-
-
-def _check_float(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")

@@ -53,7 +53,7 @@ from typing import Callable, Hashable, Sequence
 
 from kvpaging.checks import check_bool, check_int
 from kvpaging.core.block_pool import BlockPool, KVBlock
-from kvpaging.core.kv_stats import KVCacheStats
+from kvpaging.core.kv_stats import KVCacheStats, Peaks
 from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
 
 __all__ = ["BlockManager", "PrefixHit", "KVCacheStats", "SequenceBlocks", "default_block_hash"]
@@ -178,48 +178,17 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def stats(self) -> KVCacheStats:
-        pool = self.pool
-        return KVCacheStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            num_sequences=len(self._seqs),
-            num_used_blocks=pool.num_used_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            num_cached_free_blocks=pool.num_cached_free_blocks,
-            num_tokens_stored=pool.num_filled_slots,
-            num_table_blocks=self._num_table_blocks,
-            prefix_query_tokens=self._prefix_query_tokens,
-            prefix_hit_tokens=self._prefix_hit_tokens,
-            num_cow_copies=self._num_cow_copies,
-            num_evictions=pool.num_evictions,
-            peak_used_blocks=self._peak_used_blocks,
-            table_blocks_at_peak=self._table_blocks_at_peak,
-            peak_table_blocks=self._peak_table_blocks,
-            peak_savings_blocks=self._peak_savings_blocks,
-            num_passed_blocks=self._num_passed_blocks,
-        )
+        return KVCacheStats.of(self)
 
     def reset_peak_stats(self) -> None:
         """Start the high-water marks in ``stats()`` afresh, from the present state
         (as ``torch.cuda.reset_peak_memory_stats`` does for GPU memory)."""
-        self._peak_used_blocks = self._table_blocks_at_peak = self._peak_table_blocks = 0
-        self._peak_savings_blocks = 0
+        self.peaks = Peaks()
         self._note_peak()
 
     def _note_peak(self) -> None:
-        """Raise the high-water marks to the present state. Called at the end of every method that
-        can add a used block or a table entry (allocate, append, fork); the
-        others only lower both, so the marks are exact peaks, not samples."""
-        used = self.num_blocks - self.pool.free_queue.num_free_blocks
-        tables = self._num_table_blocks
-        if used > self._peak_used_blocks:
-            self._peak_used_blocks = used
-            self._table_blocks_at_peak = tables
-        if tables > self._peak_table_blocks:
-            self._peak_table_blocks = tables
-        if tables - used > self._peak_savings_blocks:
-            self._peak_savings_blocks = tables - used
+        """Raise the high-water marks (``kv_stats.Peaks``) to the present state."""
+        self.peaks.note(self.num_blocks - self.pool.free_queue.num_free_blocks, self._num_table_blocks)
 
     # -- prefix cache --------------------------------------------------------
     def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:

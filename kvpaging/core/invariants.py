@@ -88,10 +88,11 @@ def check_block_manager(bm: BlockManager) -> None:
                    f"{seq_id!r}: the layer groups' tables differ in length or row")
     used = bm.pool.num_used_blocks
     tables = sum(member._num_table_blocks for member in members)
-    _check(bm._peak_used_blocks >= used, "high-water mark of used blocks below the present")
-    _check(bm._peak_table_blocks >= tables, "high-water mark of table blocks below the present")
-    _check(bm._peak_savings_blocks >= tables - used, "high-water mark of savings below the present")
-    _check(bm._table_blocks_at_peak <= bm._peak_table_blocks, "tables at the peak above the tables' peak")
+    peaks = bm.peaks
+    _check(peaks.used_blocks >= used, "high-water mark of used blocks below the present")
+    _check(peaks.table_blocks >= tables, "high-water mark of table blocks below the present")
+    _check(peaks.savings_blocks >= tables - used, "high-water mark of savings below the present")
+    _check(peaks.table_blocks_at_peak <= peaks.table_blocks, "tables at the peak above the tables' peak")
 
 
 def _check_tables(bm: BlockManager, owners: dict[int, int]) -> None:

@@ -29,7 +29,7 @@ from typing import Hashable, Sequence
 
 from kvpaging.core.block_manager import NO_HIT, BlockManager, PrefixHit, SequenceBlocks
 from kvpaging.core.block_pool import BlockPool
-from kvpaging.core.kv_stats import KVCacheStats
+from kvpaging.core.kv_stats import KVCacheStats, Peaks
 from kvpaging.core.sliding_window import SlidingWindowBlockManager
 
 __all__ = ["GroupedBlockManager", "GroupedPrefixHit"]
@@ -203,24 +203,18 @@ class GroupedBlockManager:
             num_table_blocks=sum(p.num_table_blocks for p in parts),
             num_cow_copies=sum(p.num_cow_copies for p in parts),
             num_passed_blocks=sum(p.num_passed_blocks for p in parts),
-            peak_used_blocks=self._peak_used_blocks,
-            table_blocks_at_peak=self._table_blocks_at_peak,
-            peak_table_blocks=self._peak_table_blocks,
-            peak_savings_blocks=self._peak_savings_blocks,
+            peak_used_blocks=self.peaks.used_blocks,
+            table_blocks_at_peak=self.peaks.table_blocks_at_peak,
+            peak_table_blocks=self.peaks.table_blocks,
+            peak_savings_blocks=self.peaks.savings_blocks,
         )
 
     def reset_peak_stats(self) -> None:
-        self._peak_used_blocks = self._table_blocks_at_peak = self._peak_table_blocks = 0
-        self._peak_savings_blocks = 0
+        self.peaks = Peaks()
         self._note_peak()
 
     def _note_peak(self) -> None:
         """The high-water marks of the whole pool and of all groups' tables, after each change that adds to
         them (the groups' own marks see the pool between two groups' changes)."""
-        used = self.num_blocks - self.pool.free_queue.num_free_blocks
-        tables = sum(group._num_table_blocks for group in self.groups)
-        if used > self._peak_used_blocks:
-            self._peak_used_blocks = used
-            self._table_blocks_at_peak = tables
-        self._peak_table_blocks = max(self._peak_table_blocks, tables)
-        self._peak_savings_blocks = max(self._peak_savings_blocks, tables - used)
+        self.peaks.note(self.num_blocks - self.pool.free_queue.num_free_blocks,
+                        sum(group._num_table_blocks for group in self.groups))

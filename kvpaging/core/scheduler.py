@@ -38,6 +38,7 @@ from kvpaging.config import SCHEDULING
 from kvpaging.core.block_manager import NO_HIT, BlockManager, SequenceBlocks
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput, UpdateResult
 from kvpaging.core.sequence import Request, Sequence, SequenceStatus
+from kvpaging.core.stop_checker import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -325,50 +326,21 @@ class Scheduler:
         return result
 
     def _check_stop(self, seq: Sequence, token: int, result: UpdateResult, keep_tables: bool) -> None:
-        """After ``token`` was appended: finish ``seq`` if it is done, in vLLM's order of reasons
-        (EOS, a stop token, a stop string, then its length), and note it in ``result``."""
+        """After ``token`` was appended: finish ``seq`` if it is done (``stop_checker.py``), and note it in
+        ``result``; if decoding its text for stop strings raises, its request fails alone."""
         if seq.status.is_finished:  # its request failed earlier in this step (a sibling's stop check raised)
             return
-        min_tokens = seq.request.params.min_tokens
-        if min_tokens and len(seq.token_ids) - seq.prompt_len < min_tokens:
-            # too short to stop (the sampler banned its stop tokens): its text is made but not searched
-            if seq.has_stop_strings:
-                self._advance_text(seq, result, keep_tables)
-            if not seq.status.is_finished and len(seq.token_ids) >= seq.max_len:  # max_model_len
-                self._finish_now(seq, SequenceStatus.FINISHED_LENGTH, result, keep_tables)
-            return
-        if token in seq.stop_ids:  # EOS or one of the request's stop tokens
-            status = SequenceStatus.FINISHED_STOPPED
-            # EOS ends it with no stop_reason (vLLM's meaning), a stop token with that token
-            seq.stop_reason = None if token in self.eos_token_ids and not seq.request.params.ignore_eos else token
-        elif seq.has_stop_strings and self._stop_string_found(seq, result, keep_tables):
-            status = SequenceStatus.FINISHED_STOPPED  # a stop string: the text ends before it
-            seq.stop_reason = seq.detokenizer.stop_reason
-        elif seq.status.is_finished:  # the stop-string search raised: the request has failed
-            return
-        elif len(seq.token_ids) >= seq.max_len:  # max_tokens, or max_model_len
-            status = SequenceStatus.FINISHED_LENGTH
-        else:
-            return
-        self._finish_now(seq, status, result, keep_tables)
-
-    def _finish_now(self, seq: Sequence, status: SequenceStatus, result: UpdateResult, keep_tables: bool) -> None:
-        if keep_tables:
-            result.released_tables[seq.seq_id] = tuple(seq.blocks.block_ids)
-        self._finish(seq, status, remove=False)
-        result.finished.append(seq)
-
-    def _stop_string_found(self, seq: Sequence, result: UpdateResult, keep_tables: bool, search: bool = True) -> bool:
-        """Whether the text now holds a stop string; if decoding the text raises, the request fails alone."""
         try:
-            return seq.detokenizer.update(seq.output_token_ids, search) is not None
+            status = check_stop(seq, token, self.eos_token_ids)
         except Exception as error:  # noqa: BLE001 - this request's text, nobody else's
             logger.error("request %s failed: its stop-string check raised %r", seq.request.request_id, error)
             self._fail_request(seq.request, error, result.failed, result.released_tables if keep_tables else None)
-            return False
-
-    def _advance_text(self, seq: Sequence, result: UpdateResult, keep_tables: bool) -> None:
-        self._stop_string_found(seq, result, keep_tables, search=False)
+            return
+        if status is not None:
+            if keep_tables:
+                result.released_tables[seq.seq_id] = tuple(seq.blocks.block_ids)
+            self._finish(seq, status, remove=False)
+            result.finished.append(seq)
 
     def _drop_failed(self, out: SchedulerOutput, failed_rows: dict[int, BaseException], token_ids, logprobs,
                      top_logprobs, result: UpdateResult, keep_tables: bool):
