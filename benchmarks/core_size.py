@@ -33,6 +33,7 @@ BEYOND = {
     "kvpaging/worker/logits_processors.py": "penalties, logit bias, bad words, min_tokens, allowed tokens, grammars",
     "kvpaging/worker/fp8_scales.py": "the FP8 cache's calibrated scales",
     "kvpaging/engine/prompt_logprobs.py": "prompt log-probabilities",
+    "kvpaging/engine/row_sampling.py": "seeded completions' own generators; a row that cannot be sampled fails alone",
     "kvpaging/engine/structured_outputs.py": "structured outputs (llguidance)",
     "kvpaging/worker/kv_layout.py": "each layer's key/value shapes and windows",
     "kvpaging/worker/self_check.py": "the load-time self-check and the model-support refusals",

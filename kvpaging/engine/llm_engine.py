@@ -39,6 +39,7 @@ from kvpaging.core.sequence import Request, Sequence
 from kvpaging.engine.input_processor import InputProcessor, normalize_batch
 from kvpaging.engine.outputs import RequestOutput, request_output
 from kvpaging.engine.prompt_logprobs import record_prompt_logprobs
+from kvpaging.engine.row_sampling import SeededGenerators, sample_rows
 from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
 from kvpaging.engine.structured_outputs import advance_grammars
 from kvpaging.errors import DuplicateSequenceError, RequestFailedError
@@ -47,7 +48,7 @@ from kvpaging.worker.kv_layout import passing_window
 from kvpaging.worker.state_layers import state_bytes_per_sequence
 from kvpaging.worker.model_runner import ModelRunner
 from kvpaging.worker.logits_processors import RowHistory
-from kvpaging.worker.sampler import Sampler, SamplerOutput, make_generator
+from kvpaging.worker.sampler import Sampler, SamplerOutput
 from kvpaging.worker.self_check import (CHECKED, SelfCheckResult, check_model_supported, measure_kv_layout,
                                         model_fingerprint, run_self_check)
 
@@ -95,9 +96,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device)  # rows of requests without a seed of their own
-        self.generator.manual_seed(config.seed)
-        self._generators: dict[int, torch.Generator] = {}  # seq id -> generator, for seeded completions
+        self.generators = SeededGenerators(self.device, config.seed)  # the shared one, and seeded completions' own
         self.observers = StepObservers()
         self._batch_ids = itertools.count()
         self._streaming: set[str] = set()  # unfinished requests that report every step (not FINAL_ONLY)
@@ -250,7 +249,7 @@ class LLMEngine:
             raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
         request = self.scheduler.abort_request(request_id)
         self._streaming.discard(request_id)
-        self._forget_generators(request.seqs)
+        self.generators.forget(request.seqs)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running."""
@@ -314,7 +313,7 @@ class LLMEngine:
             # even on Ctrl-C (KeyboardInterrupt), which then still stops the caller.
             logger.error("step %d failed: %r; failing its requests", out.step, error)
             failed = sched.fail_step(out, error)
-            self._forget_generators(failed)
+            self.generators.forget(failed)
             if not isinstance(error, Exception):
                 raise
             self.observers.emit(out, start, sched, finished=failed)
@@ -323,64 +322,24 @@ class LLMEngine:
         result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening,
                               top_logprobs=sampled.top_logprobs, failed_rows=failed_rows, now=time.perf_counter())
         finished = result.finished + result.failed if result.failed else result.finished
-        self._forget_generators(finished)
+        self.generators.forget(finished)
         if listening:
             self.observers.emit(out, start, sched, finished, result.sampled, result.released_tables)
         return self._outputs(result.sampled, finished)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[SamplerOutput, dict | None]:
-        """One token per sampling sequence, and the rows that could not get one (row -> error), if any.
-
-        The batch is sampled at once. Should that raise, each row is sampled alone (seeded rows from
-        their generators as they were before the batch's attempt), so that a row that cannot be
-        sampled fails its own request and no other: greedy and seeded rows get the tokens they would
-        have got anyway. (Should every row fail alone too, every sampling request fails; the step's
-        prompt chunks that sample nothing yet go on.)"""
+        """One token per sampling sequence, and the rows that could not get one (row -> error), if any: a row
+        that cannot be sampled fails its own request and no other (``row_sampling.py``)."""
         samples = out.samples
         if not samples:
             return SamplerOutput(token_ids=[]), None
         if out.sample_rows is not None:  # n > 1 forks: several completions read one row
             logits = logits[out.sample_rows]
         params = [seq.request.params for seq in samples]
-        generators = states = None
-        if any(p.seed is not None for p in params):
-            generators = [None if p.seed is None else self._generator(seq.seq_id, seq.seed)
-                          for seq, p in zip(samples, params)]
-            states = [None if g is None else g.get_state() for g in generators]  # ~2 us each, against a draw's 100s
         # built only if some row needs it (penalties, min_tokens, bad words; the sampler looks once)
         histories = lambda: [self._history(seq) for seq in samples]  # noqa: E731
-        try:
-            return self.sampler(logits, params, generators, self.generator, histories), None
-        except Exception as error:  # noqa: BLE001 - find the row(s) at fault, below
-            if len(samples) == 1:
-                return SamplerOutput(token_ids=[0]), {0: error}
-            logger.warning("step %d: sampling the batch raised %r; sampling its %d rows one by one",
-                           out.step, error, len(samples))
-        if states is not None:
-            for g, state in zip(generators, states):
-                if g is not None:
-                    g.set_state(state)
-        return self._sample_rows_alone(logits, params, generators, samples)
-
-    def _sample_rows_alone(self, logits, params, generators, samples) -> tuple[SamplerOutput, dict]:
-        token_ids, logprobs, top_logprobs, failed = [], [], [], {}
-        for i, (seq, p) in enumerate(zip(samples, params)):
-            try:
-                one = self.sampler(logits[i:i + 1], [p], None if generators is None else [generators[i]],
-                                   self.generator, [self._history(seq)])
-            except Exception as error:  # noqa: BLE001 - this row's request fails, alone
-                failed[i] = error
-                token_ids.append(0)  # never used: the scheduler drops failed rows before appending tokens
-                logprobs.append(float("nan"))
-                top_logprobs.append({})
-                continue
-            token_ids.append(one.token_ids[0])
-            # rows that asked for none have no log-probabilities; theirs are never read
-            logprobs.append(one.logprobs[0] if one.logprobs is not None else float("nan"))
-            top_logprobs.append(one.top_logprobs[0] if one.top_logprobs is not None else {})
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        return SamplerOutput(token_ids, logprobs if wants_logprobs else None,
-                             top_logprobs if any(p.logprobs for p in params) else None), failed
+        return sample_rows(self.sampler, logits, params, self.generators.of(samples, params), self.generators.shared,
+                           histories, out.step)
 
     def _history(self, seq: Sequence) -> RowHistory:
         """What the sampler needs to know of a sequence's past: its tokens, what would stop it, its bad words,
@@ -389,18 +348,6 @@ class LLMEngine:
         if request.grammar is not None and seq.matcher is None:
             seq.matcher = self.inputs.grammars.matcher(request.grammar)
         return RowHistory(seq.token_ids, request.prompt_len, seq.stop_ids, request.bad_words_token_ids, seq.matcher)
-
-    def _generator(self, seq_id: int, seed: int) -> torch.Generator:
-        """A seeded completion's own generator, made from its seed the first time it samples."""
-        generator = self._generators.get(seq_id)
-        if generator is None:
-            generator = self._generators[seq_id] = make_generator(seed, self.device)
-        return generator
-
-    def _forget_generators(self, seqs: list[Sequence]) -> None:
-        if self._generators:
-            for seq in seqs:
-                self._generators.pop(seq.seq_id, None)
 
     def _outputs(self, advanced: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
         """The outputs of the requests whose sequences ``advanced`` this step, oldest first: every
@@ -418,7 +365,7 @@ class LLMEngine:
                 outputs.append(request_output(req))
             except Exception as error:  # noqa: BLE001 - its text could not be made: it fails, alone
                 logger.error("request %s failed: making its output raised %r", req.request_id, error)
-                self._forget_generators(self.scheduler.fail_request(req, error))
+                self.generators.forget(self.scheduler.fail_request(req, error))
                 self._streaming.discard(req.request_id)
                 outputs.append(request_output(req))  # with the error; its text as far as it decodes
         return outputs

@@ -1,0 +1,86 @@
+"""Sampling a step's rows, beyond nano-vllm's one shared draw: each seeded completion samples from a generator of its
+own (made from ``Sequence.seed`` at its first sample, forgotten when it ends), so its tokens do not depend on its
+neighbours; and when sampling the batch raises, each row is sampled alone, so that a row that cannot be sampled
+fails its own request and no other (the rest of the step goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvpaging.core.sequence import Sequence
+from kvpaging.sampling_params import SamplingParams
+from kvpaging.worker.sampler import SamplerOutput, make_generator
+
+logger = logging.getLogger("kvpaging")
+
+__all__ = ["SeededGenerators", "sample_rows"]
+
+
+class SeededGenerators:
+    """The engine's random generators: ``shared`` (seeded from ``EngineConfig.seed``) for rows without a seed, and one
+    per seeded completion."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.shared = torch.Generator(device=device)
+        self.shared.manual_seed(seed)
+        self._own: dict[int, torch.Generator] = {}  # seq id -> its generator
+
+    def of(self, samples: list[Sequence], params: list[SamplingParams]) -> list[torch.Generator | None] | None:
+        """Each sample's own generator (None: the shared one), or None when no sample has a seed."""
+        if all(p.seed is None for p in params):
+            return None
+        return [None if p.seed is None else self._own_generator(seq) for seq, p in zip(samples, params)]
+
+    def _own_generator(self, seq: Sequence) -> torch.Generator:
+        generator = self._own.get(seq.seq_id)
+        if generator is None:
+            generator = self._own[seq.seq_id] = make_generator(seq.seed, self.device)
+        return generator
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Drop the generators of sequences that ended."""
+        if self._own:
+            for seq in seqs:
+                self._own.pop(seq.seq_id, None)
+
+
+def sample_rows(sampler, logits: torch.Tensor, params: list[SamplingParams], generators, shared: torch.Generator,
+                histories, step: int) -> tuple[SamplerOutput, dict[int, BaseException] | None]:
+    """``sampler(logits, params, generators, shared, histories)`` for the batch, and the rows that could not get a
+    token (row -> error), if any. Should the batch raise, each row is sampled alone, seeded rows from their
+    generators as they were before the batch's attempt, so greedy and seeded rows get the tokens they would have got
+    anyway. (``histories``: a function making one ``RowHistory`` per row, called only if some row needs them.)"""
+    states = None if generators is None else [None if g is None else g.get_state() for g in generators]  # ~2 us each
+    try:
+        return sampler(logits, params, generators, shared, histories), None
+    except Exception as error:  # noqa: BLE001 - find the row(s) at fault, below
+        if len(params) == 1:
+            return SamplerOutput(token_ids=[0]), {0: error}
+        logger.warning("step %d: sampling the batch raised %r; sampling its %d rows one by one", step, error,
+                       len(params))
+    if states is not None:
+        for g, state in zip(generators, states):
+            if g is not None:
+                g.set_state(state)
+    rows = histories()
+    token_ids, logprobs, top_logprobs, failed = [], [], [], {}
+    for i, p in enumerate(params):
+        try:
+            one = sampler(logits[i:i + 1], [p], None if generators is None else [generators[i]], shared, [rows[i]])
+        except Exception as error:  # noqa: BLE001 - this row's request fails, alone
+            failed[i] = error
+            token_ids.append(0)  # never used: the scheduler drops failed rows before appending tokens
+            logprobs.append(float("nan"))
+            top_logprobs.append({})
+            continue
+        token_ids.append(one.token_ids[0])
+        # rows that asked for none have no log-probabilities; theirs are never read
+        logprobs.append(one.logprobs[0] if one.logprobs is not None else float("nan"))
+        top_logprobs.append(one.top_logprobs[0] if one.top_logprobs is not None else {})
+    wants_logprobs = any(p.logprobs is not None for p in params)
+    return SamplerOutput(token_ids, logprobs if wants_logprobs else None,
+                         top_logprobs if any(p.logprobs for p in params) else None), failed
