@@ -1,6 +1,6 @@
-"""The checks of ``SamplingParams``: every value, when the params are made, a ValueError naming the first bad one
-(the request boundary; nothing later checks them again). nano-vllm asserts one thing (a temperature above zero);
-kvpaging takes vLLM's settings, each with its range.
+"""The checks of ``SamplingParams``: every value when the params are made, then at intake what they ask of the
+engine, each a ValueError naming the first bad value (the request boundary; nothing later checks them again).
+nano-vllm asserts one thing (a temperature above zero); kvpaging takes vLLM's settings, each with its range.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_sampling_params", "INT64_MAX"]
+__all__ = ["check_sampling_params", "check_params_for_engine", "INT64_MAX"]
 
 
 def check_sampling_params(params) -> None:
@@ -16,6 +16,29 @@ def check_sampling_params(params) -> None:
     _check_numbers(params)
     _check_token_lists(params)
     _check_kinds(params)
+
+
+def check_params_for_engine(params, max_logprobs: int, tokenizer, vocab_size: int) -> None:
+    """At intake (``input_processor.py``): what ``params`` ask of the engine that serves them, a ValueError naming
+    the value it cannot give (log-probabilities beyond ``max_logprobs``, text settings without a tokenizer, token ids
+    outside the vocabulary)."""
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={max_logprobs} (an LLM setting)")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
+        raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={max_logprobs} "
+                         "(an LLM setting)")
+    if params.stop and tokenizer is None:
+        raise ValueError(f"stop={params.stop!r} needs a tokenizer to find strings in the text, and this "
+                         "engine has none: use stop_token_ids, or give LLM a tokenizer")
+    if params.bad_words and tokenizer is None:
+        raise ValueError(f"bad_words={params.bad_words!r} needs a tokenizer to spell them in tokens, and this "
+                         "engine has none: use logit_bias with -100 on their token ids")
+    if params.structured_outputs is not None and tokenizer is None:
+        raise ValueError("structured_outputs needs a tokenizer (the grammar is over text), and this engine has none")
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{name} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})")
 
 
 def _check_numbers(params) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from kvpaging import LLM, SamplingParams
 from kvpaging.models.trained_model import trained
+from kvpaging.worker.logits_processors import bad_words_token_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_TOKENS = 24
@@ -71,7 +72,8 @@ def test_bad_words_are_transformers_bad_words_ids(smollm2, reference_model):
     plain = generate(reference_model, prompt)
     tok = smollm2.get_tokenizer()
     words = [tok.decode([plain[0]]).strip(), tok.decode(plain[3:5]).strip()]  # a one-token word, and a longer one
-    spellings = smollm2.engine.inputs.bad_words_token_ids(words)
+    # the spellings the engine bans (kvpaging/worker/logits_processors.py), as intake makes them
+    spellings = bad_words_token_ids(tok, smollm2.engine.vocab_size, words)
     assert any(len(s) > 1 for s in spellings), spellings
     got = ours(smollm2, prompt, bad_words=words)
     assert got == generate(reference_model, prompt, bad_words_ids=[list(s) for s in spellings])

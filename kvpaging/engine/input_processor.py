@@ -16,7 +16,9 @@ import torch
 from kvpaging.config import EngineConfig
 from kvpaging.core.sequence import Request
 from kvpaging.engine.structured_outputs import GrammarCompiler
+from kvpaging.sampling_checks import check_params_for_engine
 from kvpaging.sampling_params import SamplingParams
+from kvpaging.worker.logits_processors import bad_words_token_ids
 
 __all__ = ["InputProcessor", "normalize_batch"]
 
@@ -34,7 +36,7 @@ class InputProcessor:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params, arrival, text, tokenizer=self.tokenizer)
         if params.bad_words:
-            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+            request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, self.vocab_size, params.bad_words)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.compile(params.structured_outputs)  # a bad grammar raises here
         if params.prompt_logprobs is not None:
@@ -53,36 +55,8 @@ class InputProcessor:
             )
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
-        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs} (an LLM setting)")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={cfg.max_logprobs} "
-                             "(an LLM setting)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer to find strings in the text, and this "
-                             "engine has none: use stop_token_ids, or give LLM a tokenizer")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"bad_words={params.bad_words!r} needs a tokenizer to spell them in tokens, and this "
-                             "engine has none: use logit_bias with -100 on their token ids")
-        if params.structured_outputs is not None and self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer (the grammar is over text), and this engine has none")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            outside = [t for t in ids if t >= self.vocab_size]
-            if outside:
-                raise ValueError(f"{name} has token id {outside[0]}, outside the vocabulary [0, {self.vocab_size})")
+        check_params_for_engine(params, cfg.max_logprobs, self.tokenizer, self.vocab_size)  # sampling_checks.py
         return text, token_ids
-
-    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's spellings in tokens: as given (its leading spaces dropped) and after a space,
-        the way it reads mid-sentence. Only spellings inside the vocabulary count."""
-        spellings: list[tuple[int, ...]] = []
-        for word in words:
-            word = word.lstrip()
-            for text in (word, " " + word):
-                ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-                if ids and all(t < self.vocab_size for t in ids) and ids not in spellings:
-                    spellings.append(ids)
-        return tuple(spellings)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -14,7 +14,7 @@ import torch
 from kvpaging.engine.structured_outputs import allowed_tokens
 from kvpaging.sampling_params import SamplingParams
 
-__all__ = ["RowHistory", "apply_logits_processors"]
+__all__ = ["RowHistory", "apply_logits_processors", "bad_words_token_ids"]
 
 
 class RowHistory(NamedTuple):
@@ -90,3 +90,16 @@ def _penalize(x: torch.Tensor, p: SamplingParams, h: RowHistory) -> None:
         generated = torch.tensor(tokens[prompt_len:], dtype=torch.int64, device=x.device)
         counts = torch.bincount(generated, minlength=vocab)[:vocab].to(x.dtype)
         x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def bad_words_token_ids(tokenizer, vocab_size: int, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's spellings in tokens: as given (its leading spaces dropped) and after a space,
+    the way it reads mid-sentence. Only spellings inside the vocabulary count."""
+    spellings: list[tuple[int, ...]] = []
+    for word in words:
+        word = word.lstrip()
+        for text in (word, " " + word):
+            ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and all(t < vocab_size for t in ids) and ids not in spellings:
+                spellings.append(ids)
+    return tuple(spellings)
