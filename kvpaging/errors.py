@@ -1,5 +1,7 @@
 """Exceptions with names that say what went wrong. The ones about bad input are ValueErrors."""
 
+from __future__ import annotations
+
 __all__ = ["SequenceNotFoundError", "DuplicateSequenceError", "SequenceTooLongError", "RequestFailedError",
            "InvariantError", "TensorParallelError", "UnsupportedModelError"]
 
@@ -30,6 +32,15 @@ class RequestFailedError(RuntimeError):
         super().__init__(message)
         self.outputs = outputs
         self.failed = failed
+
+    @classmethod
+    def of_batch(cls, outputs: list) -> RequestFailedError:
+        """The error for a batch's final ``outputs``, some of which failed, naming the first few."""
+        failed = [o for o in outputs if o.error is not None]
+        first = failed[0].error
+        return cls(f"{len(failed)} of {len(outputs)} requests failed ({', '.join(o.request_id for o in failed[:5])}"
+                   f"{', ...' if len(failed) > 5 else ''}): {type(first).__name__}: {first}. The others finished; "
+                   "every output is in this error's .outputs", outputs, failed)
 
 
 class InvariantError(AssertionError):

@@ -49,8 +49,7 @@ from kvpaging.worker.state_layers import state_bytes_per_sequence
 from kvpaging.worker.model_runner import ModelRunner
 from kvpaging.worker.logits_processors import RowHistory
 from kvpaging.worker.sampler import Sampler, SamplerOutput
-from kvpaging.worker.self_check import (CHECKED, SelfCheckResult, check_model_supported, measure_kv_layout,
-                                        model_fingerprint, run_self_check)
+from kvpaging.worker.self_check import check_or_recall, supported_layout
 
 logger = logging.getLogger("kvpaging")
 
@@ -64,13 +63,10 @@ class LLMEngine:
         ``config`` is checked when it is made and resolved here against the model
         ("auto" backend, KV dtype, pool size and max_model_len become concrete).
         """
-        check_model_supported(model)  # what the config says kvpaging cannot serve, before sizing anything for it
-        # each layer's keys and values as the model gives them to attention, which the pool is sized by
-        # (both found once per model: an unchanged model served again with the same settings is not checked again)
-        fingerprint = model_fingerprint(model)
         config = config if config is not None else EngineConfig()
-        layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers,
-                                                                         refuse=config.self_check)
+        # what kvpaging cannot serve refused, then each layer's keys and values as the model gives them to
+        # attention, which the pool is sized by (kvpaging/worker/self_check.py)
+        fingerprint, layout = supported_layout(model, config)
         # a hybrid model's states per sequence: the slots of max_num_seqs sequences come out of the memory budget
         config = config.resolve(model, layout, state_bytes_per_sequence(model) if config.num_blocks is None else 0)
         self.config = config
@@ -84,7 +80,7 @@ class LLMEngine:
         self.device = self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # exact or refused: the paged path against the model's own forward pass, before any request
-        self.self_check = self._check_model(model, fingerprint, layout)
+        self.self_check = check_or_recall(self.runner, model, fingerprint, layout, config, self.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_size)
         self.scheduler = Scheduler(
@@ -101,25 +97,6 @@ class LLMEngine:
         self._batch_ids = itertools.count()
         self._streaming: set[str] = set()  # unfinished requests that report every step (not FINAL_ONLY)
         self.owner_thread: threading.Thread | None = None  # set while a server's engine thread owns it
-
-    def _check_model(self, model, fingerprint, layout) -> SelfCheckResult | None:
-        """The load-time self-check's result: remembered from an earlier engine on the same, unchanged model
-        with the same settings, or run now (None with ``self_check=False``). Captures CUDA graphs either way."""
-        config = self.config
-        result = CHECKED.result(model, fingerprint, config) if config.self_check else None
-        if result is not None:  # checked before, and nothing it depends on has changed since
-            if config.tensor_parallel_size == 1 and self.runner.uses_graphs:
-                self.runner.capture_graphs()
-        elif config.self_check:
-            try:
-                result = run_self_check(self.runner, model, config, self.vocab_size,
-                                        capture_graphs=config.tensor_parallel_size == 1)
-            except BaseException:
-                self.runner.shutdown()  # a tensor-parallel runner's workers go too
-                raise
-        if layout is not None:
-            CHECKED.remember(model, fingerprint, layout, config, result)
-        return result
 
     @property
     def block_manager(self) -> BlockManager:
@@ -223,13 +200,9 @@ class LLMEngine:
                     self.abort_request(rid)
             raise
         outputs = [results[rid] for rid in request_ids]
-        failed = [o for o in outputs if o.error is not None]
-        if failed:
-            first = failed[0].error
-            raise RequestFailedError(
-                f"{len(failed)} of {len(outputs)} requests failed ({', '.join(o.request_id for o in failed[:5])}"
-                f"{', ...' if len(failed) > 5 else ''}): {type(first).__name__}: {first}. The others finished; "
-                "every output is in this error's .outputs", outputs, failed) from first
+        if any(o.error is not None for o in outputs):
+            error = RequestFailedError.of_batch(outputs)
+            raise error from error.failed[0].error
         return outputs
 
     def shutdown(self) -> None:

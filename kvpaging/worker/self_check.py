@@ -56,7 +56,8 @@ from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_atte
 from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV, cache_indexes, layer_windows
 from kvpaging.worker.state_layers import no_kv_layers
 
-__all__ = ["check_model_supported", "SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED"]
+__all__ = ["check_model_supported", "SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED",
+           "supported_layout", "check_or_recall"]
 
 # Arguments transformers passes to attention that change nothing the kernels compute, whatever their value:
 # positions and cache flags (the metadata says where every token goes), our own metadata.
@@ -540,3 +541,32 @@ def _settings_key(config) -> tuple:
 
 
 CHECKED = CheckedModels()
+
+
+def supported_layout(model, config) -> tuple[tuple | None, list[LayerKV] | None]:
+    """For an engine about to serve ``model``: refuse what its config says kvpaging cannot serve, before anything is
+    sized for it (``check_model_supported``); then its fingerprint and each layer's keys and values as the model
+    gives them to attention, which the pool is sized by (found once per model: ``CHECKED``)."""
+    check_model_supported(model)
+    fingerprint = model_fingerprint(model)
+    layout = CHECKED.layout(model, fingerprint) or measure_kv_layout(model, model.config.num_hidden_layers,
+                                                                     refuse=config.self_check)
+    return fingerprint, layout
+
+
+def check_or_recall(runner, model, fingerprint, layout, config, vocab_size: int) -> SelfCheckResult | None:
+    """The engine's self-check result: remembered from an earlier engine on the same, unchanged model with the same
+    settings, or run now on ``runner`` (None with ``self_check=False``). Captures CUDA graphs either way."""
+    result = CHECKED.result(model, fingerprint, config) if config.self_check else None
+    if result is not None:  # checked before, and nothing it depends on has changed since
+        if config.tensor_parallel_size == 1 and runner.uses_graphs:
+            runner.capture_graphs()
+    elif config.self_check:
+        try:
+            result = run_self_check(runner, model, config, vocab_size, capture_graphs=config.tensor_parallel_size == 1)
+        except BaseException:
+            runner.shutdown()  # a tensor-parallel runner's workers go too
+            raise
+    if layout is not None:
+        CHECKED.remember(model, fingerprint, layout, config, result)
+    return result
