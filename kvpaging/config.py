@@ -24,7 +24,8 @@ import torch
 
 from kvpaging.checks import check_block_size, check_bool, check_choice, check_int
 from kvpaging.errors import UnsupportedModelError
-from kvpaging.worker.kv_layout import config_layout, layer_groups, layout_bytes_per_token, passing_window
+from kvpaging.worker.kv_layout import (check_pool_holds, config_layout, layer_groups, layout_bytes_per_token,
+                                      passing_window)
 
 logger = logging.getLogger("kvpaging")
 
@@ -163,23 +164,9 @@ class EngineConfig:
             num_blocks, max_num_seqs = self._num_blocks(model, dev, page, KV_CACHE_DTYPES[kv_dtype], max_model_len,
                                                         state_bytes)
         windows = groups.windows if groups else (passing_window(model.config),)
-        whole = -(-max_model_len // self.block_size)
-        # blocks a window has passed go back: a prompt chunk and the window before it are what a window holds
-        needed = sum(min(whole, (w + self.max_num_batched_tokens - 2) // self.block_size + 2) if w else whole
-                     for w in windows)
-        if num_blocks < needed:
-            window = windows[0]
-            what = (f"one sequence of max_model_len={max_model_len} in the tables of its {len(windows)} layer groups"
-                    if groups else f"one step of max_num_batched_tokens={self.max_num_batched_tokens} tokens after "
-                    f"the model's {window}-token window" if needed < whole else
-                    f"one sequence of max_model_len={max_model_len}")
-            states = (f", what the memory budget holds beside the state slots of max_num_seqs={max_num_seqs} "
-                      f"sequences ({state_bytes:,} bytes each)" if state_bytes and self.num_blocks is None else "")
-            raise ValueError(
-                f"the KV pool ({num_blocks} blocks x {self.block_size} tokens = {num_blocks * self.block_size} "
-                f"tokens{states}) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
-                + (" or max_num_batched_tokens" if any(windows) else "") + (" or max_num_seqs" if states else "")
-            )
+        # the pool must hold one sequence of max_model_len (with windows, what they hold; kvpaging/worker/kv_layout.py)
+        check_pool_holds(num_blocks, self.block_size, max_model_len, self.max_num_batched_tokens, windows,
+                         groups is not None, state_bytes if self.num_blocks is None else 0, max_num_seqs)
         fast_layers = self._fast_layers(dev, param.dtype)
         if not self.enforce_eager and dev.type != "cuda":
             logger.debug("enforce_eager=False has no effect on %s: CUDA graphs exist only on CUDA devices", dev.type)

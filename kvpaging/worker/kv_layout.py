@@ -30,7 +30,7 @@ import torch
 
 from kvpaging.core.kv_math import dtype_nbytes
 
-__all__ = ["LayerKV", "NO_KV", "cache_indexes", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call",
+__all__ = ["check_pool_holds", "LayerKV", "NO_KV", "cache_indexes", "config_layout", "layout_bytes_per_token", "MEASURING", "record_call",
            "LayerGroups", "layer_groups", "layer_windows", "passing_window"]
 
 # during measure_kv_layout's forward pass: a dict layer -> LayerKV, filled by the attention function
@@ -169,3 +169,27 @@ def layer_groups(config, layout: list[LayerKV], max_model_len: int, tensor_paral
                 layer_group[layer], layer_slot[layer] = len(group_windows), slot
             group_windows.append(window)
     return LayerGroups(size, tuple(group_windows), tuple(layer_group), tuple(layer_slot))
+
+
+def check_pool_holds(num_blocks: int, block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                     windows: tuple[int, ...], grouped: bool, state_bytes: int = 0, max_num_seqs: int = 0) -> None:
+    """Raise a ValueError, naming the settings to change, when a pool of ``num_blocks`` cannot hold one sequence of
+    ``max_model_len`` in every layer group's table (``windows``: each group's, 0 for full attention; ``grouped``: a
+    table per group). A window gives back the blocks it has passed, so it holds a prompt chunk and the window before
+    it at most. ``state_bytes``: a hybrid model's states per sequence, when the memory budget held ``max_num_seqs``
+    of them beside the pool (named in the message)."""
+    whole = -(-max_model_len // block_size)
+    needed = sum(min(whole, (w + max_num_batched_tokens - 2) // block_size + 2) if w else whole for w in windows)
+    if num_blocks >= needed:
+        return
+    what = (f"one sequence of max_model_len={max_model_len} in the tables of its {len(windows)} layer groups"
+            if grouped else f"one step of max_num_batched_tokens={max_num_batched_tokens} tokens after "
+            f"the model's {windows[0]}-token window" if needed < whole else
+            f"one sequence of max_model_len={max_model_len}")
+    states = (f", what the memory budget holds beside the state slots of max_num_seqs={max_num_seqs} "
+              f"sequences ({state_bytes:,} bytes each)" if state_bytes else "")
+    raise ValueError(
+        f"the KV pool ({num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
+        f"tokens{states}) cannot hold {what} ({needed} blocks): raise num_blocks or lower max_model_len"
+        + (" or max_num_batched_tokens" if any(windows) else "") + (" or max_num_seqs" if states else "")
+    )
