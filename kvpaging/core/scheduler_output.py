@@ -59,7 +59,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
     # the sequences that get a token this step, in order: the decodes, then the chunks that reach their end,
     # then completions forked this step; each samples with its request's SamplingParams and its own seed
-    # (Sequence.seed, a number: None means the engine's shared generator)
+    # (row_sampling.completion_seed of its request's seed, a number; no seed: the engine's shared generator)
     samples: list[Sequence] = field(default_factory=list)
     # the logits row each of ``samples`` reads (the runner returns one row per sequence whose chunk reached its
     # end, decodes first); None when that is simply row k for sample k, i.e. when no request forked this step

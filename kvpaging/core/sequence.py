@@ -20,15 +20,7 @@ from dataclasses import dataclass, field
 from kvpaging.engine.detokenizer import IncrementalDetokenizer
 from kvpaging.sampling_params import SamplingParams
 
-__all__ = ["SequenceStatus", "Sequence", "Request", "completion_seed"]
-
-
-def completion_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of a request with ``SamplingParams(n=..., seed=seed)``: ``seed`` itself for
-    completion 0, one derived from ``(seed, index)`` for the others (Python hashes a tuple of ints the same in every
-    process). Separate requests given these seeds sample the very same tokens as the n completions."""
-    return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
-
+__all__ = ["SequenceStatus", "Sequence", "Request"]
 
 _NO_STOP_IDS: frozenset[int] = frozenset()  # one shared empty set: a stop check reads no cold object
 
@@ -87,13 +79,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
-
-    @property
-    def seed(self) -> int | None:
-        """This completion's own sampling seed: the request's for completion 0, one derived from
-        (seed, index) for the others, None when the request has no seed (the engine's generator)."""
-        seed = self.request.params.seed
-        return None if seed is None else completion_seed(seed, self.index)
 
     @property
     def detokenizer(self) -> IncrementalDetokenizer | None:

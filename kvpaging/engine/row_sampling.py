@@ -1,5 +1,5 @@
 """Sampling a step's rows, beyond nano-vllm's one shared draw: each seeded completion samples from a generator of its
-own (made from ``Sequence.seed`` at its first sample, forgotten when it ends), so its tokens do not depend on its
+own (made from its seed, ``completion_seed``, at its first sample, forgotten when it ends), so its tokens do not depend on its
 neighbours; and when sampling the batch raises, each row is sampled alone, so that a row that cannot be sampled
 fails its own request and no other (the rest of the step goes on).
 """
@@ -16,7 +16,14 @@ from kvpaging.worker.sampler import SamplerOutput, make_generator
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["SeededGenerators", "sample_rows"]
+__all__ = ["SeededGenerators", "completion_seed", "sample_rows"]
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request with ``SamplingParams(n=..., seed=seed)``: ``seed`` itself for
+    completion 0, one derived from ``(seed, index)`` for the others (Python hashes a tuple of ints the same in every
+    process). Separate requests given these seeds sample the very same tokens as the n completions."""
+    return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class SeededGenerators:
@@ -38,7 +45,8 @@ class SeededGenerators:
     def _own_generator(self, seq: Sequence) -> torch.Generator:
         generator = self._own.get(seq.seq_id)
         if generator is None:
-            generator = self._own[seq.seq_id] = make_generator(seq.seed, self.device)
+            generator = self._own[seq.seq_id] = make_generator(completion_seed(seq.request.params.seed, seq.index),
+                                                              self.device)
         return generator
 
     def forget(self, seqs: list[Sequence]) -> None:

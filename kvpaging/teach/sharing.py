@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvpaging.core.sequence import completion_seed
+from kvpaging.engine.row_sampling import completion_seed
 from kvpaging.sampling_params import SamplingParams
 
 __all__ = [
