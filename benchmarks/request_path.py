@@ -8,7 +8,7 @@ into another, in the order they first happen, while ``LLM.generate`` serves one 
 A hop is a call from a function in one file into a function in another file of the package (``kvpaging/``,
 ``kernels/``), counted once however often it repeats. The script also counts the path the coarser way, as
 hand-offs between files: one per (caller file, callee file) pair, however many functions of the callee it calls. By default only the engine's own stages count: calls into
-``checks.py``, ``errors.py``, ``progress.py``, private functions (a name with one leading ``_``) and properties
+``checks.py`` and ``sampling_checks.py`` (value checks), ``errors.py``, ``progress.py``, private functions (a name with one leading ``_``) and properties
 are helpers, listed with ``--all``, and so are calls between two files of one attention backend (``kernels/``).
 The one call from outside that counts is the model's call of kvpaging's attention function. "Once" hops happen before the first step, "per step" ones from then on
 (inside ``LLMEngine.step`` or in the loop around it); scheduler calls are counted inside ``LLMEngine.step``.
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPER_FILES = {"kvpaging/checks.py", "kvpaging/errors.py", "kvpaging/progress.py"}
+HELPER_FILES = {"kvpaging/checks.py", "kvpaging/sampling_checks.py", "kvpaging/errors.py", "kvpaging/progress.py"}
 
 
 def _where(code) -> str | None:
