@@ -32,6 +32,7 @@ BEYOND = {
     "kvpaging/core/layer_groups.py": "sliding layers among full ones: a block table per layer group",
     "kvpaging/worker/logits_processors.py": "penalties, logit bias, bad words, min_tokens, allowed tokens, grammars",
     "kvpaging/worker/fp8_scales.py": "the FP8 cache's calibrated scales",
+    "kvpaging/worker/unpaged_attention.py": "attention calls outside a step: the layout's measuring, FP8 calibration",
     "kvpaging/engine/prompt_logprobs.py": "prompt log-probabilities",
     "kvpaging/engine/row_sampling.py": "seeded completions' own generators; a row that cannot be sampled fails alone",
     "kvpaging/engine/structured_outputs.py": "structured outputs (llguidance)",

@@ -23,7 +23,8 @@ holds the step's metadata in a context variable (``CURRENT_STEP``) for the lengt
 of its forward pass, and the function reads it there. A call with neither means
 someone called the engine's private model outside a step: the function raises
 rather than attend without the cache, since that would give wrong tokens silently.
-The one exception is the FP8 calibration pass, which runs the model unpaged.
+The exceptions are the passes that run the model unpaged before serving (reading the key/value layout, the FP8
+calibration): ``unpaged_attention.py`` serves those.
 
 The load-time self-check (``kvpaging/worker/self_check.py``) sets ``AttentionMetadata.probe``
 for its few steps: every call is then recorded and checked (one call per layer,
@@ -38,10 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from kvpaging.errors import UnsupportedModelError
-from kvpaging.worker.kv_layout import MEASURING, record_call
+from kvpaging.worker.unpaged_attention import unpaged_call
 
 ATTN_NAME = "kvpaging"
-CALIBRATION_KWARG = "kvpaging_calibration"  # a dict layer -> (k amax, v amax) per KV head, filled in place
 
 __all__ = ["AttentionMetadata", "register_attention", "ATTN_NAME", "CURRENT_STEP"]
 
@@ -79,7 +79,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """One layer's attention over the paged KV cache: store this step's keys and values, then attend."""
     meta: AttentionMetadata | None = kwargs.get(ATTN_NAME) or CURRENT_STEP.get()
     if meta is None:
-        return _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return unpaged_call(module, query, key, value, scaling, dropout, kwargs)  # unpaged_attention.py
     if meta.probe is not None:  # the load-time self-check: record and check this call
         meta.probe.record(module, query, key, value, dropout, kwargs)
     # transformers hands us [batch=1, heads, tokens, head_dim]; the kernels take [tokens, heads, head_dim]
@@ -146,49 +146,6 @@ def _attend(meta: AttentionMetadata, block_tables, q, k_cache, v_cache, scaling,
     return out
 
 
-def _unpaged_call(module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    """A call outside an engine step: the engine measuring key/value shapes, or an FP8 calibration pass (both
-    plain attention over the call's tokens, ``_plain_attention``); anything else is refused, never served
-    without the cache."""
-    amax = kwargs.pop(CALIBRATION_KWARG, None)
-    found = MEASURING.get()
-    if found is not None:  # the engine reads each layer's key/value shapes before sizing the cache
-        record_call(found, module, key, value)
-    elif amax is None:
-        raise no_metadata_error(module)
-    else:  # record each KV head's largest |key| and |value|
-        k_max = key.detach().abs().amax(dim=(0, 2, 3)).float()
-        v_max = value.detach().abs().amax(dim=(0, 2, 3)).float()
-        old = amax.get(module.layer_idx)
-        amax[module.layer_idx] = (k_max, v_max) if old is None else (old[0].maximum(k_max), old[1].maximum(v_max))
-    return _plain_attention(module, query, key, value, dropout, scaling, kwargs)
-
-
-def _plain_attention(module, query, key, value, dropout, scaling, kwargs) -> torch.Tensor:
-    """Causal attention over one unpaged call's tokens: transformers' SDPA; for a call with soft-capping or sinks,
-    which SDPA does not do, the model's own modeling file's ``eager_attention_forward`` under a causal mask,
-    windowed by the call's ``sliding_window``."""
-    import sys
-
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    eager = None
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if eager is None:
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    q_len, k_len = query.shape[2], key.shape[2]
-    pos_q = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
-    pos_k = torch.arange(k_len, device=query.device)[None, :]
-    allowed = pos_k <= pos_q
-    window = kwargs.get("sliding_window") or 0
-    if window:
-        allowed &= pos_k > pos_q - window
-    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
-    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
 def _no_mask(*args, **kwargs):
     """Paged attention needs no mask tensor: causality and sequence boundaries come from the metadata."""
     return None
@@ -211,29 +168,3 @@ def register_attention() -> None:
     # skip mask creation altogether.
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     _registered = True
-
-
-def no_metadata_error(module) -> UnsupportedModelError:
-    """Raised by the paged attention function when a call comes without the step's metadata."""
-    layer = getattr(module, "layer_idx", None)
-    return UnsupportedModelError(
-        f"{type(module).__name__} (layer_idx={layer!r}) called kvpaging's paged attention outside an engine step "
-        f"(no '{ATTN_NAME}' keyword "
-        "argument, no step running): the engine's private model was called directly. Attention would then run "
-        "over the call's tokens alone, without the KV cache: kvpaging refuses rather than fall back to it.",
-        "no_metadata")
-
-
-def not_routed_error(model_name: str, missing: list[int], num_layers: int) -> UnsupportedModelError:
-    """No layer, or not every layer, called kvpaging's attention in a forward pass."""
-    if len(missing) == num_layers:
-        return UnsupportedModelError(
-            f"{model_name}'s attention does not go through transformers' AttentionInterface: no layer called "
-            "kvpaging's attention function in a forward pass, so set_attn_implementation('kvpaging') left it with "
-            "attention of its own, which would run without the paged KV cache. kvpaging serves models whose "
-            "attention transformers dispatches by config._attn_implementation.", "attention_interface")
-    return UnsupportedModelError(
-        f"{model_name}: layers {missing} of {num_layers} never called kvpaging's attention function in a forward "
-        "pass. The paged cache gives every layer one self-attention call per step; those layers do something else "
-        "(cross-attention to another input, a recurrent or convolution layer, or attention of their own that "
-        "AttentionInterface does not dispatch), which kvpaging does not serve.", "attention_interface")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from kvpaging.kernels.fp8 import FP8_MAX, MIN_SCALE
-from kvpaging.worker.attention import CALIBRATION_KWARG, not_routed_error
+from kvpaging.worker.self_check import not_routed_error
+from kvpaging.worker.unpaged_attention import CALIBRATION_KWARG
 
 __all__ = ["calibrate_fp8_scales"]
 
@@ -37,7 +38,7 @@ def calibrate_fp8_scales(runner, calibration_tokens: list[list[int]] | None = No
         ids = torch.tensor([tokens], dtype=torch.int64, device=runner.device)
         runner.model(input_ids=ids, use_cache=False, logits_to_keep=1, **{CALIBRATION_KWARG: amax})
     missing = [i for i in range(runner.num_layers) if i not in amax and runner.kv_layout[i].num_kv_heads]
-    if missing:  # those layers' attention never came to our function (attention.not_routed_error names it)
+    if missing:  # those layers' attention never came to our function (self_check.not_routed_error names it)
         raise not_routed_error(type(runner.model).__name__, missing, runner.num_layers)
     # (a layer's further calls, in caches after the layers', take its scales: calibrated over all its calls)
     return [((amax[i][0] / FP8_MAX).clamp(min=MIN_SCALE), (amax[i][1] / FP8_MAX).clamp(min=MIN_SCALE))

@@ -52,12 +52,12 @@ import torch
 from kvpaging.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from kvpaging.errors import TensorParallelError, UnsupportedModelError
 from kvpaging.models import private_copy
-from kvpaging.worker.attention import ATTN_NAME, not_routed_error, register_attention
+from kvpaging.worker.attention import ATTN_NAME, register_attention
 from kvpaging.worker.kv_layout import MEASURING, NO_KV, LayerKV, cache_indexes, layer_windows
 from kvpaging.worker.state_layers import no_kv_layers
 
 __all__ = ["check_model_supported", "SelfCheckResult", "AttentionProbe", "run_self_check", "TOLERANCES", "CheckedModels", "CHECKED",
-           "supported_layout", "check_or_recall"]
+           "supported_layout", "check_or_recall", "not_routed_error"]
 
 # Arguments transformers passes to attention that change nothing the kernels compute, whatever their value:
 # positions and cache flags (the metadata says where every token goes), our own metadata.
@@ -570,3 +570,18 @@ def check_or_recall(runner, model, fingerprint, layout, config, vocab_size: int)
     if layout is not None:
         CHECKED.remember(model, fingerprint, layout, config, result)
     return result
+
+
+def not_routed_error(model_name: str, missing: list[int], num_layers: int) -> UnsupportedModelError:
+    """No layer, or not every layer, called kvpaging's attention in a forward pass."""
+    if len(missing) == num_layers:
+        return UnsupportedModelError(
+            f"{model_name}'s attention does not go through transformers' AttentionInterface: no layer called "
+            "kvpaging's attention function in a forward pass, so set_attn_implementation('kvpaging') left it with "
+            "attention of its own, which would run without the paged KV cache. kvpaging serves models whose "
+            "attention transformers dispatches by config._attn_implementation.", "attention_interface")
+    return UnsupportedModelError(
+        f"{model_name}: layers {missing} of {num_layers} never called kvpaging's attention function in a forward "
+        "pass. The paged cache gives every layer one self-attention call per step; those layers do something else "
+        "(cross-attention to another input, a recurrent or convolution layer, or attention of their own that "
+        "AttentionInterface does not dispatch), which kvpaging does not serve.", "attention_interface")
