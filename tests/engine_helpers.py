@@ -110,7 +110,7 @@ def greedy_params(num_tokens: int, **kwargs) -> SamplingParams:
 def forked_and_alone(llm, prompt: list[int], n: int, seed: int, max_tokens: int) -> tuple[list, list]:
     """One request's ``n`` completions at temperature 1, seeded, and the same ``n`` drawn as separate requests,
     each with its completion's own seed (``completion_seed``): equal when forking shares the prompt right."""
-    from kvpaging.core.sequence import completion_seed
+    from kvpaging.engine.row_sampling import completion_seed
 
     def params(**kwargs) -> SamplingParams:
         return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
