@@ -346,20 +346,11 @@ class BlockManager:
         it is first copied (copy-on-write). Returns False, changing nothing,
         when the pool lacks free blocks: the scheduler then preempts someone.
         """
-        st = self._seqs.get(seq_id)
-        if st is None:
-            st = self._state(seq_id)  # raises the clear error
-        n = st.num_tokens
-        bs = self.block_size
-        last = st.last
-        if num_new_tokens == 1 and n % bs and last is not None and last.ref_cnt == 1:
-            # The common decode step: one more token in an unshared, unfilled last block.
-            self.pool.fill(last, 1)
-            st.num_tokens = n + 1
-            return True
+        st = self._state(seq_id)
         if self.blocks_to_append(st, num_new_tokens) > self.pool.free_queue.num_free_blocks:
             return False
-        if n % bs and last is not None and last.ref_cnt > 1:
+        last = st.last
+        if st.num_tokens % self.block_size and last is not None and last.ref_cnt > 1:  # shared, partly filled
             self._copy_on_write(st, last)
         self._grow(st, num_new_tokens)
         self._note_peak()
