@@ -40,6 +40,7 @@ BEYOND = {
     "kvpaging/worker/self_check.py": "the load-time self-check (run or recalled) and the model-support refusals",
     "kvpaging/worker/state_layers.py": "hybrid models' recurrent and convolution states",
     "kvpaging/worker/direct_forward.py": "a Llama-structured model's forward with its layers called straight (CPU)",
+    "kvpaging/entrypoints/chat_utils.py": "LLM.chat's conversations through the chat template",
     "kvpaging/worker/host_memory.py": "glibc's malloc told to keep freed memory (CPU)",
 }
 LIMIT = 40

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from kvpaging.config import EngineConfig
+from kvpaging.entrypoints.chat_utils import chat_prompt, conversations
 from kvpaging.engine.llm_engine import LLMEngine
 from kvpaging.engine.outputs import RequestOutput
 from kvpaging.models import load_model, load_tokenizer
@@ -113,26 +114,12 @@ class LLM:
         assistant's turn opened (``add_generation_prompt``); that text is tokenized
         without adding special tokens again, since the template already wrote them.
         """
-        prompts = [
-            self._chat_prompt(conversation, chat_template, add_generation_prompt, continue_final_message,
-                              chat_template_kwargs or {})
-            for conversation in _conversations(messages)
+        prompts = [  # (kvpaging/entrypoints/chat_utils.py)
+            chat_prompt(self.engine.tokenizer, conversation, chat_template, add_generation_prompt,
+                        continue_final_message, chat_template_kwargs or {})
+            for conversation in conversations(messages)
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _chat_prompt(self, conversation, chat_template, add_generation_prompt, continue_final_message, kwargs) -> dict:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("LLM.chat needs a tokenizer with a chat template, and this model has none")
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: pass chat_template=..., or use LLM.generate")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs,
-        )
-        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
 
     def generate(
         self,
@@ -163,20 +150,6 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-
-
-def _conversations(messages) -> list[list[dict]]:
-    """One conversation (a list of message dicts) or a list of them, as a list of conversations."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a non-empty list of messages or of conversations, got {messages!r}")
-    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-    for conversation in conversations:
-        if not isinstance(conversation, (list, tuple)) or not conversation:
-            raise ValueError(f"a conversation must be a non-empty list of messages, got {conversation!r}")
-        for message in conversation:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"a message must be a dict with 'role' and 'content', got {message!r}")
-    return [list(c) for c in conversations]
 
 
 def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
