@@ -146,11 +146,6 @@ def _attend(meta: AttentionMetadata, block_tables, q, k_cache, v_cache, scaling,
     return out
 
 
-def _no_mask(*args, **kwargs):
-    """Paged attention needs no mask tensor: causality and sequence boundaries come from the metadata."""
-    return None
-
-
 _registered = False
 
 
