@@ -39,7 +39,7 @@ from kvpaging.core.sequence import Request, Sequence
 from kvpaging.engine.input_processor import InputProcessor, normalize_batch
 from kvpaging.engine.outputs import RequestOutput, request_output
 from kvpaging.engine.prompt_logprobs import record_prompt_logprobs
-from kvpaging.engine.row_sampling import SeededGenerators, sample_rows
+from kvpaging.engine.row_sampling import SeededGenerators, sample_tokens
 from kvpaging.engine.step_record import ScheduledEntry, StepObservers, StepRecord
 from kvpaging.engine.structured_outputs import advance_grammars
 from kvpaging.errors import DuplicateSequenceError, RequestFailedError
@@ -308,11 +308,9 @@ class LLMEngine:
             return SamplerOutput(token_ids=[]), None
         if out.sample_rows is not None:  # n > 1 forks: several completions read one row
             logits = logits[out.sample_rows]
-        params = [seq.request.params for seq in samples]
         # built only if some row needs it (penalties, min_tokens, bad words; the sampler looks once)
         histories = lambda: [self._history(seq) for seq in samples]  # noqa: E731
-        return sample_rows(self.sampler, logits, params, self.generators.of(samples, params), self.generators.shared,
-                           histories, out.step)
+        return sample_tokens(self.sampler, logits, samples, self.generators, histories, out.step)
 
     def _history(self, seq: Sequence) -> RowHistory:
         """What the sampler needs to know of a sequence's past: its tokens, what would stop it, its bad words,

@@ -16,7 +16,7 @@ from kvpaging.worker.sampler import SamplerOutput, make_generator
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["SeededGenerators", "completion_seed", "sample_rows"]
+__all__ = ["SeededGenerators", "completion_seed", "sample_tokens"]
 
 
 def completion_seed(seed: int, index: int) -> int:
@@ -56,12 +56,15 @@ class SeededGenerators:
                 self._own.pop(seq.seq_id, None)
 
 
-def sample_rows(sampler, logits: torch.Tensor, params: list[SamplingParams], generators, shared: torch.Generator,
-                histories, step: int) -> tuple[SamplerOutput, dict[int, BaseException] | None]:
-    """``sampler(logits, params, generators, shared, histories)`` for the batch, and the rows that could not get a
-    token (row -> error), if any. Should the batch raise, each row is sampled alone, seeded rows from their
-    generators as they were before the batch's attempt, so greedy and seeded rows get the tokens they would have got
-    anyway. (``histories``: a function making one ``RowHistory`` per row, called only if some row needs them.)"""
+def sample_tokens(sampler, logits: torch.Tensor, samples: list[Sequence], seeded: SeededGenerators, histories,
+                  step: int) -> tuple[SamplerOutput, dict[int, BaseException] | None]:
+    """One token for each of ``samples`` (logits row k for sample k): ``sampler(logits, params, generators, shared,
+    histories)`` for the batch, each seeded sample with its own generator, and the rows that could not get a token
+    (row -> error), if any. Should the batch raise, each row is sampled alone, seeded rows from their generators as
+    they were before the batch's attempt, so greedy and seeded rows get the tokens they would have got anyway.
+    (``histories``: a function making one ``RowHistory`` per row, called only if some row needs them.)"""
+    params = [seq.request.params for seq in samples]
+    generators, shared = seeded.of(samples, params), seeded.shared
     states = None if generators is None else [None if g is None else g.get_state() for g in generators]  # ~2 us each
     try:
         return sampler(logits, params, generators, shared, histories), None
