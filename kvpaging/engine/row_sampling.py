@@ -1,7 +1,7 @@
-"""Sampling a step's rows, beyond nano-vllm's one shared draw: each seeded completion samples from a generator of its
-own (made from its seed, ``completion_seed``, at its first sample, forgotten when it ends), so its tokens do not depend on its
-neighbours; and when sampling the batch raises, each row is sampled alone, so that a row that cannot be sampled
-fails its own request and no other (the rest of the step goes on).
+"""Sampling a step's rows, beyond nano-vllm's one shared draw: each seeded completion samples from a generator of
+its own (made from its seed, ``completion_seed``, at its first sample, forgotten when it ends), so its tokens do not
+depend on its neighbours; and when sampling the batch raises, each row is sampled alone, so that a row that cannot
+be sampled fails its own request and no other (the rest of the step goes on).
 """
 
 from __future__ import annotations
