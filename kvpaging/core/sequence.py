@@ -64,6 +64,7 @@ class Sequence:
     num_preemptions: int = 0
     _detokenizer: IncrementalDetokenizer | None = None
     matcher: object | None = None  # with structured outputs: this completion's grammar matcher (the engine's)
+    generator: object | None = None  # with a seed: this completion's own torch.Generator (engine/row_sampling.py's)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_token_ids)

@@ -92,7 +92,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         self.sampler = Sampler()
-        self.generators = SeededGenerators(self.device, config.seed)  # the shared one, and seeded completions' own
+        self.generators = SeededGenerators(self.device, config.seed)  # the shared one; seeded completions make theirs
         self.observers = StepObservers()
         self._batch_ids = itertools.count()
         self._streaming: set[str] = set()  # unfinished requests that report every step (not FINAL_ONLY)
@@ -220,9 +220,8 @@ class LLMEngine:
         self._check_thread()
         if request_id not in self.scheduler.requests:
             raise ValueError(f"unknown request_id {request_id!r} (never added, or already finished)")
-        request = self.scheduler.abort_request(request_id)
+        self.scheduler.abort_request(request_id)
         self._streaming.discard(request_id)
-        self.generators.forget(request.seqs)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running."""
@@ -286,7 +285,6 @@ class LLMEngine:
             # even on Ctrl-C (KeyboardInterrupt), which then still stops the caller.
             logger.error("step %d failed: %r; failing its requests", out.step, error)
             failed = sched.fail_step(out, error)
-            self.generators.forget(failed)
             if not isinstance(error, Exception):
                 raise
             self.observers.emit(out, start, sched, finished=failed)
@@ -295,7 +293,6 @@ class LLMEngine:
         result = sched.update(out, sampled.token_ids, sampled.logprobs, keep_tables=listening,
                               top_logprobs=sampled.top_logprobs, failed_rows=failed_rows, now=time.perf_counter())
         finished = result.finished + result.failed if result.failed else result.finished
-        self.generators.forget(finished)
         if listening:
             self.observers.emit(out, start, sched, finished, result.sampled, result.released_tables)
         return self._outputs(result.sampled, finished)
@@ -336,7 +333,7 @@ class LLMEngine:
                 outputs.append(request_output(req))
             except Exception as error:  # noqa: BLE001 - its text could not be made: it fails, alone
                 logger.error("request %s failed: making its output raised %r", req.request_id, error)
-                self.generators.forget(self.scheduler.fail_request(req, error))
+                self.scheduler.fail_request(req, error)
                 self._streaming.discard(req.request_id)
                 outputs.append(request_output(req))  # with the error; its text as far as it decodes
         return outputs

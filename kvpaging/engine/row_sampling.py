@@ -1,5 +1,5 @@
-"""Sampling a step's rows, beyond nano-vllm's one shared draw: each seeded completion samples from a generator of
-its own (made from its seed, ``completion_seed``, at its first sample, forgotten when it ends), so its tokens do not
+"""Sampling a step's rows, beyond nano-vllm's one shared draw: each seeded completion samples from a generator of its
+own (made from its seed, ``completion_seed``, at its first sample, and gone with the sequence), so its tokens do not
 depend on its neighbours; and when sampling the batch raises, each row is sampled alone, so that a row that cannot
 be sampled fails its own request and no other (the rest of the step goes on).
 """
@@ -27,33 +27,24 @@ def completion_seed(seed: int, index: int) -> int:
 
 
 class SeededGenerators:
-    """The engine's random generators: ``shared`` (seeded from ``EngineConfig.seed``) for rows without a seed, and one
-    per seeded completion."""
+    """The engine's random generators: ``shared`` (seeded from ``EngineConfig.seed``) for rows without a seed; a
+    seeded completion gets its own at its first sample, kept on it (``Sequence.generator``), so it goes with it."""
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(seed)
-        self._own: dict[int, torch.Generator] = {}  # seq id -> its generator
 
     def of(self, samples: list[Sequence], params: list[SamplingParams]) -> list[torch.Generator | None] | None:
         """Each sample's own generator (None: the shared one), or None when no sample has a seed."""
         if all(p.seed is None for p in params):
             return None
-        return [None if p.seed is None else self._own_generator(seq) for seq, p in zip(samples, params)]
+        return [None if p.seed is None else self._own_generator(seq, p.seed) for seq, p in zip(samples, params)]
 
-    def _own_generator(self, seq: Sequence) -> torch.Generator:
-        generator = self._own.get(seq.seq_id)
-        if generator is None:
-            generator = self._own[seq.seq_id] = make_generator(completion_seed(seq.request.params.seed, seq.index),
-                                                              self.device)
-        return generator
-
-    def forget(self, seqs: list[Sequence]) -> None:
-        """Drop the generators of sequences that ended."""
-        if self._own:
-            for seq in seqs:
-                self._own.pop(seq.seq_id, None)
+    def _own_generator(self, seq: Sequence, seed: int) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = make_generator(completion_seed(seed, seq.index), self.device)
+        return seq.generator
 
 
 def sample_tokens(sampler, logits: torch.Tensor, samples: list[Sequence], seeded: SeededGenerators, histories,
