@@ -349,9 +349,8 @@ class BlockManager:
         st = self._state(seq_id)
         if self.blocks_to_append(st, num_new_tokens) > self.pool.free_queue.num_free_blocks:
             return False
-        last = st.last
-        if st.num_tokens % self.block_size and last is not None and last.ref_cnt > 1:  # shared, partly filled
-            self._copy_on_write(st, last)
+        if self._shared_partly_filled(st):
+            self._copy_on_write(st, st.last)
         self._grow(st, num_new_tokens)
         self._note_peak()
         return True
@@ -362,8 +361,12 @@ class BlockManager:
         check_int("num_new_tokens", num_new_tokens, 1)
         n = st.num_tokens
         self._check_fits(st.seq_id, n + num_new_tokens, n)
-        cow = 1 if (n % self.block_size and st.last is not None and st.last.ref_cnt > 1) else 0
+        cow = 1 if self._shared_partly_filled(st) else 0
         return self.num_blocks_for(n + num_new_tokens) - len(st.blocks) + cow
+
+    def _shared_partly_filled(self, st: SequenceBlocks) -> bool:
+        """Whether the last block of ``st`` is partly filled and shared (a fork's): the next token goes to a copy."""
+        return bool(st.num_tokens % self.block_size) and st.last is not None and st.last.ref_cnt > 1
 
     def append_decode_slots(self, seqs: list) -> int:
         """One more slot for each of ``seqs``, decodes the scheduler found (each has one token to compute, its

@@ -1351,8 +1351,8 @@ def run(args: argparse.Namespace) -> None:
         app = create_app(llm, served_model_name=args.served_model_name or args.model, api_key=api_key,
                          max_request_body_bytes=args.max_request_body_bytes, allowed_hosts=hosts,
                          allowed_origins=args.allowed_origins, body_timeout_s=args.body_timeout)
-        # Everything made so far (the model, the engine, the libraries' objects: some 400,000 the collector tracks)
-        # lives as long as the server: out of the collector's sight, a full collection no longer walks it all (80 ms
+        # Everything made so far (the model, the engine, the libraries' objects: some 411,000 the collector tracks)
+        # lives as long as the server: out of the collector's sight, a full collection no longer walks it all (78 ms
         # on the 2-core VM, benchmarks/one_time_costs.py: a pause that lands in some request's time to first token).
         # vLLM does the same.
         gc.collect()
