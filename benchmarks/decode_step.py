@@ -163,7 +163,8 @@ def main() -> None:
     groups = {"linear layers": 0.0, "decode attention": 0.0, "RMSNorm (C)": 0.0, "other tensor ops": 0.0}
     for event in prof.key_averages():
         name, seconds = event.key, event.self_cpu_time_total / 1e6
-        if name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"):
+        if name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16",
+                    "kvpaging::cpu_linear_amx"):
             groups["linear layers"] += seconds
         elif name == "kvpaging::cpu_decode_attention":
             groups["decode attention"] += seconds

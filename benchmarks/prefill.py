@@ -87,7 +87,8 @@ def main() -> None:
 
 # operator name -> group, for --profile (anything else: "the rest")
 GROUPS = {
-    "linear layers": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"),
+    "linear layers": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16",
+                      "kvpaging::cpu_linear_amx"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "kvpaging::cpu_decode_attention",
                   "aten::index_select"),
     "storing keys and values": ("aten::index_copy_",),

@@ -26,6 +26,16 @@ from kvpaging.teach.scheduling import cpu_threads
 
 needs_onednn = pytest.mark.skipif(not layers.onednn_usable(), reason="torch has no usable oneDNN linear here")
 needs_c = pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+needs_amx = pytest.mark.skipif(not cpu.amx_ready(), reason="no AMX here (or the C kernels cannot be built)")
+
+
+def amx_products(model: torch.nn.Module) -> int:
+    """How many products a tiny model's fast layers should run on AMX tiles where the CPU has it: every fused group
+    and every linear outside one (their shapes tile and they have no bias), none elsewhere."""
+    if not cpu.amx_ready():
+        return 0
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    return len({id(vars(m)["_fused"]) if vars(m)["_fused"] is not None else id(m) for m in linears})
 
 
 def ops_called(fn) -> set[str]:
@@ -89,7 +99,8 @@ def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens
     # sums: only with True); its q/k/v and gate/up siblings run as one product each (two groups a layer)
     groups = 2 * model.config.num_hidden_layers
     norms = 2 * model.config.num_hidden_layers + 1 if cpu.available() else 0
-    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), norms, 0, groups)
+    assert by_default.engine.runner.fast_layers == layers.FastLayers(len(linears), norms, 0, groups,
+                                                                     amx_products(by_default.engine.model))
     assert not any(vars(m).get("_small_batch") for m in linears)
     assert all(isinstance(vars(m).get("_packed"), layers._Packed) for m in linears)
     assert not any("forward" in vars(m) for m in model.modules()), "the user's model was patched"
@@ -233,9 +244,9 @@ def test_bfloat16_linears_run_on_packed_weights_to_the_bit():
         for rows in (1, 7, 48, 300):
             x = torch.randn(1, rows, 576).to(torch.bfloat16)
             assert torch.equal(layer(x), plain(x)), rows
-        layer.weight.mul_(-0.5)  # written in place: the next call packs the new weight
+        layer.weight.mul_(-0.5)  # written in place: the next call packs the new weight (and its AMX tiles)
         plain.weight.mul_(-0.5)
-        assert torch.equal(layer(x), plain(x))
+        assert torch.equal(layer(x[:, :7]), plain(x[:, :7])) and torch.equal(layer(x), plain(x))
         twin = copy.deepcopy(layer)
         twin.weight.zero_()
         assert torch.equal(twin(x), torch.zeros(1, 300, 1536, dtype=torch.bfloat16)) and torch.equal(layer(x), plain(x))
@@ -263,12 +274,12 @@ def test_sibling_linears_run_as_one_product_and_each_gets_its_own_bits(bias, mon
     ``F.linear`` to the bit (every row count to the packing's bound); o_proj, no sibling, runs alone."""
     parent, plain = _siblings(bias)
     fast = layers.enable_fast_layers(parent, exact=True)
-    assert fast == layers.FastLayers(4, 0, 0, 1)
+    assert fast == layers.FastLayers(4, 0, 0, 1, 2 if cpu.amx_ready() and not bias else 0)  # the group's, o_proj's
     group = vars(parent.q_proj)["_fused"]
     assert group is vars(parent.k_proj)["_fused"] is vars(parent.v_proj)["_fused"] and parent.o_proj._fused is None
     products = []
-    real = layers._onednn_product
-    monkeypatch.setattr(layers, "_onednn_product", lambda *a: products.append(a[0].shape) or real(*a))
+    real = layers._product  # oneDNN's or, for up to AMX_ROWS rows where the group has tiles, linear_amx.c's
+    monkeypatch.setattr(layers, "_product", lambda *a: products.append(a[0].shape) or real(*a))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for rows in range(1, layers.PACKED_MAX_ROWS_BF16 + 1):
@@ -432,7 +443,8 @@ def test_true_sends_one_or_two_sequences_to_linear_c_and_larger_batches_to_onedn
     assert fast.engine.config.cpu_fast_layers is True
     groups = 2 * model.config.num_hidden_layers  # q/k/v and gate/up: one product each beyond two rows
     norms = 2 * model.config.num_hidden_layers + 1
-    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), norms, len(linears), groups)
+    assert fast.engine.runner.fast_layers == layers.FastLayers(len(linears), norms, len(linears), groups,
+                                                               amx_products(fast.engine.model))
     assert not any(vars(m).get("_small_batch") or "forward" in vars(m) for m in model.modules())
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     two = [[5, 9, 2, 7], [3, 1, 4, 1]]
@@ -458,3 +470,63 @@ def test_the_small_batch_product_is_the_same_on_any_number_of_threads():
             assert torch.equal(cpu.linear_bf16(x, weight), one)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_c
+def test_the_amx_layout_is_the_weights_tiles():
+    """``amx_pack`` moves elements, nothing else: block of 16 outputs, tile of 32 inputs, pair of inputs, output,
+    input of the pair (the layout TDPBF16PS reads); it runs on any CPU, and refuses a shape that does not tile."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(48, 96, generator=g).to(torch.bfloat16)
+    expected = weight.view(3, 16, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(48, 96)
+    assert torch.equal(cpu.amx_pack(weight), expected)
+    with pytest.raises(ValueError, match=r"shape \(40, 96\)"):
+        cpu.amx_pack(weight[:40])
+    with pytest.raises(ValueError, match="float32"):
+        cpu.amx_pack(weight.float())
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)])
+def test_amx_products_of_up_to_32_rows_are_f_linears_to_the_bit(threads, n, k):
+    """The trained model's product shapes (q/k/v and gate/up side by side, o, down, the LM head), every row count a
+    tiled product takes here: ``F.linear``'s bits, on one thread or two (each block of outputs is one thread's)."""
+    g = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    tiles = cpu.amx_pack(weight)
+    with cpu_threads(threads):
+        for rows in range(1, layers.AMX_ROWS + 1):
+            x = torch.randn(1, rows, k, generator=g).to(torch.bfloat16)
+            assert torch.equal(cpu.amx_linear(x, tiles), F.linear(x, weight)), rows
+
+
+@needs_amx
+def test_amx_linear_refuses_what_it_cannot_compute():
+    tiles = cpu.amx_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"got x \(65, 64\)"):
+        cpu.amx_linear(torch.zeros(65, 64, dtype=torch.bfloat16), tiles)  # more rows than four tiles
+    with pytest.raises(ValueError, match=r"got x \(2, 32\)"):
+        cpu.amx_linear(torch.zeros(2, 32, dtype=torch.bfloat16), tiles)  # not the weight's inputs
+    with pytest.raises(ValueError, match="float32"):
+        cpu.amx_linear(torch.zeros(2, 64), tiles)
+
+
+@needs_amx
+@needs_onednn
+def test_the_default_takes_decode_batches_of_up_to_32_to_amx_and_larger_ones_to_onednn():
+    """By default a bfloat16 layer without a bias runs 1 to 32 rows on its AMX tiles and 33 to 64 on oneDNN's packed
+    weight (which sums them in parts there), each ``F.linear``'s to the bit; a layer with a bias keeps oneDNN."""
+    g = torch.Generator().manual_seed(11)
+    for bias in (False, True):
+        layer = torch.nn.Linear(576, 192, bias=bias)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(192, 576, generator=g) * 0.05)
+        layer = layer.to(torch.bfloat16)
+        plain = copy.deepcopy(layer)
+        assert layers.enable_fast_layers(layer, exact=True).amx_products == (0 if bias else 1)
+        for rows, on_amx in ((1, not bias), (32, not bias), (33, False), (64, False)):
+            x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+            with torch.no_grad():
+                assert torch.equal(layer(x), plain(x)), (bias, rows)
+                assert (cpu.AMX_PROFILER_NAME in ops_called(lambda: layer(x))) == on_amx, (bias, rows)

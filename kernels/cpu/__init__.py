@@ -1,6 +1,6 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Five small C files live here:
+Six small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
@@ -11,6 +11,9 @@ Five small C files live here:
   else two C passes around torch's own mean: :func:`rms_norm`), and with the residual connection before it
   (:func:`add_rms_norm`, for the engine's direct forward);
 * ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in);
+* ``linear_amx.c``: a bfloat16 linear layer of up to 64 rows on the matrix units of an Intel CPU with AMX, on a weight
+  laid out once as the unit's tiles (:func:`amx_pack`, :func:`amx_linear`; ``layers.py`` uses it where it is
+  ``F.linear``'s product to the bit);
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
   engine's direct forward, ``kvpaging/worker/direct_forward.py``);
 * ``argmax.c``: each row's greedy pick, the index ``torch.max(x, dim=-1)`` gives (:func:`argmax_rows`, for the
@@ -47,7 +50,8 @@ import torch
 
 __all__ = ["available", "unavailable_reason", "decode_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
            "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
-           "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
+           "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
+           "amx_linear_unchecked", "AMX_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
@@ -56,7 +60,7 @@ __all__ = ["available", "unavailable_reason", "decode_attention_fn", "store_kv_f
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("decode_attention.c", ["-ffast-math"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
     ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]),
-    ("argmax.c", ["-fno-math-errno"]))}
+    ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -68,6 +72,7 @@ RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 ROTARY_PROFILER_NAME = "kvpaging::cpu_rotary"
 LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
 ARGMAX_PROFILER_NAME = "kvpaging::cpu_argmax"
+AMX_PROFILER_NAME = "kvpaging::cpu_linear_amx"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
@@ -78,6 +83,7 @@ _store_kv_fn = None
 _rms_rows_fn = None
 _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
 _argmax_fn = None
+_amx = None  # linear_amx.c's (ready, pack, linear) functions
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -145,6 +151,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
     global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
+    global _amx
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -187,6 +194,11 @@ def _load():
     _argmax_fn = lib.kvpaging_argmax_rows
     _argmax_fn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
     _argmax_fn.restype = None
+    ready, pack, linear = lib.kvpaging_amx_ready, lib.kvpaging_amx_pack, lib.kvpaging_amx_linear
+    ready.argtypes, ready.restype = [], i64
+    pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
+    linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64], i64
+    _amx = (ready, pack, linear)
     return _decode_fn
 
 
@@ -440,4 +452,62 @@ def linear_bf16_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             torch.get_num_threads())
     if call_named(LINEAR_PROFILER_NAME, _linear_bf16_fn, args) != 0:
         raise MemoryError(f"linear_bf16: no memory for {rows} x {k} float32 inputs")
+    return out
+
+
+AMX_MAX_ROWS = 64  # linear_amx.c's bound: four tiles of 16 rows
+
+
+def amx_ready() -> bool:
+    """Whether ``linear_amx.c`` runs here: built for a CPU with AMX (``-march=native`` on a CPU that reports
+    ``amx_tile`` and ``amx_bf16``), and this process allowed to use the tile registers (Linux's ``arch_prctl``,
+    asked for once)."""
+    return _load() is not None and bool(_amx[0]())
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight ``[n, k]`` (``n`` a multiple of 16, ``k`` of 32) laid out as ``linear_amx.c`` reads it:
+    for each block of 16 outputs, its tiles of 32 inputs in order, each 16 pairs of inputs by 16 outputs. The same
+    elements, another order: ``weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)``."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0):
+        raise ValueError(f"amx_pack needs a bfloat16 CPU weight [n, k] with n a multiple of 16 and k of 32, got "
+                         f"{weight.dtype} on {weight.device}, shape {tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
+    packed = torch.empty_like(weight)
+    _amx[1](weight.data_ptr(), packed.data_ptr(), *weight.shape)
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for up to 64 rows of bfloat16 on AMX (``linear_amx.c``), ``packed`` being
+    ``amx_pack(weight)``: float32 sums over the inputs in order, 32 at a time, rounded once; no bias. ``x``: rows of
+    ``k`` features in any leading shape, contiguous bfloat16 on the CPU."""
+    if not amx_ready():
+        raise RuntimeError("amx_linear needs a CPU with AMX and the C kernels built for it"
+                           + ("" if _reason is None else f": {_reason}"))
+    n, k = packed.shape if packed.dim() == 2 else (-1, -1)
+    if not (x.dtype == packed.dtype == torch.bfloat16 and x.device.type == packed.device.type == "cpu"
+            and x.is_contiguous() and packed.is_contiguous()):
+        raise ValueError(f"amx_linear needs contiguous bfloat16 CPU tensors, got x {x.dtype} on {x.device}, packed "
+                         f"{packed.dtype} on {packed.device}")
+    if x.dim() < 1 or x.shape[-1] != k or not 1 <= x.numel() // max(k, 1) <= AMX_MAX_ROWS or n % 16 or k % 32:
+        raise ValueError(f"amx_linear needs 1 to {AMX_MAX_ROWS} rows of the packed weight's {k} inputs (n a multiple "
+                         f"of 16, k of 32), got x {tuple(x.shape)}, packed {tuple(packed.shape)}")
+    return amx_linear_unchecked(x, packed)
+
+
+def amx_linear_unchecked(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """:func:`amx_linear` for a caller that made its checks (a fast layer, once for its weight and on each call for
+    its input's rows)."""
+    n, k = packed.shape
+    out = x.new_empty(*x.shape[:-1], n)
+    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.numel() // k, n, k, torch.get_num_threads())
+    failed = call_named(AMX_PROFILER_NAME, _amx[2], args)
+    if failed == -1:
+        raise MemoryError(f"amx_linear: no memory for {x.numel() // k} x {k} padded inputs")
+    if failed:
+        raise RuntimeError(f"amx_linear could not run {x.numel() // k} rows of a {n} x {k} product here")
     return out

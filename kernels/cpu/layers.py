@@ -38,6 +38,13 @@ implementation of the *same* maths (measured by
   torch's own, between two C passes): the layer's own results to the bit (checked per layer on
   probe inputs), in less time (``python -m kvpaging.kernels.cpu.layers`` prints both, for one
   row to a 2,048-row chunk).
+* **Up to 32 bfloat16 rows on AMX.** A decode step's products are bound by the weights' bytes, and oneDNN's
+  packed product streams them at 55-75% of what one core reads. Where the CPU has AMX, a layer without a bias
+  also keeps its weight laid out as the unit's tiles (``linear_amx.c``: each block of 16 outputs read once, in
+  order, the next blocks fetched ahead), and its products of up to ``AMX_ROWS`` rows go there: the same
+  instruction, blocking and order of sums as oneDNN's product of up to 32 rows, so ``F.linear``'s bits (checked
+  per layer on probe rows, at every row count it takes); beyond 32 rows oneDNN sums in parts, and keeps them. The
+  cost: a third copy of those weights (logged).
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
   about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
@@ -75,7 +82,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpaging.kernels.cpu import available, linear_bf16, linear_bf16_unchecked, rms_norm, rms_norm_unchecked
+from kvpaging.kernels.cpu import (amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
+                                  linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
            "warm_packed_products"]
@@ -94,6 +102,7 @@ class FastLayers:
     rms_norms: int = 0
     small_batch_linears: int = 0  # bfloat16 linears that take one or two rows to linear.c (cpu_fast_layers=True)
     fused_groups: int = 0  # sibling bfloat16 linears on one input (q/k/v, gate/up) run as one product
+    amx_products: int = 0  # bfloat16 products (a lone layer's, a fused group's) whose decode rows go to linear_amx.c
 
 
 def onednn_linear():
@@ -128,6 +137,11 @@ PACK_BATCH_HINT = 64  # the batch size oneDNN blocks a packed weight for (16 to 
 # from F.linear's in a bit, none of up to 64 rows did (every row count, four shapes and the LM head, one and two
 # threads). The setup's probes stay within the bound.
 PACKED_MAX_ROWS_BF16 = PACK_BATCH_HINT
+# Products of at most this many rows go to linear_amx.c where it is F.linear's to the bit: oneDNN's AMX product of
+# up to 32 rows sums each output's inputs in one run, 32 at a time, as linear_amx.c does; from 33 rows it sums them
+# in parts (576 inputs as two of 288, 1536 as four of 384; an AMX Xeon, 2026-12-06, one and two threads).
+AMX_ROWS = 32
+AMX_PROBE_ROWS = (1, 2, 3, 8, 15, 16, 17, 24, 31, 32)  # each tile count, full and not, at its edges
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -138,10 +152,10 @@ class _Packed:
     """A layer's weight packed for oneDNN, made when the layer is checked and again whenever the weight was written
     in place (its ``_version`` moved). A copy or a pickle of the layer starts without it, and packs its own weight."""
 
-    __slots__ = ("weight", "version")
+    __slots__ = ("weight", "version", "amx")
 
-    def __init__(self, weight: torch.Tensor | None = None, version: int = -1) -> None:
-        self.weight, self.version = weight, version
+    def __init__(self, weight: torch.Tensor | None = None, version: int = -1, amx: torch.Tensor | None = None) -> None:
+        self.weight, self.version, self.amx = weight, version, amx  # amx: the weight as linear_amx.c's tiles, or None
 
     def __deepcopy__(self, memo) -> _Packed:
         return _Packed()
@@ -151,6 +165,15 @@ class _Packed:
 
 
 _LINEAR_POINTWISE = None  # torch.ops.mkldnn._linear_pointwise.default, looked up once (the packet's call costs more)
+
+
+def _product(input: torch.Tensor, packed: torch.Tensor, amx: torch.Tensor | None,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """A packed layer's (or fused group's) product: on AMX for up to ``AMX_ROWS`` rows where the layer has its tiles
+    (``amx``: never with a bias), else oneDNN's."""
+    if amx is not None and input.numel() <= AMX_ROWS * input.shape[-1]:
+        return amx_linear_unchecked(input.contiguous(), amx)
+    return _onednn_product(input, packed, bias)
 
 
 def _onednn_product(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -176,7 +199,8 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     packed = self._packed
     if packed.version != self.weight._version:
         packed.weight, packed.version = _pack(self.weight), self.weight._version
-    return _onednn_product(input, packed.weight, self.bias)
+        packed.amx = None if packed.amx is None else amx_pack(self.weight)
+    return _product(input, packed.weight, packed.amx, self.bias)
 
 
 class _FusedGroup:
@@ -199,6 +223,7 @@ class _FusedGroup:
     def __init__(self, members: list[torch.nn.Linear], packed: torch.Tensor) -> None:
         self.members = members
         self.packed, self.bias, self.versions = packed, _side_by_side(members)[1], self._versions()
+        self.amx = None  # the weights side by side as linear_amx.c's tiles, where they agree (_give_amx_tiles)
         ends = list(itertools.accumulate(m.out_features for m in members))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self.input = self.output = None
@@ -222,7 +247,8 @@ class _FusedGroup:
             if self.versions != self._versions():  # a weight or bias was written in place: pack them again
                 weight, self.bias = _side_by_side(self.members)
                 self.packed, self.versions = _pack(weight), self._versions()
-            self.output = _onednn_product(x, self.packed, self.bias)
+                self.amx = None if self.amx is None else amx_pack(weight)
+            self.output = _product(x, self.packed, self.amx, self.bias)
             self.input = x
             self.taken = [False] * len(self.members)
         self.taken[index] = True
@@ -303,6 +329,51 @@ def _packed_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
                     return None
         return packed
     except (RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
+def _give_amx_tiles(model: torch.nn.Module) -> int:
+    """``linear_amx.c``'s tiles for every packed bfloat16 product of ``model`` that agrees (a fused group's made
+    with it): returns how many products have them."""
+    if not amx_ready():
+        return 0
+    products = 0
+    for module in model.modules():
+        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
+        if group is not None:
+            if group.members[0] is module:
+                if group.amx is None:
+                    group.amx = _amx_if_it_agrees(group.members, group.packed)
+                products += group.amx is not None
+        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
+            if packed.amx is None:
+                packed.amx = _amx_if_it_agrees([module], packed.weight)
+            products += packed.amx is not None
+    return products
+
+
+def _amx_if_it_agrees(members: list[torch.nn.Linear], packed: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 layer's weight (or sibling layers' side by side) as ``linear_amx.c``'s tiles, if its product is
+    the layers' own to the bit on probe rows (``AMX_PROBE_ROWS``, up to ``AMX_ROWS``): against their packed
+    product (``packed``, which ``_packed_if_it_agrees`` found to be their ``F.linear``'s, and which costs a fraction
+    of an ``F.linear`` that packs the weight anew on every call), and against ``F.linear`` itself at the most rows.
+    None where the CPU has no AMX, a layer has a bias, the shape does not tile (outputs a multiple of 16, inputs of
+    32) or a probe differs."""
+    first = members[0]
+    if not (amx_ready() and first.weight.dtype == torch.bfloat16 and all(m.bias is None for m in members)
+            and first.in_features % 32 == 0 and sum(m.out_features for m in members) % 16 == 0):
+        return None
+    g = torch.Generator().manual_seed(1)
+    try:
+        tiles = amx_pack(_side_by_side(members)[0])
+        with torch.no_grad():
+            for rows in AMX_PROBE_ROWS:
+                x = torch.randn(rows, first.in_features, generator=g).to(torch.bfloat16)
+                if not torch.equal(amx_linear_unchecked(x, tiles), _onednn_product(x, packed, None)):
+                    return None
+            own = torch.cat([F.linear(x, m.weight) for m in members], dim=-1)
+            return tiles if torch.equal(amx_linear_unchecked(x, tiles), own) else None
+    except (RuntimeError, ValueError):
         return None
 
 
@@ -414,11 +485,13 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
     groups = _fuse_siblings(model) if use_onednn else 0
+    amx = _give_amx_tiles(model)
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
-                "product), %d RMSNorms%s", linears, small, SMALL_BATCH_ROWS, groups, norms,
+                "product; %d products of up to %d rows on AMX, their weights also kept as its tiles), %d RMSNorms%s",
+                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, norms,
                 f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
-    return FastLayers(linears, norms, small, groups)
+    return FastLayers(linears, norms, small, groups, amx)
 
 
 # (packed weight's shape, bias or not, threads, rows): the bfloat16 products whose oneDNN kernels this process has made

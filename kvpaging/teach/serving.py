@@ -293,7 +293,8 @@ class EngineResult:
 # -- where the time goes --------------------------------------------------------------------
 
 # the last two: cpu_fast_layers (oneDNN on packed weights; one bfloat16 row through kernels/cpu/linear.c)
-_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16"})
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16",
+                         "kvpaging::cpu_linear_amx"})
 # the C kernels that do what transformers' elementwise operations (and the sampler's max) would: they count with them
 _C_LAYER_OPS = frozenset({cpu_backend.RMS_NORM_PROFILER_NAME, cpu_backend.ROTARY_PROFILER_NAME,
                           cpu_backend.ARGMAX_PROFILER_NAME})
