@@ -488,10 +488,11 @@ def test_the_amx_layout_is_the_weights_tiles():
 
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (208, 576)])
 def test_amx_products_of_up_to_32_rows_are_f_linears_to_the_bit(threads, n, k):
-    """The trained model's product shapes (q/k/v and gate/up side by side, o, down, the LM head), every row count a
-    tiled product takes here: ``F.linear``'s bits, on one thread or two (each block of outputs is one thread's)."""
+    """The trained model's product shapes (q/k/v and gate/up side by side, o, down, the LM head) and one with an odd
+    number of 16-output blocks (the last one without a pair), every row count a tiled product takes: ``F.linear``'s
+    bits, on one thread or two (each block of outputs is one thread's)."""
     g = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     tiles = cpu.amx_pack(weight)
@@ -504,8 +505,8 @@ def test_amx_products_of_up_to_32_rows_are_f_linears_to_the_bit(threads, n, k):
 @needs_amx
 def test_amx_linear_refuses_what_it_cannot_compute():
     tiles = cpu.amx_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"got x \(65, 64\)"):
-        cpu.amx_linear(torch.zeros(65, 64, dtype=torch.bfloat16), tiles)  # more rows than four tiles
+    with pytest.raises(ValueError, match=r"got x \(33, 64\)"):
+        cpu.amx_linear(torch.zeros(33, 64, dtype=torch.bfloat16), tiles)  # more rows than two tiles
     with pytest.raises(ValueError, match=r"got x \(2, 32\)"):
         cpu.amx_linear(torch.zeros(2, 32, dtype=torch.bfloat16), tiles)  # not the weight's inputs
     with pytest.raises(ValueError, match="float32"):

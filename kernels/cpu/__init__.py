@@ -11,7 +11,7 @@ Six small C files live here:
   else two C passes around torch's own mean: :func:`rms_norm`), and with the residual connection before it
   (:func:`add_rms_norm`, for the engine's direct forward);
 * ``linear.c``: a bfloat16 matrix-vector product for one or two rows (``layers.py``, opt-in);
-* ``linear_amx.c``: a bfloat16 linear layer of up to 64 rows on the matrix units of an Intel CPU with AMX, on a weight
+* ``linear_amx.c``: a bfloat16 linear layer of up to 32 rows on the matrix units of an Intel CPU with AMX, on a weight
   laid out once as the unit's tiles (:func:`amx_pack`, :func:`amx_linear`; ``layers.py`` uses it where it is
   ``F.linear``'s product to the bit);
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
@@ -455,7 +455,7 @@ def linear_bf16_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return out
 
 
-AMX_MAX_ROWS = 64  # linear_amx.c's bound: four tiles of 16 rows
+AMX_MAX_ROWS = 32  # linear_amx.c's bound: two tiles of 16 rows
 
 
 def amx_ready() -> bool:
@@ -482,7 +482,7 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` for up to 64 rows of bfloat16 on AMX (``linear_amx.c``), ``packed`` being
+    """``F.linear(x, weight)`` for up to 32 rows of bfloat16 on AMX (``linear_amx.c``), ``packed`` being
     ``amx_pack(weight)``: float32 sums over the inputs in order, 32 at a time, rounded once; no bias. ``x``: rows of
     ``k`` features in any leading shape, contiguous bfloat16 on the CPU."""
     if not amx_ready():

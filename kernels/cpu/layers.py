@@ -82,6 +82,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpaging.kernels import cpu as cpu_kernels
 from kvpaging.kernels.cpu import (amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
                                   linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
 
@@ -139,8 +140,9 @@ PACK_BATCH_HINT = 64  # the batch size oneDNN blocks a packed weight for (16 to 
 PACKED_MAX_ROWS_BF16 = PACK_BATCH_HINT
 # Products of at most this many rows go to linear_amx.c where it is F.linear's to the bit: oneDNN's AMX product of
 # up to 32 rows sums each output's inputs in one run, 32 at a time, as linear_amx.c does; from 33 rows it sums them
-# in parts (576 inputs as two of 288, 1536 as four of 384; an AMX Xeon, 2026-12-06, one and two threads).
-AMX_ROWS = 32
+# in runs whose length depends on the shape and the rows (an AMX Xeon, 2026-12-06, one and two threads), and
+# linear_amx.c's tiles, tried there with oneDNN's runs, were no faster: those rows stay with oneDNN.
+AMX_ROWS = cpu_kernels.AMX_MAX_ROWS
 AMX_PROBE_ROWS = (1, 2, 3, 8, 15, 16, 17, 24, 31, 32)  # each tile count, full and not, at its edges
 
 

@@ -1,4 +1,4 @@
-/* A bfloat16 linear layer for a decode step's rows (at most 64), on the matrix units of an Intel CPU (AMX).
+/* A bfloat16 linear layer for a decode step's rows (at most 32), on the matrix units of an Intel CPU (AMX).
  *
  *     y[r][j] = sum over i of x[r][i] * w[j][i],   w is [n][k] as nn.Linear keeps it (no bias)
  *
@@ -12,9 +12,10 @@
  * Each output is a float32 sum, 32 inputs at a time by the unit's bfloat16 dot product (TDPBF16PS), from the first
  * 32 inputs to the last, rounded to bfloat16 once, to nearest even: the instruction, the blocking and the order of
  * oneDNN's AMX product of up to 32 rows, so the results are the same bits (the caller checks that on each real
- * layer before using it: kernels/cpu/layers.py). For more rows oneDNN sums the inputs in parts (576 inputs as two
- * of 288, 1536 as four of 384, each part's sum added after), so the caller leaves those to it. A row's result does
- * not depend on the rows beside it.
+ * layer before using it: kernels/cpu/layers.py). For more rows oneDNN sums the inputs in runs whose length depends
+ * on the shape and the rows (576 inputs as two runs of 288 from 33 rows to 64; 1536 as three of 512 at 33-36 rows,
+ * four of 384 from 37), and these tiles were no faster there: those products stay with it. A row's result does not
+ * depend on the rows beside it.
  *
  * Compiled with the other CPU kernels (-march=native); on a CPU without AMX the functions exist and report that
  * they cannot run (kvpaging_amx_ready returns 0). Linux asks a process to request the tile registers before it
@@ -36,7 +37,7 @@
 
 #define TILE_N 16      /* outputs per tile */
 #define TILE_K 32      /* inputs per tile (16 pairs) */
-#define MAX_ROWS 64    /* four tiles of 16 rows */
+#define MAX_ROWS 32    /* two tiles of 16 rows */
 #define AHEAD 3       /* blocks: the weight is fetched (to L2) this far ahead of the block being read */
 
 /* The weight [n][k] as tiles: block b (outputs 16b..16b+15), then tile t (inputs 32t..32t+31) of it, 16 rows of 16
@@ -63,7 +64,7 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Eight tiles of 16 rows of 64 bytes (their roles: two_blocks and block). */
+/* Eight tiles of 16 rows of 64 bytes (their roles: two_blocks and block; tile 6 is two_blocks' alone). */
 static void configure(void)
 {
     struct tile_config cfg;
@@ -75,8 +76,6 @@ static void configure(void)
     }
     _tile_loadconfig(&cfg);
 }
-
-#define STEP(M) do { _tile_loadd(4, xp + (M) * 16 * k + t * TILE_K, k * 2); _tile_dpbf16ps(M, 4, 5); } while (0)
 
 /* Fetch the weight's bytes [from, to) towards the core (to L2), a cache line at a time. */
 static inline void fetch(const uint16_t *from, const uint16_t *to)
@@ -95,8 +94,8 @@ static inline void fetch(const uint16_t *from, const uint16_t *to)
 
 /* Outputs of blocks b and b + 1 (32 outputs) for up to 32 rows: tiles 0, 1 block b's row tiles, 2, 3 block b + 1's,
  * 4 and 7 the row tiles of x, 5 and 6 the two blocks' weight tiles. Each output's sum runs over the tiles in order. */
-static void two_blocks(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64_t rows, int64_t row_tiles, int64_t n, int64_t k,
-                       int64_t b, const uint16_t *end)
+static void two_blocks(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64_t rows, int64_t row_tiles,
+                       int64_t n, int64_t k, int64_t b, const uint16_t *end)
 {
     const int64_t tiles = k / TILE_K, block_elems = k * TILE_N;
     const uint16_t *w0 = w + b * block_elems, *w1 = w0 + block_elems;
@@ -129,31 +128,28 @@ static void two_blocks(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64
     }
 }
 
-/* Outputs 16b..16b+15 of up to 64 rows: the weight's block b read once, in order. */
-static void block(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64_t rows, int64_t row_tiles, int64_t n, int64_t k,
-                  int64_t b, const uint16_t *end)
+/* Outputs 16b..16b+15 (a last block without a pair) for up to 32 rows: tiles 0 and 1 the row tiles' sums, 4 and 7
+ * the row tiles of x, 5 the weight's. */
+static void block(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64_t rows, int64_t row_tiles, int64_t n,
+                  int64_t k, int64_t b)
 {
-    const int64_t tiles = k / TILE_K, block_elems = k * TILE_N;
-    const uint16_t *wb = w + b * block_elems, *ahead = wb + AHEAD * block_elems;
+    const int64_t tiles = k / TILE_K;
+    const uint16_t *wb = w + b * k * TILE_N;
     float sums[16 * 16];
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
     for (int64_t t = 0; t < tiles; t++) {
-        const uint16_t *from = ahead + t * TILE_N * TILE_K;
-        if (from < end)
-            fetch(from, from + TILE_N * TILE_K < end ? from + TILE_N * TILE_K : end);
+        _tile_loadd(4, xp + t * TILE_K, k * 2);
         _tile_loadd(5, wb + t * TILE_N * TILE_K, 64);
-        STEP(0);
-        if (row_tiles > 1) STEP(1);
-        if (row_tiles > 2) STEP(2);
-        if (row_tiles > 3) STEP(3);
+        _tile_dpbf16ps(0, 4, 5);
+        if (row_tiles > 1) {
+            _tile_loadd(7, xp + 16 * k + t * TILE_K, k * 2);
+            _tile_dpbf16ps(1, 7, 5);
+        }
     }
     STORE(0, 0, b);
-    if (row_tiles > 1) STORE(1, 1, b);
-    if (row_tiles > 2) STORE(2, 2, b);
-    if (row_tiles > 3) STORE(3, 3, b);
+    if (row_tiles > 1)
+        STORE(1, 1, b);
 }
 #endif
 
@@ -170,7 +166,7 @@ int64_t kvpaging_amx_ready(void)
 #endif
 }
 
-/* y = x w^T for rows <= 64 rows of x [rows][k], w packed by kvpaging_amx_pack. Returns 0, -1 when scratch memory is
+/* y = x w^T for up to 32 rows of x [rows][k], w packed by kvpaging_amx_pack. Returns 0, -1 when scratch memory is
  * short, -2 when the tile unit cannot be used (nothing written either way). */
 int64_t kvpaging_amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t rows, int64_t n, int64_t k,
                             int64_t threads)
@@ -196,13 +192,10 @@ int64_t kvpaging_amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t 
 #endif
         for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
             const int64_t b = 2 * pair;
-            if (row_tiles <= 2 && b + 1 < blocks) {
+            if (b + 1 < blocks)
                 two_blocks(xp, packed, y, rows, row_tiles, n, k, b, end);
-            } else {
-                block(xp, packed, y, rows, row_tiles, n, k, b, end);
-                if (b + 1 < blocks)
-                    block(xp, packed, y, rows, row_tiles, n, k, b + 1, end);
-            }
+            else
+                block(xp, packed, y, rows, row_tiles, n, k, b);
         }
         _tile_release();
     }
