@@ -39,7 +39,7 @@ from throughput import FAST_LAYERS  # --cpu-fast-layers off|default|on: the engi
 
 
 def read_bandwidth() -> float:
-    """Bytes per second one thread reads: the best of three sums over 1 GiB."""
+    """Bytes per second torch's threads read (one unless told otherwise): the best of three sums over 1 GiB."""
     data = torch.ones(256 * 1024 * 1024)
     best = float("inf")
     for _ in range(3):

@@ -1,0 +1,81 @@
+"""A decode step's linear products on an AMX CPU: oneDNN's packed product against ``linear_amx.c``, weights from memory.
+
+The trained model's decode step reads every linear weight once (269 MB in bfloat16 for SmolLM2-135M), so its
+products take the weights' bytes over what one core reads. This times the products of one decode step at a given
+number of rows, each engine's way: oneDNN on the weight packed once (``_reorder_linear_weight``, what the engine's
+fast layers did before) and ``kernels/cpu/linear_amx.c`` on the weight laid out as the tile unit's tiles (what
+they do now for up to 32 rows where the results are the same bits, which it checks here too). The weights are the
+model's shapes (its q/k/v and gate/up side by side, o, down, for each of 30 layers, and the 49,152 x 576 LM head),
+random (only the shapes and the bytes matter), 30 distinct copies, so every product reads its weight from memory
+as in a step. The two run in turns, ``--repeats`` rounds; the medians are printed, with each one's bytes per second
+and the read bandwidth of one thread (``decode_step.py``'s sum over 1 GiB) beside them.
+
+    OMP_NUM_THREADS=1 python benchmarks/amx_linear.py --threads 1
+    OMP_NUM_THREADS=2 python benchmarks/amx_linear.py --threads 2 --rows 1 16 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from decode_step import read_bandwidth
+
+from kvpaging.kernels import cpu
+from kvpaging.kernels.cpu.layers import _onednn_product, _pack, onednn_usable
+
+LAYERS = 30
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # q/k/v side by side, o, gate/up side by side, down
+HEAD = (49152, 576)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 24, 32])
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not (cpu.amx_ready() and onednn_usable()):
+        raise SystemExit(f"needs a CPU with AMX and the C kernels (amx_ready: {cpu.amx_ready()}) and oneDNN "
+                         f"(usable: {onednn_usable()})")
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for _ in range(LAYERS) for n, k in SHAPES]
+    weights.append((torch.randn(*HEAD, generator=g) * 0.02).to(torch.bfloat16))
+    onednn, tiles = [_pack(w) for w in weights], [cpu.amx_pack(w) for w in weights]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    bandwidth = read_bandwidth()
+    print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | {args.threads} thread(s) | "
+          f"{len(weights)} products, {nbytes / 1e6:.0f} MB of bfloat16 weights a step | {args.threads} thread(s) read "
+          f"{bandwidth / 1e9:.1f} GB/s (bytes floor {nbytes / bandwidth * 1e3:.1f} ms)")
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
+        for w, t in zip(weights[:len(SHAPES)] + weights[-1:], tiles[:len(SHAPES)] + tiles[-1:]):
+            x = xs[w.shape[1]]
+            assert torch.equal(cpu.amx_linear(x, t), F.linear(x, w)), (rows, tuple(w.shape))
+
+        def onednn_step():
+            for w, packed in zip(weights, onednn):
+                _onednn_product(xs[w.shape[1]], packed, None)
+
+        def amx_step():
+            for w, t in zip(weights, tiles):
+                cpu.amx_linear_unchecked(xs[w.shape[1]], t)
+
+        times = {"oneDNN (packed)": [], "linear_amx.c": []}
+        for _ in range(args.repeats):
+            for name, step in (("oneDNN (packed)", onednn_step), ("linear_amx.c", amx_step)):
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+        cells = [f"{name} {statistics.median(t) * 1e3:5.1f} ms ({nbytes / statistics.median(t) / 1e9:4.1f} GB/s)"
+                 for name, t in times.items()]
+        print(f"{rows:2d} rows (F.linear's bits: yes): " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
