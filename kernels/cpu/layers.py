@@ -189,20 +189,22 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     """A linear on its weight packed once for oneDNN's matrix kernels (AMX where the CPU has it): in bfloat16
     ``F.linear`` packs it anew on every call; in float32 it goes to MKL. A member of a fused group (q/k/v,
     gate/up) takes its slice of the group's one product."""
-    if (input.dtype != self.weight.dtype or input.device.type != "cpu" or input.dim() < 2
+    params = self._parameters  # what self.weight and self.bias find, without nn.Module's __getattr__ on every call
+    weight, bias = params["weight"], params["bias"]
+    if (input.dtype != weight.dtype or input.device.type != "cpu" or input.dim() < 2
             or input.numel() > self._packed_max_numel):  # bfloat16: more than PACKED_MAX_ROWS_BF16 rows
-        return F.linear(input, self.weight, self.bias)
+        return F.linear(input, weight, bias)
     # linear.c, its weight and bias checked once (_small_batch_agrees), the input's width here
     if (self._small_batch and input.numel() <= SMALL_BATCH_ROWS * self.in_features
             and input.shape[-1] == self.in_features):
-        return linear_bf16_unchecked(input.contiguous(), self.weight, self.bias)
+        return linear_bf16_unchecked(input.contiguous(), weight, bias)
     if self._fused is not None:
         return self._fused.take(self, input)
     packed = self._packed
-    if packed.version != self.weight._version:
-        packed.weight, packed.version = _pack(self.weight), self.weight._version
-        packed.amx = None if packed.amx is None else amx_pack(self.weight)
-    return _product(input, packed.weight, packed.amx, self.bias)
+    if packed.version != weight._version:
+        packed.weight, packed.version = _pack(weight), weight._version
+        packed.amx = None if packed.amx is None else amx_pack(weight)
+    return _product(input, packed.weight, packed.amx, bias)
 
 
 class _FusedGroup:
@@ -236,7 +238,7 @@ class _FusedGroup:
             member._packed = _Packed()  # its own packed copy is made again only if it ever runs alone
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(t._version for m in self.members for t in (m.weight, m.bias) if t is not None)
+        return tuple(t._version for m in self.members for t in m._parameters.values() if t is not None)
 
     def take(self, member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         index = member._fused_index
@@ -255,7 +257,7 @@ class _FusedGroup:
             self.taken = [False] * len(self.members)
         self.taken[index] = True
         start, end = self.bounds[index]
-        out = self.output[..., start:end]
+        out = self.output.narrow(-1, start, end - start)
         if all(self.taken):  # every member has its slice: hold nothing until the next input
             self.input = self.output = None
         return out
