@@ -336,24 +336,25 @@ def _packed_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
         return None
 
 
-def _give_amx_tiles(model: torch.nn.Module) -> int:
+def _give_amx_tiles(model: torch.nn.Module) -> tuple[int, int]:
     """``linear_amx.c``'s tiles for every packed bfloat16 product of ``model`` that agrees (a fused group's made
-    with it): returns how many products have them."""
+    with it): returns how many products have them, and their bytes."""
     if not amx_ready():
-        return 0
-    products = 0
+        return 0, 0
+    tiles = []
     for module in model.modules():
         packed, group = vars(module).get("_packed"), vars(module).get("_fused")
         if group is not None:
             if group.members[0] is module:
                 if group.amx is None:
                     group.amx = _amx_if_it_agrees(group.members, group.packed)
-                products += group.amx is not None
+                tiles.append(group.amx)
         elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
             if packed.amx is None:
                 packed.amx = _amx_if_it_agrees([module], packed.weight)
-            products += packed.amx is not None
-    return products
+            tiles.append(packed.amx)
+    tiles = [t for t in tiles if t is not None]
+    return len(tiles), sum(t.numel() * t.element_size() for t in tiles)
 
 
 def _amx_if_it_agrees(members: list[torch.nn.Linear], packed: torch.Tensor) -> torch.Tensor | None:
@@ -489,10 +490,11 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
     groups = _fuse_siblings(model) if use_onednn else 0
-    amx = _give_amx_tiles(model)
+    amx, amx_bytes = _give_amx_tiles(model)
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
-                "product; %d products of up to %d rows on AMX, their weights also kept as its tiles), %d RMSNorms%s",
-                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, norms,
+                "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles), %d "
+                "RMSNorms%s",
+                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, f"{amx_bytes / 2**20:,.0f}", norms,
                 f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
     return FastLayers(linears, norms, small, groups, amx)
