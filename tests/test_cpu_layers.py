@@ -314,6 +314,21 @@ def test_the_warm_up_makes_each_products_kernels_once_per_row_count_and_changes_
 
 
 @needs_onednn
+def test_the_warm_up_leaves_out_the_row_counts_that_run_on_amx_tiles(monkeypatch):
+    """Products without a bias on a CPU with AMX take up to AMX_ROWS rows on their tiles, so oneDNN never sees those
+    row counts and the warm-up makes no kernels for them; elsewhere it makes them from one row."""
+    parent, _ = _siblings(False, seed=7)
+    layers.enable_fast_layers(parent, exact=True)
+    products = []
+    real = layers._onednn_product
+    monkeypatch.setattr(layers, "_onednn_product", lambda *a: products.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(layers, "_warmed", set())
+    layers.warm_packed_products(parent, 40)
+    first = layers.AMX_ROWS + 1 if cpu.amx_ready() else 1
+    assert sorted(products) == sorted(list(range(first, 41)) * 2)  # the q/k/v group's and o_proj's
+
+
+@needs_onednn
 def test_siblings_called_out_of_step_get_their_own_products_and_the_group_is_undone():
     """A model that calls a member on another input while the others' slices wait (cross-attention's keys, say)
     still gets each member's own product, computed again; after MAX_MISSES such calls the group is undone and each

@@ -517,6 +517,21 @@ def packed_products(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, t
     return products
 
 
+def _tiled_shapes(model: torch.nn.Module) -> set[tuple]:
+    """The keys of ``packed_products`` whose every product has AMX tiles (so rows up to ``AMX_ROWS`` never reach
+    oneDNN)."""
+    tiled: dict[tuple, bool] = {}
+    for module in model.modules():
+        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
+        if group is not None:
+            key = (tuple(group.packed.shape), group.bias is None)
+            tiled[key] = tiled.get(key, True) and group.amx is not None
+        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
+            key = (tuple(packed.weight.shape), module.bias is None)
+            tiled[key] = tiled.get(key, True) and packed.amx is not None
+    return {key for key, every in tiled.items() if every}
+
+
 def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
     """Run every bfloat16 packed product of ``model`` (each distinct shape once: a lone layer's, a fused group's) on
     zeros of every row count from 1 to ``max_rows`` (at most ``PACKED_MAX_ROWS_BF16``, the most a packed product
@@ -524,12 +539,14 @@ def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
     trained model's products: 0.54 ms a first call at a new row count against 0.10 ms the next,
     ``benchmarks/one_time_costs.py``), and a run of
     requests would otherwise pay that in the middle of its decode steps, each time a finished request makes the batch
-    a size not seen before. Shapes this process made already (another engine on the same model) are skipped. Returns
-    the seconds it took."""
+    a size not seen before. Shapes this process made already (another engine on the same model) are skipped, and so
+    are the row counts a shape's products all run on AMX tiles (up to ``AMX_ROWS``). Returns the seconds it took."""
     start, threads = time.perf_counter(), torch.get_num_threads()
+    tiled = _tiled_shapes(model)
     with torch.no_grad():
         for (shape, no_bias), (weight, bias) in packed_products(model).items():
-            for rows in range(1, min(max_rows, PACKED_MAX_ROWS_BF16) + 1):
+            first = AMX_ROWS + 1 if (shape, no_bias) in tiled else 1
+            for rows in range(first, min(max_rows, PACKED_MAX_ROWS_BF16) + 1):
                 if (shape, no_bias, threads, rows) not in _warmed:
                     _onednn_product(torch.zeros(rows, shape[-1], dtype=torch.bfloat16), weight, bias)
                     _warmed.add((shape, no_bias, threads, rows))
