@@ -126,7 +126,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     check_softcap(softcap)
     check_sinks(sinks, query.shape[1], query.device)
     sink = None if sinks is None else sinks.reshape(1, -1, 1, 1)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     # SDPA in the query's own dtype where the cache holds that dtype unscaled (a bfloat16 model: what its own
     # sdpa attention computes, to the bit for a chunk from position 0); else in float32 (FP8 caches, the
     # spelled-out maths of soft-capping and sinks)

@@ -5,7 +5,7 @@ import pytest
 from kvpaging.core.block_manager import NO_HIT, BlockManager, default_block_hash
 from kvpaging.core.block_pool import BlockPool
 from kvpaging.errors import DuplicateSequenceError, SequenceNotFoundError, SequenceTooLongError
-from kvpaging.core.invariants import check_free_queue, check_pool, check_block_manager, check_scheduler
+from kvpaging.core.invariants import check_free_queue, check_pool, check_block_manager
 
 
 def free_order(bm):

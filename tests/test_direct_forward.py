@@ -163,7 +163,6 @@ def test_the_c_rotary_embedding_is_transformers_to_the_bit(dtype, tokens):
         assert got_q.dtype == dtype and torch.equal(got_q, want_q.transpose(1, 2))
         assert torch.equal(got_k, want_k.transpose(1, 2))
         # both in one call (k's heads follow q's in the fused rows), and each alone (separate tensors): the same bits
-        calls = []
         for pair in ((q, k), (q.clone(), k.clone())):
             with count_calls(cpu, "_rotary_fn") as calls:
                 got_q, got_k = cpu.rotary_pair_unchecked(*pair, cos.unsqueeze(2), sin.unsqueeze(2))
