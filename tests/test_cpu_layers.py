@@ -546,3 +546,29 @@ def test_the_default_takes_decode_batches_of_up_to_32_to_amx_and_larger_ones_to_
             with torch.no_grad():
                 assert torch.equal(layer(x), plain(x)), (bias, rows)
                 assert (cpu.AMX_PROFILER_NAME in ops_called(lambda: layer(x))) == on_amx, (bias, rows)
+
+
+@needs_onednn
+def test_a_fused_groups_tiles_follow_a_weight_written_in_place_and_a_shape_that_does_not_tile_has_none():
+    """A group's weights written in place are laid out again (tiles too) before its next product: every member's
+    output is still its own ``F.linear``'s, on tiles and off; a layer whose outputs are not a multiple of 16 gets no
+    tiles and runs on oneDNN, to the same bits."""
+    parent, plain = _siblings(False, seed=9)
+    layers.enable_fast_layers(parent, exact=True)
+    group = vars(parent.q_proj)["_fused"]
+    assert (group.amx is not None) == cpu.amx_ready()
+    g = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for layer in (parent.k_proj, plain.k_proj):
+            layer.weight.mul_(-0.5)
+        for rows in (7, 40):
+            x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
+            for name in ("q_proj", "k_proj", "v_proj"):
+                assert torch.equal(getattr(parent, name)(x), getattr(plain, name)(x)), (rows, name)
+        odd = torch.nn.Linear(64, 100, bias=False).to(torch.bfloat16)
+        odd_plain = copy.deepcopy(odd)
+        layers.enable_fast_layers(odd, exact=True)
+        assert odd._packed.amx is None
+        x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+        assert torch.equal(odd(x), odd_plain(x))
+
