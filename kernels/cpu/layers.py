@@ -82,8 +82,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpaging.kernels import cpu as cpu_kernels
-from kvpaging.kernels.cpu import (amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
+from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
                                   linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
@@ -142,7 +141,7 @@ PACKED_MAX_ROWS_BF16 = PACK_BATCH_HINT
 # up to 32 rows sums each output's inputs in one run, 32 at a time, as linear_amx.c does; from 33 rows it sums them
 # in runs whose length depends on the shape and the rows (an AMX Xeon, 2026-12-06, one and two threads), and
 # linear_amx.c's tiles, tried there with oneDNN's runs, were no faster: those rows stay with oneDNN.
-AMX_ROWS = cpu_kernels.AMX_MAX_ROWS
+AMX_ROWS = AMX_MAX_ROWS
 AMX_PROBE_ROWS = (1, 2, 3, 8, 15, 16, 17, 24, 31, 32)  # each tile count, full and not, at its edges
 
 
@@ -156,8 +155,9 @@ class _Packed:
 
     __slots__ = ("weight", "version", "amx")
 
-    def __init__(self, weight: torch.Tensor | None = None, version: int = -1, amx: torch.Tensor | None = None) -> None:
-        self.weight, self.version, self.amx = weight, version, amx  # amx: the weight as linear_amx.c's tiles, or None
+    def __init__(self, weight: torch.Tensor | None = None, version: int = -1) -> None:
+        self.weight, self.version = weight, version
+        self.amx: torch.Tensor | None = None  # the weight as linear_amx.c's tiles, where they agree (_give_amx_tiles)
 
     def __deepcopy__(self, memo) -> _Packed:
         return _Packed()
@@ -336,24 +336,30 @@ def _packed_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
         return None
 
 
+def _packed_owners(model: torch.nn.Module):
+    """Each bfloat16 packed product of ``model`` once: ``(key, packed weight, bias, owner, members)`` with ``key`` =
+    ``(packed shape, no bias)`` (layers of one key share oneDNN's kernels), ``owner`` the ``_FusedGroup`` or the lone
+    layer's ``_Packed`` (which holds its AMX tiles as ``amx``) and ``members`` the layers it computes."""
+    for module in model.modules():
+        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
+        if group is not None:
+            if group.members[0] is module:
+                yield (tuple(group.packed.shape), group.bias is None), group.packed, group.bias, group, group.members
+        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
+            yield (tuple(packed.weight.shape), module.bias is None), packed.weight, module.bias, packed, [module]
+
+
 def _give_amx_tiles(model: torch.nn.Module) -> tuple[int, int]:
     """``linear_amx.c``'s tiles for every packed bfloat16 product of ``model`` that agrees (a fused group's made
     with it): returns how many products have them, and their bytes."""
     if not amx_ready():
         return 0, 0
     tiles = []
-    for module in model.modules():
-        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
-        if group is not None:
-            if group.members[0] is module:
-                if group.amx is None:
-                    group.amx = _amx_if_it_agrees(group.members, group.packed)
-                tiles.append(group.amx)
-        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
-            if packed.amx is None:
-                packed.amx = _amx_if_it_agrees([module], packed.weight)
-            tiles.append(packed.amx)
-    tiles = [t for t in tiles if t is not None]
+    for _, weight, _, owner, members in _packed_owners(model):
+        if owner.amx is None:
+            owner.amx = _amx_if_it_agrees(members, weight)
+        if owner.amx is not None:
+            tiles.append(owner.amx)
     return len(tiles), sum(t.numel() * t.element_size() for t in tiles)
 
 
@@ -507,29 +513,18 @@ _warmed: set[tuple] = set()
 def packed_products(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
     """``model``'s bfloat16 packed products (a lone layer's, a fused group's), one of each shape with a bias or
     without (layers of one shape share oneDNN's kernels): ``{(packed shape, no bias): (packed weight, bias)}``."""
-    products = {}
-    for module in model.modules():
-        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
-        if group is not None:
-            products[(tuple(group.packed.shape), group.bias is None)] = (group.packed, group.bias)
-        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
-            products[(tuple(packed.weight.shape), module.bias is None)] = (packed.weight, module.bias)
-    return products
+    return {key: (weight, bias) for key, weight, bias, _, _ in _packed_owners(model)}
 
 
 def _tiled_shapes(model: torch.nn.Module) -> set[tuple]:
     """The keys of ``packed_products`` whose every product has AMX tiles (so rows up to ``AMX_ROWS`` never reach
     oneDNN)."""
-    tiled: dict[tuple, bool] = {}
-    for module in model.modules():
-        packed, group = vars(module).get("_packed"), vars(module).get("_fused")
-        if group is not None:
-            key = (tuple(group.packed.shape), group.bias is None)
-            tiled[key] = tiled.get(key, True) and group.amx is not None
-        elif isinstance(packed, _Packed) and packed.weight is not None and module.weight.dtype == torch.bfloat16:
-            key = (tuple(packed.weight.shape), module.bias is None)
-            tiled[key] = tiled.get(key, True) and packed.amx is not None
-    return {key for key, every in tiled.items() if every}
+    keys, untiled = set(), set()
+    for key, _, _, owner, _ in _packed_owners(model):
+        keys.add(key)
+        if owner.amx is None:
+            untiled.add(key)
+    return keys - untiled
 
 
 def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:

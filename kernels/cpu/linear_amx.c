@@ -6,8 +6,8 @@
  * memory bandwidth, not arithmetic. oneDNN's packed product reads the trained model's weights at one core at about
  * 60-70% of what the core can stream. Here the weight is laid out once (kvpaging_amx_pack) as the tiles the unit
  * reads, 16 outputs by 32 inputs, each tile 1 KB, a block of 16 outputs' tiles one after another: a product walks
- * the weight front to back, in order, once, while the next block is fetched ahead. The rows of x (padded to 16 with
- * zeros) are the tiles' other operand, from the cache.
+ * the weight front to back, in order, once, while the next block is fetched ahead. The rows of x (a last row tile of
+ * fewer than 16 filled up with zeros) are the tiles' other operand, from the cache.
  *
  * Each output is a float32 sum, 32 inputs at a time by the unit's bfloat16 dot product (TDPBF16PS), from the first
  * 32 inputs to the last, rounded to bfloat16 once, to nearest even: the instruction, the blocking and the order of
@@ -175,10 +175,14 @@ int64_t kvpaging_amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t 
     if (!kvpaging_amx_ready() || rows < 1 || rows > MAX_ROWS || n % TILE_N || k % TILE_K)
         return -2;
     const int64_t row_tiles = (rows + 15) / 16;
-    uint16_t *xp = calloc((size_t)(row_tiles * 16 * k), sizeof(uint16_t));  /* x, its last row tile padded */
-    if (xp == NULL)
-        return -1;
-    memcpy(xp, x, sizeof(uint16_t) * (size_t)(rows * k));
+    uint16_t *padded = NULL;  /* x with its last row tile filled up with zeros, where it is not whole */
+    if (rows % 16) {
+        padded = calloc((size_t)(row_tiles * 16 * k), sizeof(uint16_t));
+        if (padded == NULL)
+            return -1;
+        memcpy(padded, x, sizeof(uint16_t) * (size_t)(rows * k));
+    }
+    const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t blocks = n / TILE_N;
     const uint16_t *end = packed + n * k;
     fetch(packed, packed + (AHEAD * k * TILE_N < n * k ? AHEAD * k * TILE_N : n * k));  /* the first blocks, on their way */
@@ -199,7 +203,7 @@ int64_t kvpaging_amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t 
         }
         _tile_release();
     }
-    free(xp);
+    free(padded);
     return 0;
 #else
     (void)x; (void)packed; (void)y; (void)rows; (void)n; (void)k; (void)threads;
