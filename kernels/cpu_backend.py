@@ -1,4 +1,4 @@
-"""The engine's "cpu" attention backend: the torch backend, with decode attention done by a C kernel.
+"""The engine's "cpu" attention backend: the torch backend, with decode and prefill attention done by C kernels.
 
 On a CPU the torch backend's decode attention spends most of its time moving
 memory, not computing: it gathers every sequence's blocks into a padded copy
@@ -14,9 +14,13 @@ for models in those dtypes there), over the whole context, the query and the out
 in the cache's dtype and the arithmetic in float32, as the torch backend does it (a
 bfloat16 query is widened and the output rounded inside the kernel); anything else (float16 or FP8 caches, CUDA
 tensors, sliding-window, soft-capped or sink layers) is served by the torch
-backend's function, so this backend accepts every input the torch backend does. ``store_kv`` writes a step's keys and
-values with one C call where the rows allow (the torch backend's otherwise); prefill attention and ``copy_blocks`` are
-the torch backend's. For a step of decodes only, ``store_and_decode`` does a layer's store and attention in two C
+backend's function, so this backend accepts every input the torch backend does. Prefill attention is the same story
+at a larger scale: the torch backend makes one SDPA call per sequence and layer, after gathering the sequence's blocks
+and (for a chunk after a cached prefix) building its causal mask, a few dozen tensor operations a sequence, which in a
+busy server's prefill step of many short prompts cost more than the attention's arithmetic;
+``cpu/prefill_attention.c`` does a layer's every chunk in one call, reading the blocks in place (float32 and bfloat16
+caches, with the same exceptions as the decode kernel). ``store_kv`` writes a step's keys and values with one C call
+where the rows allow (the torch backend's otherwise); ``copy_blocks`` is the torch backend's. For a step of decodes only, ``store_and_decode`` does a layer's store and attention in two C
 calls, with the step's checks made and the kernel's scratch allocated once, at its first layer (``DecodeStep``).
 """
 
@@ -25,13 +29,14 @@ from __future__ import annotations
 import torch
 
 from kvpaging.kernels import torch_backend
-from kvpaging.kernels.cpu import (ARGMAX_PROFILER_NAME, PROFILER_NAME, RMS_NORM_PROFILER_NAME, ROTARY_PROFILER_NAME,
-                                  available, call_named, decode_attention_fn, store_kv_fn, unavailable_reason)
-from kvpaging.kernels.torch_backend import copy_blocks, paged_prefill_attention
-from kvpaging.kernels.validation import check_decode_args
+from kvpaging.kernels.cpu import (ARGMAX_PROFILER_NAME, PREFILL_PROFILER_NAME, PROFILER_NAME, RMS_NORM_PROFILER_NAME,
+                                  ROTARY_PROFILER_NAME, available, call_named, decode_attention_fn, prefill_attention_fn,
+                                  store_kv_fn, unavailable_reason)
+from kvpaging.kernels.torch_backend import copy_blocks
+from kvpaging.kernels.validation import check_decode_args, check_prefill_args
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "store_and_decode", "available",
-           "unavailable_reason", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "ROTARY_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
+           "unavailable_reason", "PROFILER_NAME", "PREFILL_PROFILER_NAME", "RMS_NORM_PROFILER_NAME", "ROTARY_PROFILER_NAME", "ARGMAX_PROFILER_NAME"]
 NAME = "cpu"
 
 
@@ -81,6 +86,58 @@ def _store(fn, layout, key, value, k_cache, v_cache) -> int:
     key_stride, value_stride, slots, tokens, row, size, num_slots = layout
     return fn(key.data_ptr(), key_stride, value.data_ptr(), value_stride, k_cache.data_ptr(), v_cache.data_ptr(),
               slots, tokens, row, size, num_slots)
+
+
+# prefill_attention.c's constants: query rows computed together and keys per tile (its scratch is sized by them)
+PREFILL_ROWS, PREFILL_TILE = 4, 64  # (64: its largest tile, on AVX-512; smaller vectors take smaller tiles)
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
+                            v_scale=None, window=0, softcap=0.0, sinks=None):
+    """``reference.paged_prefill_attention`` for float32 and bfloat16 on the CPU: a chunk that is its sequence's whole
+    context (a prompt from position 0) by the torch backend's SDPA call, the model's own attention to the bit; every
+    other chunk (after a cached prefix, a later chunk) of the layer in one call of the C kernel
+    (``cpu/prefill_attention.c``). Other inputs: the torch backend's (see the module docstring)."""
+    fn = prefill_attention_fn(k_cache.dtype)
+    if (fn is None or window or softcap or sinks is not None or not cu_seqlens_q.is_contiguous()
+            or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale)):
+        return torch_backend.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                                     scale, k_scale, v_scale, window, softcap, sinks)
+    check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the cpu backend needs contiguous caches (as the engine allocates them)")
+    tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    batch, width = block_tables.shape
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    whole = [i for i, n in enumerate(lens) if 0 < n == starts[i + 1] - starts[i]]
+    skip = None
+    if whole:
+        skip = torch.zeros(batch, dtype=torch.uint8)
+        skip[whole] = 1
+    longest = max(lens, default=1)
+    threads = max(1, torch.get_num_threads())
+    stride = (2 * head_dim + PREFILL_ROWS) * -(-max(longest, 1) // PREFILL_TILE) * PREFILL_TILE  # floats a thread
+    scratch = torch.empty(threads * stride, dtype=torch.float32)
+    out = torch.empty(tokens, num_heads, head_dim, dtype=query.dtype)
+    error = torch.zeros(3, dtype=torch.int64)
+    args = (query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+            block_tables.data_ptr(), block_tables.stride(0), width, seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
+            None if skip is None else skip.data_ptr(), tokens, out.data_ptr(), scratch.data_ptr(), stride,
+            error.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, float(scale), threads)
+    status = call_named(PREFILL_PROFILER_NAME, fn, args)
+    if status:
+        b, x, y = error.tolist()
+        raise {1: ValueError(f"seq_lens[{b}]={x} is more than block_tables' {width} blocks of {block_size} tokens hold"),
+               2: ValueError(f"block_tables row {b} holds block {x}, outside the cache's {num_blocks} blocks"),
+               3: ValueError(f"sequence {b} has {x} queries but only seq_len={y} cached tokens"),
+               4: ValueError(f"cu_seqlens_q[{b}:{b + 2}] = ({x}, {y}) does not rise from 0 within the query's "
+                             f"{tokens} tokens"),
+               -1: MemoryError(f"the prefill kernel found no memory for the work list of {batch} sequences")}[status]
+    for i in whole:
+        torch_backend.prefill_sequence(query, k_cache, v_cache, block_tables, i, starts[i], starts[i + 1], lens[i],
+                                       scale, None, None, 0, 0.0, None, out)
+    return out
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,

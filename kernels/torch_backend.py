@@ -119,12 +119,15 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
-def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
-                            v_scale=None, window=0, softcap=0.0, sinks=None):
-    check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
-    check_window(window)
-    check_softcap(softcap)
-    check_sinks(sinks, query.shape[1], query.device)
+def prefill_sequence(query, k_cache, v_cache, block_tables, i, q_start, q_end, seq_len, scale, k_scale, v_scale, window,
+                     softcap, sinks, out) -> None:
+    """Sequence ``i``'s chunk, ``query[q_start:q_end]``, attended into ``out[q_start:q_end]`` (arguments checked as
+    :func:`paged_prefill_attention` checks them): one fused SDPA call over its gathered blocks."""
+    q_len = q_end - q_start
+    if q_len == 0:
+        return
+    if q_len > seq_len:
+        raise ValueError(f"sequence {i} has {q_len} queries but only seq_len={seq_len} cached tokens")
     sink = None if sinks is None else sinks.reshape(1, -1, 1, 1)
     block_size = k_cache.shape[1]
     # SDPA in the query's own dtype where the cache holds that dtype unscaled (a bfloat16 model: what its own
@@ -132,28 +135,32 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     # spelled-out maths of soft-capping and sinks)
     dtype = (query.dtype if k_cache.dtype == query.dtype and k_scale is None and not softcap and sinks is None
              else torch.float32)
+    blocks = block_tables[i, : -(-seq_len // block_size)].long()
+    # 4-D [1, heads, tokens, head_dim] inputs: CPU SDPA runs its fused kernel only on 4-D tensors
+    k = _gather_blocks(k_cache, blocks, k_scale, dtype)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, d]
+    v = _gather_blocks(v_cache, blocks, v_scale, dtype)[:seq_len].transpose(0, 1)[None]
+    q = query[q_start:q_end].to(dtype).transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+    if q_len == seq_len and not (window and window < seq_len):  # from position 0, no window: plain causal
+        o = _attention(q, k, v, None, scale, softcap, sink, is_causal=True)
+    else:  # the queries are the LAST q_len positions: the causal mask is aligned to the end
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        visible = k_pos <= q_pos[:, None]
+        if window:  # sliding window: and only the last `window` positions up to the query's own
+            visible &= k_pos > q_pos[:, None] - window
+        o = _attention(q, k, v, visible, scale, softcap, sink)
+    out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
+                            v_scale=None, window=0, softcap=0.0, sinks=None):
+    check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
+    check_window(window)
+    check_softcap(softcap)
+    check_sinks(sinks, query.shape[1], query.device)
     out = torch.zeros_like(query)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
-        q_start, q_end = starts[i], starts[i + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        if q_len > seq_len:
-            raise ValueError(f"sequence {i} has {q_len} queries but only seq_len={seq_len} cached tokens")
-        blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        # 4-D [1, heads, tokens, head_dim] inputs: CPU SDPA runs its fused kernel only on 4-D tensors
-        k = _gather_blocks(k_cache, blocks, k_scale, dtype)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, d]
-        v = _gather_blocks(v_cache, blocks, v_scale, dtype)[:seq_len].transpose(0, 1)[None]
-        q = query[q_start:q_end].to(dtype).transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-        if q_len == seq_len and not (window and window < seq_len):  # from position 0, no window: plain causal
-            o = _attention(q, k, v, None, scale, softcap, sink, is_causal=True)
-        else:  # the queries are the LAST q_len positions: the causal mask is aligned to the end
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            visible = k_pos <= q_pos[:, None]
-            if window:  # sliding window: and only the last `window` positions up to the query's own
-                visible &= k_pos > q_pos[:, None] - window
-            o = _attention(q, k, v, visible, scale, softcap, sink)
-        out[q_start:q_end] = o[0].transpose(0, 1).to(query.dtype)
+        prefill_sequence(query, k_cache, v_cache, block_tables, i, starts[i], starts[i + 1], seq_len, scale, k_scale,
+                         v_scale, window, softcap, sinks, out)
     return out

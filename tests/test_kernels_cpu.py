@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvpaging.kernels import cpu_backend, reference, torch_backend
-from kvpaging.kernels.testing import random_paged_kv
+from kvpaging.kernels.testing import cu_seqlens, random_paged_kv
 from kvpaging.teach.scheduling import cpu_threads
 
 HAS_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang")) or bool(os.environ.get("CC"))
@@ -344,3 +344,134 @@ def test_a_decode_steps_layers_store_and_attend_as_the_two_calls_do_with_one_pla
     before = [c.clone() for c in fp8]
     assert cpu_backend.store_and_decode(decode_meta(kv), query, key, value, *fp8, slots, tables, 0.1) is None
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fp8, before))
+
+
+# -- prefill attention (kernels/cpu/prefill_attention.c) ------------------------------------------------------------
+
+
+def prefill_case(gen, block_size, heads, kv_heads, dim, dtype=torch.float32):
+    """Chunks as a busy prefill step has them: from position 0, after a cached prefix (the last q_len of the
+    sequence's tokens), one token, none, and prompts longer than one work item (32 query tokens), packed; the query a
+    transposed view, as the attention function passes it."""
+    lens = [1, 37, 150, 5, 2 * block_size + 3, 64, 65, 9]
+    q_lens = [1, 20, 150, 5, block_size + 1, 1, 64, 0]
+    kv = random_paged_kv(lens, kv_heads, dim, block_size, dtype=dtype, generator=gen,
+                         max_blocks=-(-max(lens) // block_size) + 2)  # two padding columns of random ids
+    cu = cu_seqlens(q_lens)
+    query = transposed_query(int(cu[-1]), heads, dim, gen).to(dtype)
+    return query, kv, cu
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 80), (16, 2, 128), (4, 4, 32), (2, 2, 256)])
+def test_prefill_matches_the_reference(gen, block_size, heads, kv_heads, dim):
+    query, kv, cu = prefill_case(gen, block_size, heads, kv_heads, dim)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, dim**-0.5)
+    got = cpu_backend.paged_prefill_attention(*args)
+    torch.testing.assert_close(got, reference.paged_prefill_attention(*args), atol=2e-5, rtol=1e-5)
+
+
+def test_prefill_of_peaked_scores(gen):
+    """Integer queries and keys and a power-of-two scale: every logit exact in float32 whatever the order of the sums,
+    logits hundreds apart (most weights underflow), against float64 one query at a time."""
+    kv = random_paged_kv([40, 7], 2, 32, 16, generator=gen)
+    kv.k_cache.copy_(kv.k_cache.mul(2).round())
+    cu = cu_seqlens([25, 7])
+    query = transposed_query(32, 4, 32, gen).mul(100).round()
+    got = cpu_backend.paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 1 / 8)
+    spread = 0.0
+    for b, (n, first, last) in enumerate(zip(kv.seq_lens.tolist(), cu[:-1].tolist(), cu[1:].tolist())):
+        blocks = kv.block_tables[b, : -(-n // 16)].long()
+        keys = kv.k_cache[blocks].reshape(-1, 2, 32)[:n].double().repeat_interleave(2, dim=1)
+        values = kv.v_cache[blocks].reshape(-1, 2, 32)[:n].double().repeat_interleave(2, dim=1)
+        for i in range(last - first):
+            seen = n - (last - first) + i + 1  # the query's own position and every key before it
+            logits = torch.einsum("hd,thd->ht", query[first + i].double(), keys[:seen]) / 8
+            spread = max(spread, (logits.max(1).values - logits.min(1).values).max().item())
+            exact = torch.einsum("ht,thd->hd", torch.softmax(logits, dim=1), values[:seen])
+            assert (got[first + i].double() - exact).abs().max().item() <= 1e-5, (b, i)
+    assert spread > 80, "some weights must underflow"
+
+
+def whole_prompt_rows(cu, seq_lens) -> torch.Tensor:
+    """Which query rows belong to chunks that are their sequence's whole context (a prompt from position 0)."""
+    q_lens = (cu[1:] - cu[:-1]).long()
+    return torch.repeat_interleave(q_lens == seq_lens, q_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompts_are_the_torch_backends_sdpa_to_the_bit(gen, dtype):
+    """A chunk from position 0 is the model's own attention, SDPA's numbers to the bit (the engine's prefill logits
+    equal the model's forward: test_trained_model.py); the other chunks are the C kernel's."""
+    query, kv, cu = prefill_case(gen, 16, 9, 3, 64, dtype)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.125)
+    got, sdpa = cpu_backend.paged_prefill_attention(*args), torch_backend.paged_prefill_attention(*args)
+    whole = whole_prompt_rows(cu, kv.seq_lens)
+    assert 0 < int(whole.sum()) < len(whole)
+    assert torch.equal(got[whole], sdpa[whole])
+    assert not torch.equal(got[~whole], sdpa[~whole]), "the other chunks are not SDPA's (another order of sums)"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bfloat16_prefill_is_the_float32_prefill_on_the_same_values_rounded_once(gen, threads):
+    """Chunks after a cached prefix (the C kernel's): a bfloat16 call is the float32 call on the widened values, each
+    output rounded once."""
+    query, kv, cu = prefill_case(gen, 16, 9, 3, 64, torch.bfloat16)
+    with cpu_threads(threads):
+        got = cpu_backend.paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.125)
+        wide = cpu_backend.paged_prefill_attention(query.float(), kv.k_cache.float(), kv.v_cache.float(),
+                                                   kv.block_tables, cu, kv.seq_lens, 0.125)
+    assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    after = ~whole_prompt_rows(cu, kv.seq_lens)
+    assert torch.equal(got[after], wide[after].to(torch.bfloat16))
+    want = reference.paged_prefill_attention(query.float(), kv.k_cache.float(), kv.v_cache.float(), kv.block_tables,
+                                             cu, kv.seq_lens, 0.125)
+    torch.testing.assert_close(got[after].float(), want[after].to(torch.bfloat16).float(), atol=1e-6, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_threads_give_the_same_numbers(gen, dtype):
+    query, kv, cu = prefill_case(gen, 16, 8, 2, 64, dtype)
+    outs = []
+    for threads in (1, 2, 3):
+        with cpu_threads(threads):
+            outs.append(cpu_backend.paged_prefill_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, cu,
+                                                            kv.seq_lens, 0.125))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_prefill_layers_the_c_kernel_does_not_serve_go_to_the_torch_backend(gen):
+    """Windows, soft-capping, sinks and FP8 caches: the torch backend's own function, the same numbers."""
+    query, kv, cu = prefill_case(gen, 16, 8, 2, 32)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.2)
+    for options in ({"window": 8}, {"softcap": 30.0}, {"sinks": torch.randn(8, generator=gen)}):
+        assert torch.equal(cpu_backend.paged_prefill_attention(*args, **options),
+                           torch_backend.paged_prefill_attention(*args, **options)), options
+    fp8 = random_paged_kv(kv.seq_lens.tolist(), 2, 32, 16, dtype=torch.float8_e4m3fn, generator=gen,
+                          max_blocks=kv.block_tables.shape[1])
+    args = (query, fp8.k_cache, fp8.v_cache, fp8.block_tables, cu, fp8.seq_lens, 0.2, fp8.k_scale, fp8.v_scale)
+    assert torch.equal(cpu_backend.paged_prefill_attention(*args), torch_backend.paged_prefill_attention(*args))
+
+
+def test_bad_prefill_inputs_are_refused_naming_the_value(gen):
+    kv = random_paged_kv([20, 9], 2, 32, 16, generator=gen)
+    query = torch.randn(12, 8, 32, generator=gen)
+    cu = cu_seqlens([5, 7])
+
+    def call(tables=kv.block_tables, cu=cu, lens=kv.seq_lens):
+        return cpu_backend.paged_prefill_attention(query, kv.k_cache, kv.v_cache, tables, cu, lens, 0.1)
+
+    tables = kv.block_tables.clone()
+    tables[1, 0] = kv.k_cache.shape[0] + 5
+    with pytest.raises(ValueError, match=rf"row 1 holds block {kv.k_cache.shape[0] + 5}, outside"):
+        call(tables=tables)
+    too_long = torch.tensor([20, 16 * kv.block_tables.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"seq_lens\[1\]={16 * kv.block_tables.shape[1] + 1} is more than"):
+        call(lens=too_long)
+    with pytest.raises(ValueError, match=r"sequence 1 has 10 queries but only seq_len=9 cached tokens"):
+        call(cu=cu_seqlens([2, 10]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[1:3\] = \(5, 13\) does not rise from 0 within the query's "
+                                         r"12 tokens"):
+        call(cu=cu_seqlens([5, 8]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0:2\] = \(6, 5\)"):
+        call(cu=torch.tensor([6, 5, 12], dtype=torch.int32))

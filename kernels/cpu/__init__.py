@@ -1,11 +1,13 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Six small C files live here:
+Seven small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
   calls it for float32 and bfloat16 caches on the CPU), and the store of a step's
   keys and values into their slots;
+* ``prefill_attention.c``: paged prefill attention, every sequence's chunk of a layer in one call (the same backend's
+  prefill, for the same caches);
 * ``rms_norm.c``: RMSNorm as transformers computes it, to the bit, for the fast
   layers of ``layers.py`` (one C call, its mean in torch's order of sums where a probe at load finds that order,
   else two C passes around torch's own mean: :func:`rms_norm`), and with the residual connection before it
@@ -48,9 +50,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "decode_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
+__all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
            "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
-           "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
+           "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "PREFILL_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
            "amx_linear_unchecked", "AMX_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
@@ -58,7 +60,7 @@ __all__ = ["available", "unavailable_reason", "decode_attention_fn", "store_kv_f
 # on some compilers. rms_norm.c and rotary.c must round as torch does, so nothing may be reordered or fused there;
 # argmax.c must see NaNs and both signs of zero as torch's comparisons do.
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
-    ("decode_attention.c", ["-ffast-math"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
+    ("decode_attention.c", ["-ffast-math"]), ("prefill_attention.c", ["-ffast-math", "-mprefer-vector-width=512"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
     ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]),
     ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
@@ -68,6 +70,7 @@ LINK_FLAGS = ["-shared", "-lm"]
 # itself loaded). A compiler without OpenMP builds it without: one thread, the same numbers.
 OPENMP_FLAGS = ["-fopenmp"]
 PROFILER_NAME = "kvpaging::cpu_decode_attention"  # how the C calls show up in torch.profiler tables
+PREFILL_PROFILER_NAME = "kvpaging::cpu_prefill_attention"
 RMS_NORM_PROFILER_NAME = "kvpaging::cpu_rms_norm"
 ROTARY_PROFILER_NAME = "kvpaging::cpu_rotary"
 LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
@@ -76,6 +79,7 @@ AMX_PROFILER_NAME = "kvpaging::cpu_linear_amx"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
+_prefill_fns = None  # prefill_attention.c's, for float32 and bfloat16 caches
 _rms_norm_fn = None
 _linear_bf16_fn = None
 _rotary_fn = None
@@ -151,7 +155,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
     global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
-    global _amx
+    global _amx, _prefill_fns
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -173,6 +177,12 @@ def _load():
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                        i64, ctypes.c_float, i64]
         fn.restype = i64
+    prefill = (lib.kvpaging_prefill_attention_f32, lib.kvpaging_prefill_attention_bf16)
+    for fn in prefill:
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64,
+                       i64, i64, i64, ctypes.c_float, i64]
+        fn.restype = i64
+    _prefill_fns = {torch.float32: prefill[0], torch.bfloat16: prefill[1]}
     squares, scale = lib.kvpaging_rms_squares, lib.kvpaging_rms_scale
     squares.argtypes = [ptr, i64, ptr, i64, i64]
     scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, i64]
@@ -228,6 +238,12 @@ def decode_attention_fn(cache_dtype: torch.dtype = torch.float32):
     if _load() is None:
         return None
     return {torch.float32: _decode_fn, torch.bfloat16: _decode_bf16_fn}.get(cache_dtype)
+
+
+def prefill_attention_fn(cache_dtype: torch.dtype = torch.float32):
+    """The C prefill kernel (``prefill_attention.c``) for a float32 or bfloat16 cache (a ctypes function), or None
+    where it cannot be built or the cache has another dtype."""
+    return None if _load() is None else _prefill_fns.get(cache_dtype)
 
 
 def store_kv_fn():
