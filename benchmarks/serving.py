@@ -30,7 +30,8 @@ or let it start ``kvpaging serve`` for the run (a subprocess on a free port, sto
 or sweep several rates over several servers it starts, kvpaging's and ``transformers serve``'s
 (``--target KIND:SERVE_ARGS``, repeatable; the rates run in turn, and at each rate every target
 runs once, the order rotating from one rate to the next so that the machine's drift hits each
-alike); it prints a markdown table of every run at the end::
+alike, after ``--pause`` seconds of quiet (10 by default) so that the server measured before it has
+settled); it prints a markdown table of every run at the end::
 
     OMP_NUM_THREADS=1 python benchmarks/serving.py --dataset chat --num-prompts 16 --output-len 48 \\
         --warmup 2 --request-rate 0.5 1 2 4 inf \\
@@ -403,6 +404,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="send this many of the requests, all at once and unmeasured, to each server first")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pause", type=float, default=10.0,
+                   help="seconds of quiet before each run of a sweep over several targets (default 10): the server "
+                        "that ran last settles before the next one is measured")
     p.add_argument("--json", metavar="FILE", help="also write the summary (and the settings) as JSON")
     return p
 
@@ -453,6 +457,8 @@ def main(argv: list[str] | None = None):
             for i, rate in enumerate(args.request_rate):
                 turn = i % len(servers)  # interleaved: each target goes first in turn, so drift hits all alike
                 for label, _, url, model in servers[turn:] + servers[:turn]:
+                    if len(servers) > 1:
+                        time.sleep(args.pause)  # the other servers' last run settles first
                     results, duration = asyncio.run(run_load(url, model, requests, endpoint, rate,
                                                              args.max_concurrency, args.seed, args.api_key))
                     summary = summarize(results, duration)
