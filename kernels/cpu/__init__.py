@@ -58,9 +58,15 @@ __all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_at
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
 # on some compilers. rms_norm.c and rotary.c must round as torch does, so nothing may be reordered or fused there;
-# argmax.c must see NaNs and both signs of zero as torch's comparisons do.
+# argmax.c must see NaNs and both signs of zero as torch's comparisons do. -mprefer-vector-width=512 lets the attention
+# kernels' loops use AVX-512's whole registers where the CPU has them (gcc keeps to 256-bit ones on Intel CPUs unless
+# told: the prefill kernel's sums then spill out of registers; the decode kernel took about 5% less time with it on
+# the AMX Xeon, benchmarks/decode_step.py); on other x86 CPUs it changes nothing, and other compilers' targets (ARM) do
+# not know the option.
+WIDE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
-    ("decode_attention.c", ["-ffast-math"]), ("prefill_attention.c", ["-ffast-math", "-mprefer-vector-width=512"]), ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
+    ("decode_attention.c", ["-ffast-math", *WIDE]), ("prefill_attention.c", ["-ffast-math", *WIDE]),
+    ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
     ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]),
     ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
