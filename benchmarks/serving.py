@@ -31,7 +31,8 @@ or sweep several rates over several servers it starts, kvpaging's and ``transfor
 (``--target KIND:SERVE_ARGS``, repeatable; the rates run in turn, and at each rate every target
 runs once, the order rotating from one rate to the next so that the machine's drift hits each
 alike, after ``--pause`` seconds of quiet (10 by default) so that the server measured before it has
-settled); it prints a markdown table of every run at the end::
+settled, and with the other servers stopped (SIGSTOP to each one's process group, resumed afterwards;
+``--keep-others-running`` leaves them be); it prints a markdown table of every run at the end::
 
     OMP_NUM_THREADS=1 python benchmarks/serving.py --dataset chat --num-prompts 16 --output-len 48 \\
         --warmup 2 --request-rate 0.5 1 2 4 inf \\
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -265,7 +267,8 @@ def launch(serve_args: str, api_key: str | None) -> tuple[subprocess.Popen, str,
     port = free_port()
     env = {**os.environ, **({"KVPAGING_API_KEY": api_key} if api_key else {})}
     process = subprocess.Popen([sys.executable, "-m", "kvpaging.entrypoints.serve", *shlex.split(serve_args),
-                                "--port", str(port), "--log-level", "warning"], env=env)
+                                "--port", str(port), "--log-level", "warning"], env=env,
+                               start_new_session=True)  # a process group of its own (see pause_others)
     url = f"http://127.0.0.1:{port}"
     return process, url, wait_until_up(process, url, "kvpaging serve", api_key)
 
@@ -315,7 +318,8 @@ def _start_logged(what: str, command: list[str], env: dict, folder: str, port: i
     """Start a peer's server with its output in a log file beside the model ``folder``; once it answers, (process,
     url, served model name). If it never comes up, the error carries the end of its log."""
     log = open(os.path.join(os.path.dirname(folder), f"{what.replace(' ', '-')}-{port}.log"), "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                               start_new_session=True)  # it and its children in a group of their own (pause_others)
     log.close()  # the child holds its own handle
     url = f"http://127.0.0.1:{port}"
     try:
@@ -404,11 +408,29 @@ def make_parser() -> argparse.ArgumentParser:
                    help="send this many of the requests, all at once and unmeasured, to each server first")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-others-running", action="store_true",
+                   help="in a sweep over several targets, leave the other servers running while one is measured "
+                        "(by default they are stopped, SIGSTOP, for the length of its run)")
     p.add_argument("--pause", type=float, default=10.0,
                    help="seconds of quiet before each run of a sweep over several targets (default 10): the server "
                         "that ran last settles before the next one is measured")
     p.add_argument("--json", metavar="FILE", help="also write the summary (and the settings) as JSON")
     return p
+
+
+@contextlib.contextmanager
+def pause_others(processes: list):
+    """The other servers of a sweep stopped (SIGSTOP to each one's process group: a vLLM server's engine core and
+    worker too) while one is measured, and resumed afterwards: on a 2-core machine a neighbour that wakes now and
+    then (a vLLM worker kept a core busy for seconds after its own run) takes cores from the server measured."""
+    groups = [os.getpgid(p.pid) for p in processes if p is not None and p.poll() is None]
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
 
 
 def start_target(spec: str, api_key: str | None, workdir: str) -> tuple[subprocess.Popen, str, str]:
@@ -459,8 +481,10 @@ def main(argv: list[str] | None = None):
                 for label, _, url, model in servers[turn:] + servers[:turn]:
                     if len(servers) > 1:
                         time.sleep(args.pause)  # the other servers' last run settles first
-                    results, duration = asyncio.run(run_load(url, model, requests, endpoint, rate,
-                                                             args.max_concurrency, args.seed, args.api_key))
+                    others = [] if args.keep_others_running else [p for other, p, *_ in servers if other != label]
+                    with pause_others(others):
+                        results, duration = asyncio.run(run_load(url, model, requests, endpoint, rate,
+                                                                 args.max_concurrency, args.seed, args.api_key))
                     summary = summarize(results, duration)
                     print(f"{label}: model {model} at {url}, dataset {args.dataset}, {args.num_prompts} requests, "
                           f"rate {rate}/s, seed {args.seed}", flush=True)
