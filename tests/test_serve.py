@@ -803,3 +803,37 @@ def test_stopping_the_server_mid_stream_ends_the_stream_with_a_message_and_leave
     error = json.loads(events[-2])["error"]
     assert error["code"] == "server_shutting_down" and "shutting down" in error["message"], error
     assert engine.get_num_unfinished_requests() == 0 and engine.block_manager.stats().num_used_blocks == 0
+
+def test_the_serving_benchmark_stops_the_other_servers_of_a_sweep_while_one_is_measured():
+    """``pause_others``: each other server's whole process group (a vLLM server's engine core and worker are its
+    children) is stopped for the length of a run and resumed afterwards."""
+    bench = _serving_benchmark()
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def wait_for(pid: int, wanted: str) -> str:
+        for _ in range(200):
+            if state(pid) == wanted:
+                break
+            time.sleep(0.01)
+        return state(pid)
+
+    # a "server" with a child of its own, in a process group of its own, as the benchmark starts servers
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+             "time.sleep(60)"
+    server = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        for _ in range(500):  # until its child is there
+            children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+            if children:
+                break
+            time.sleep(0.01)
+        child = int(children[0])
+        with bench.pause_others([server, None]):
+            assert wait_for(server.pid, "T") == "T" and wait_for(child, "T") == "T"
+        assert wait_for(server.pid, "S") == "S" and wait_for(child, "S") == "S"
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
