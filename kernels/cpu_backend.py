@@ -88,6 +88,12 @@ def _store(fn, layout, key, value, k_cache, v_cache) -> int:
               slots, tokens, row, size, num_slots)
 
 
+# A chunk of at most this many query-key pairs (queries x its sequence's tokens) goes to the C kernel; a larger one to
+# SDPA, whose products run on the CPU's matrix units in bfloat16 and which pays its fixed cost once for a large chunk.
+# The C kernel's float32 loops were the faster up to about 20,000 pairs in bfloat16 and 1,000,000 in float32 (one
+# sequence, the trained model's heads, an AMX Xeon: benchmarks/prefill_attention.py); a busy server's chunks after
+# a cached system prompt are a few thousand, and the C kernel also takes a layer's every chunk in one call.
+PREFILL_C_MAX_PAIRS = {torch.bfloat16: 16384, torch.float32: 1 << 20}
 # prefill_attention.c's constants: query rows computed together and keys per tile (its scratch is sized by them)
 PREFILL_ROWS, PREFILL_TILE = 4, 64  # (64: its largest tile, on AVX-512; smaller vectors take smaller tiles)
 
@@ -95,9 +101,10 @@ PREFILL_ROWS, PREFILL_TILE = 4, 64  # (64: its largest tile, on AVX-512; smaller
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale=None,
                             v_scale=None, window=0, softcap=0.0, sinks=None):
     """``reference.paged_prefill_attention`` for float32 and bfloat16 on the CPU: a chunk that is its sequence's whole
-    context (a prompt from position 0) by the torch backend's SDPA call, the model's own attention to the bit; every
-    other chunk (after a cached prefix, a later chunk) of the layer in one call of the C kernel
-    (``cpu/prefill_attention.c``). Other inputs: the torch backend's (see the module docstring)."""
+    context (a prompt from position 0) by the torch backend's SDPA call, the model's own attention to the bit, and so
+    is a chunk of more than ``PREFILL_C_MAX_PAIRS`` query-key pairs; every other chunk (after a cached prefix, a later
+    chunk) of the layer in one call of the C kernel (``cpu/prefill_attention.c``). Other inputs: the torch backend's
+    (see the module docstring)."""
     fn = prefill_attention_fn(k_cache.dtype)
     if (fn is None or window or softcap or sinks is not None or not cu_seqlens_q.is_contiguous()
             or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale)):
@@ -110,11 +117,12 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     batch, width = block_tables.shape
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    whole = [i for i, n in enumerate(lens) if 0 < n == starts[i + 1] - starts[i]]
+    most = PREFILL_C_MAX_PAIRS[k_cache.dtype]
+    by_sdpa = [i for i, n in enumerate(lens) if 0 < (q := starts[i + 1] - starts[i]) and (q == n or q * n > most)]
     skip = None
-    if whole:
+    if by_sdpa:
         skip = torch.zeros(batch, dtype=torch.uint8)
-        skip[whole] = 1
+        skip[by_sdpa] = 1
     longest = max(lens, default=1)
     threads = max(1, torch.get_num_threads())
     stride = (2 * head_dim + PREFILL_ROWS) * -(-max(longest, 1) // PREFILL_TILE) * PREFILL_TILE  # floats a thread
@@ -134,7 +142,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
                4: ValueError(f"cu_seqlens_q[{b}:{b + 2}] = ({x}, {y}) does not rise from 0 within the query's "
                              f"{tokens} tokens"),
                -1: MemoryError(f"the prefill kernel found no memory for the work list of {batch} sequences")}[status]
-    for i in whole:
+    for i in by_sdpa:
         torch_backend.prefill_sequence(query, k_cache, v_cache, block_tables, i, starts[i], starts[i + 1], lens[i],
                                        scale, None, None, 0, 0.0, None, out)
     return out

@@ -475,3 +475,21 @@ def test_bad_prefill_inputs_are_refused_naming_the_value(gen):
         call(cu=cu_seqlens([5, 8]))
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[0:2\] = \(6, 5\)"):
         call(cu=torch.tensor([6, 5, 12], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_of_more_pairs_than_the_limit_goes_to_sdpa(gen, dtype):
+    """Beyond ``PREFILL_C_MAX_PAIRS`` query-key pairs a chunk is SDPA's (the faster there): the torch backend's bits;
+    at the limit or under, the C kernel's (not SDPA's bits)."""
+    limit = cpu_backend.PREFILL_C_MAX_PAIRS[dtype]
+    queries = 64
+    context = limit // queries  # exactly the limit: C
+    kv = random_paged_kv([context, context + 1], 3, 64, 16, dtype=dtype, generator=gen)  # the second: one pair too many
+    cu = cu_seqlens([queries, queries])
+    query = transposed_query(2 * queries, 9, 64, gen).to(dtype)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.125)
+    got, sdpa = cpu_backend.paged_prefill_attention(*args), torch_backend.paged_prefill_attention(*args)
+    assert torch.equal(got[queries:], sdpa[queries:])
+    assert not torch.equal(got[:queries], sdpa[:queries])
+    torch.testing.assert_close(got.float(), reference.paged_prefill_attention(*args).float(),
+                               **({"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
