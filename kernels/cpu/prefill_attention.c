@@ -62,7 +62,6 @@
 #endif
 #define ROWS 4            /* query rows computed together */
 #define TILE (4 * LANES)  /* keys per pass of the score loop, and value elements per pass of the weighted sum */
-#define SLIVER LANES      /* keys per pass after the last whole tile */
 #define QTILE 32 /* query tokens of one item at most: a long prompt is several items, for the threads to share */
 
 /* Keys 0..n-1 of KV head g of the sequence of `table`, in float32: transposed into kt (key t's element d at
