@@ -106,8 +106,12 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     chunk) of the layer in one call of the C kernel (``cpu/prefill_attention.c``). Other inputs: the torch backend's
     (see the module docstring)."""
     fn = prefill_attention_fn(k_cache.dtype)
-    if (fn is None or window or softcap or sinks is not None or not cu_seqlens_q.is_contiguous()
-            or not _served_by_c(query, k_cache, block_tables, seq_lens, k_scale)):
+    served = (fn is not None and not (window or softcap or sinks is not None) and cu_seqlens_q.is_contiguous()
+              and _served_by_c(query, k_cache, block_tables, seq_lens, k_scale))
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    most = PREFILL_C_MAX_PAIRS.get(k_cache.dtype, 0)
+    by_c = [i for i, n in enumerate(lens) if 0 < (q := starts[i + 1] - starts[i]) < n and q * n <= most]
+    if not (served and by_c):  # (a step of whole prompts, the usual one without prefix-cache hits, among others)
         return torch_backend.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                                      scale, k_scale, v_scale, window, softcap, sinks)
     check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, k_scale, v_scale)
@@ -116,22 +120,17 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     batch, width = block_tables.shape
-    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    most = PREFILL_C_MAX_PAIRS[k_cache.dtype]
-    by_sdpa = [i for i, n in enumerate(lens) if 0 < (q := starts[i + 1] - starts[i]) and (q == n or q * n > most)]
-    skip = None
-    if by_sdpa:
-        skip = torch.zeros(batch, dtype=torch.uint8)
-        skip[by_sdpa] = 1
-    longest = max(lens, default=1)
+    skip = torch.ones(batch, dtype=torch.uint8)  # the C kernel leaves these to SDPA (below)
+    skip[by_c] = 0
+    longest = max(lens[i] for i in by_c)  # the scratch holds the keys and values of the C kernel's sequences only
     threads = max(1, torch.get_num_threads())
-    stride = (2 * head_dim + PREFILL_ROWS) * -(-max(longest, 1) // PREFILL_TILE) * PREFILL_TILE  # floats a thread
+    stride = (2 * head_dim + PREFILL_ROWS) * -(-longest // PREFILL_TILE) * PREFILL_TILE  # floats a thread
     scratch = torch.empty(threads * stride, dtype=torch.float32)
     out = torch.empty(tokens, num_heads, head_dim, dtype=query.dtype)
     error = torch.zeros(3, dtype=torch.int64)
     args = (query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
             block_tables.data_ptr(), block_tables.stride(0), width, seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
-            None if skip is None else skip.data_ptr(), tokens, out.data_ptr(), scratch.data_ptr(), stride,
+            skip.data_ptr(), tokens, out.data_ptr(), scratch.data_ptr(), stride,
             error.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, float(scale), threads)
     status = call_named(PREFILL_PROFILER_NAME, fn, args)
     if status:
@@ -142,7 +141,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
                4: ValueError(f"cu_seqlens_q[{b}:{b + 2}] = ({x}, {y}) does not rise from 0 within the query's "
                              f"{tokens} tokens"),
                -1: MemoryError(f"the prefill kernel found no memory for the work list of {batch} sequences")}[status]
-    for i in by_sdpa:
+    for i in (i for i, c in enumerate(skip.tolist()) if c):
         torch_backend.prefill_sequence(query, k_cache, v_cache, block_tables, i, starts[i], starts[i + 1], lens[i],
                                        scale, None, None, 0, 0.0, None, out)
     return out
