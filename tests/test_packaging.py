@@ -135,3 +135,30 @@ def test_no_import_circle():
         if node not in state:
             visit(node)
     assert len(graph) > 60  # the walk saw the whole package
+
+
+def test_each_part_of_the_package_is_imported_when_first_used():
+    """``import kvpaging`` imports none of its parts: the memory core needs neither torch nor transformers, the
+    kernels no transformers (whose model code takes seconds to import), and every public name and subpackage is
+    there when it is looked up."""
+    code = "\n".join([
+        "import sys, kvpaging",
+        "from kvpaging import BlockManager, BlockPool",
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'the memory core imported more'",
+        "import kvpaging.kernels",
+        "assert 'transformers' not in sys.modules, 'the kernels imported transformers'",
+        "from kvpaging import *",
+        "missing = [name for name in kvpaging.__all__ if name not in globals()]",
+        "assert not missing, missing",
+        "import kvpaging.entrypoints.llm",
+        "assert LLM is kvpaging.LLM is kvpaging.entrypoints.llm.LLM",
+        "assert callable(kvpaging.models.tiny) and callable(kvpaging.teach.pick_model)",
+        "try:",
+        "    kvpaging.no_such_name",
+        "except AttributeError as error:",
+        "    assert 'no_such_name' in str(error)",
+        "else:",
+        "    raise AssertionError('an unknown name was found')",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
