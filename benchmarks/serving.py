@@ -30,8 +30,9 @@ or let it start ``kvpaging serve`` for the run (a subprocess on a free port, sto
 or sweep several rates over several servers it starts, kvpaging's and ``transformers serve``'s
 (``--target KIND:SERVE_ARGS``, repeatable; the rates run in turn, and at each rate every target
 runs once, the order rotating from one rate to the next so that the machine's drift hits each
-alike, after ``--pause`` seconds of quiet (10 by default) so that the server measured before it has
-settled, and with the other servers stopped (SIGSTOP to each one's process group, resumed afterwards;
+alike (a rate given twice, ``--request-rate inf inf``, runs with each of two targets first once; the table's
+"turn" column says which ran first), after ``--pause`` seconds of quiet (10 by default) so that the server
+measured before it has settled, and with the other servers stopped (SIGSTOP to each one's process group, resumed afterwards;
 ``--keep-others-running`` leaves them be); it prints a markdown table of every run at the end::
 
     OMP_NUM_THREADS=1 python benchmarks/serving.py --dataset chat --num-prompts 16 --output-len 48 \\
@@ -330,16 +331,18 @@ def _start_logged(what: str, command: list[str], env: dict, folder: str, port: i
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (rate, target): throughput and the latency percentiles, in milliseconds."""
+    """One line per run: its rate, its target, its turn at that rate (1: it ran first there, after the pause), its
+    throughput and latency percentiles, in milliseconds."""
     def ms(value):
         return "-" if value is None else f"{value:,.0f}"
 
-    lines = ["| rate (req/s) | target | done | req/s | output tok/s | TTFT median | TTFT p99 | TPOT median | "
-             "TPOT p99 | ITL p99 | E2E median |", "|---" * 11 + "|"]
+    lines = ["| rate (req/s) | target | turn | done | req/s | output tok/s | TTFT median | TTFT p99 | TPOT median | "
+             "TPOT p99 | ITL p99 | E2E median |", "|---" * 12 + "|"]
     for row in rows:
         s = row["summary"]
         done = f"{s['completed']}" + (f" ({s['failed']} failed)" if s["failed"] else "")
-        lines.append(f"| {row['rate']:g} | {row['target']} | {done} | {s['request_throughput']:.2f} | "
+        lines.append(f"| {row['rate']:g} | {row['target']} | {row.get('turn', 1)} | {done} | "
+                     f"{s['request_throughput']:.2f} | "
                      f"{s['output_throughput']:.1f} | {ms(s['ttft_ms']['median'])} | {ms(s['ttft_ms']['p99'])} | "
                      f"{ms(s['tpot_ms']['median'])} | {ms(s['tpot_ms']['p99'])} | {ms(s['itl_ms']['p99'])} | "
                      f"{ms(s['e2e_ms']['median'])} |")
@@ -478,7 +481,7 @@ def main(argv: list[str] | None = None):
                                          args.api_key))
             for i, rate in enumerate(args.request_rate):
                 turn = i % len(servers)  # interleaved: each target goes first in turn, so drift hits all alike
-                for label, _, url, model in servers[turn:] + servers[:turn]:
+                for position, (label, _, url, model) in enumerate(servers[turn:] + servers[:turn]):
                     if len(servers) > 1:
                         time.sleep(args.pause)  # the other servers' last run settles first
                     others = [] if args.keep_others_running else [p for other, p, *_ in servers if other != label]
@@ -489,7 +492,8 @@ def main(argv: list[str] | None = None):
                     print(f"{label}: model {model} at {url}, dataset {args.dataset}, {args.num_prompts} requests, "
                           f"rate {rate}/s, seed {args.seed}", flush=True)
                     print(report(summary), flush=True)
-                    rows.append({"target": label, "rate": rate, "model": model, "summary": summary})
+                    rows.append({"target": label, "rate": rate, "model": model, "summary": summary,
+                                 "turn": position + 1})
         finally:
             for _, process, _, _ in servers:
                 if process is not None:

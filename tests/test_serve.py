@@ -682,7 +682,7 @@ def test_the_serving_benchmark_measures_a_run(tiny_server, tmp_path):
                        "--output-len", "2", "--request-rate", "inf", "40", "--warmup", "1"])
     assert [(row["rate"], row["summary"]["completed"]) for row in rows] == [(40, 3), (math.inf, 3)]
     table = bench.markdown_table(rows).splitlines()
-    assert len(table) == 4 and table[2].startswith(f"| 40 | {tiny_server.url} | 3 | ")
+    assert len(table) == 4 and table[2].startswith(f"| 40 | {tiny_server.url} | 1 | 3 | ")
     assert books(tiny_server) == (0, 0)
 
 

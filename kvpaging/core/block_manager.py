@@ -89,7 +89,6 @@ class SequenceBlocks:
     """One sequence's block table, as the block manager keeps it. Read it; never change it."""
 
     blocks: list[KVBlock]
-    block_ids: list[int]  # kept beside ``blocks`` so the runner gets a table without a loop
     num_tokens: int  # token slots assigned
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
     row: int = -1  # this table's row in the model runner's BlockTable (kvpaging/worker/model_runner.py)
@@ -99,6 +98,11 @@ class SequenceBlocks:
     # and the identity of the last of them as the prefix cache knew it (its cache_id; None: it was not cached)
     num_passed: int = 0
     passed_cache_id: int | None = -1
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The physical block id of each logical block, -1 where a window has passed it (a new list)."""
+        return [-1 if block is None else block.block_id for block in self.blocks]
 
 
 class BlockManager:
@@ -148,7 +152,7 @@ class BlockManager:
         return seq_id in self._seqs
 
     def get_block_table(self, seq_id: Hashable) -> list[int]:
-        """Physical block ids of the sequence's logical blocks. The live list: read it, don't change it."""
+        """Physical block ids of the sequence's logical blocks (a new list)."""
         return self._state(seq_id).block_ids
 
     def get_sequence_blocks(self, seq_id: Hashable) -> SequenceBlocks:
@@ -332,8 +336,7 @@ class BlockManager:
     def _hit_table(self, prefix_hit: PrefixHit, skip: int) -> SequenceBlocks:
         """A new table holding a prefix hit, its first ``skip`` blocks already passed (-1, not taken)."""
         hit = prefix_hit.blocks
-        st = SequenceBlocks([None] * skip + list(hit[skip:]), [-1] * skip + [b.block_id for b in hit[skip:]],
-                            len(hit) * self.block_size, list(prefix_hit.block_hashes))
+        st = SequenceBlocks([None] * skip + list(hit[skip:]), len(hit) * self.block_size, list(prefix_hit.block_hashes))
         st.last = hit[-1] if len(hit) > skip else None
         if skip:
             st.num_passed, st.passed_cache_id = skip, hit[skip - 1].cache_id
@@ -422,8 +425,7 @@ class BlockManager:
         pool.free_block(shared)  # one owner fewer; it stays with the others
         pool.hold_until_copied(shared)  # until copied, it must not be handed out again
         st.blocks[-1] = st.last = copy
-        st.block_ids[-1] = copy.block_id
-        self._table_updates.append((st.row, len(st.block_ids) - 1, [copy.block_id]))
+        self._table_updates.append((st.row, len(st.blocks) - 1, [copy.block_id]))
         self._blocks_to_copy.append((shared.block_id, copy.block_id))
         self._num_cow_copies += 1
 
@@ -439,20 +441,17 @@ class BlockManager:
             remaining -= room
         if remaining > 0:
             count = -(-remaining // bs)
-            first = len(st.block_ids)
+            first = len(st.blocks)
             if count == 1:  # one new block (every decode that crosses into a new block): no lists made
                 last = pool.get_new_block(remaining)
                 st.blocks.append(last)
-                st.block_ids.append(last.block_id)
                 self._table_updates.append((st.row, first, [last.block_id]))
             else:
                 blocks = [pool.get_new_block(bs) for _ in range(count - 1)]
                 blocks.append(pool.get_new_block(remaining - (count - 1) * bs))
                 last = blocks[-1]
-                ids = [block.block_id for block in blocks]
                 st.blocks += blocks
-                st.block_ids += ids
-                self._table_updates.append((st.row, first, ids))
+                self._table_updates.append((st.row, first, [block.block_id for block in blocks]))
             st.last = last
             self._num_table_blocks += count
         st.num_tokens += num_new_tokens
@@ -465,7 +464,7 @@ class BlockManager:
             raise DuplicateSequenceError(f"cannot fork into sequence {child_id!r}: it already holds blocks")
         for block in parent.blocks[parent.num_passed:]:
             self.pool.touch(block)
-        child = SequenceBlocks(list(parent.blocks), list(parent.block_ids), parent.num_tokens, list(parent.block_hashes))
+        child = SequenceBlocks(list(parent.blocks), parent.num_tokens, list(parent.block_hashes))
         child.row = self._take_row()
         child.seq_id = child_id
         child.last = parent.last
@@ -540,6 +539,4 @@ def _runner_row(st: SequenceBlocks) -> list[int]:
     """``st``'s table as the model runner gets it, a copy: an entry the window has passed (-1 here) reads as block 0
     there, which its window masks (the Triton kernels start at the window and never reach it; the torch ones mask
     it), so the kernels index no block outside the cache."""
-    if not st.num_passed:
-        return list(st.block_ids)
-    return [max(block_id, 0) for block_id in st.block_ids]
+    return [0 if block is None else block.block_id for block in st.blocks]

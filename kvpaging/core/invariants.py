@@ -99,7 +99,6 @@ def _check_tables(bm: BlockManager, owners: dict[int, int]) -> None:
     """One manager's tables against the pool; counts each block's owners into ``owners``."""
     pool = bm.pool
     for seq_id, st in bm._seqs.items():
-        _check(st.block_ids == [-1 if b is None else b.block_id for b in st.blocks], f"{seq_id!r}: block_ids out of sync")
         _check(all(b is None for b in st.blocks[:st.num_passed]) and None not in st.blocks[st.num_passed:],
                f"{seq_id!r}: the entries passed by the window are not the leading {st.num_passed}")
         _check(st.last is (st.blocks[-1] if st.blocks else None), f"{seq_id!r}: last block out of sync")

@@ -62,9 +62,7 @@ class _Batch:
         if n == 1 and end == len(seq.token_ids):
             self.decodes.append(seq)
         else:  # a prompt or recompute chunk: several tokens, no token yet, or the last prompt token (still prefill)
-            table = seq.blocks
-            self.chunks.append(ScheduledSeq(seq, start, n, end == len(seq.token_ids), True, table.block_ids,
-                                            table.row))
+            self.chunks.append(ScheduledSeq(seq, start, n, end == len(seq.token_ids), True, seq.blocks.row))
 
 
 class Scheduler:

@@ -20,9 +20,7 @@ __all__ = ["ScheduledSeq", "SchedulerOutput", "UpdateResult"]
 class ScheduledSeq:
     """One sequence's share of a step: compute tokens ``[start, start + num_new_tokens)``.
 
-    ``block_ids`` and ``table_row`` say where its whole context lives (its block
-    table, and that table's row in the model runner's block table). Read them;
-    never change them.
+    ``table_row`` says where its whole context lives: its block table's row in the model runner's ``BlockTable``.
     """
 
     seq: Sequence
@@ -30,7 +28,6 @@ class ScheduledSeq:
     num_new_tokens: int
     sample: bool  # the chunk reaches the end of the sequence, so its last position yields a token
     is_prefill: bool  # prompt tokens (or recomputed ones) rather than one decode token: decided here only
-    block_ids: list[int] | None = None  # None for a decode (the runner reads its row of its block table)
     table_row: int = -1
 
 
@@ -88,7 +85,7 @@ class SchedulerOutput:
     @property
     def scheduled(self) -> list[ScheduledSeq]:
         """Every sequence of the step, decodes first (made on each call: for records and tests, not the hot path)."""
-        decodes = [ScheduledSeq(seq, start, 1, True, start < seq.prompt_len, None, row) for seq, start, row in
+        decodes = [ScheduledSeq(seq, start, 1, True, start < seq.prompt_len, row) for seq, start, row in
                    zip(self.decodes, self.decode_positions.tolist(), self.decode_rows.tolist())]
         return decodes + self.chunks
 

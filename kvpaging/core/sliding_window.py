@@ -70,7 +70,6 @@ class SlidingWindowBlockManager(BlockManager):
             st.passed_cache_id = block.cache_id if block.block_hash is not None else None
             self.pool.free_block(block)  # one owner fewer: a forked sibling may still hold it
             st.blocks[j] = None
-            st.block_ids[j] = -1
         self._num_table_blocks -= passed - st.num_passed
         self._num_passed_blocks += passed - st.num_passed
         st.num_passed = passed

@@ -59,7 +59,7 @@ def teacher_forced_logits(llm, token_ids: list[int], chunk_size: int = 64) -> to
             if not ok:
                 raise ValueError(f"the pool has no room for a {len(token_ids)}-token sequence")
             table = bm.get_sequence_blocks(seq.seq_id)
-            chunk = ScheduledSeq(seq, start, n, True, True, table.block_ids, table.row)
+            chunk = ScheduledSeq(seq, start, n, True, True, table.row)
             out = SchedulerOutput(step=0, chunks=[chunk], table_updates=bm.take_step_changes()[1],
                                   block_size=bm.block_size)
             rows.append(runner.execute(out, all_positions=True).float())

@@ -437,7 +437,7 @@ def step_output(step, seqs, table, bs):
     out.decode_rows = np.array([k for k, _ in decodes], dtype=np.int64)
     out.decode_positions = np.array([p for _, p in decodes], dtype=np.int64)
     out.decode_token_ids = [seqs[k].token_ids[p] for k, p in decodes]
-    out.chunks = [ScheduledSeq(seqs[k], start, n, start + n == len(seqs[k].token_ids), True, seqs[k].blocks, k)
+    out.chunks = [ScheduledSeq(seqs[k], start, n, start + n == len(seqs[k].token_ids), True, k)
                   for k, start, n in step if n > 1]
     return out
 
