@@ -496,6 +496,23 @@ def test_scheduler_state_machine():
         assert COUNTS[key] > 0, f"no {key}: {figures}"
 
 
+def test_a_prefix_hit_that_cannot_fit_a_windowed_pool_gives_way_to_a_fresh_start():
+    """The state machine found this (2026-12-07): a sliding-window group beside a full one, a pool as small as
+    the engine allows, and a 13-token prompt preempted after computing part of itself. Alone and waiting, its prefix
+    hit needed 26 blocks of the pool's 24 (its chunk reached further, and the window's group held the hit blocks it
+    had passed) while a fresh start needs far fewer: the scheduler waited for blocks that no running sequence would
+    ever free. With nothing running it now starts without the hit."""
+    machine = SchedulerMachine()
+    machine.setup(block_size=1, num_blocks=12, max_num_seqs=3, budget=7, caching=True, colliding_hash=False,
+                  scheduling="continuous", max_len=14, windows=(0, 3))
+    machine.add_requests(requests=[(1, 0, 1, 2, False, None), (1, 0, 1, 2, False, None), (13, 0, 1, 1, False, None)])
+    for _ in range(6):  # every step checked (_check_output: something is scheduled while requests wait)
+        machine.step(fault=None, seed=0, steps=1)
+        machine.books_balance()
+    assert not machine.sched.has_unfinished()
+    machine.teardown()
+
+
 def test_a_copy_source_freed_in_a_step_is_not_a_copy_destination_in_it():
     """Two n=3 requests fork in one step; in the next, the pool runs short in the middle of their copy-on-writes.
 

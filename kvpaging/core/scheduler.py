@@ -212,6 +212,13 @@ class Scheduler:
             start = len(hit.blocks) * bm.block_size
             n = min(len(seq.token_ids) - start, batch.budget)
             blocks = bm.allocate_slots(seq.seq_id, seq.token_ids, n, hit)  # its full blocks findable from now on
+            if blocks is None and hit.blocks and not self.running:
+                # A hit can need more blocks than a fresh start: its chunk reaches further, and a windowed group
+                # holds the hit blocks its window passed while it allocates. With nothing running, no block will
+                # come free: start without it (the pool holds a fresh start's first chunk, EngineConfig checks).
+                hit, start = NO_HIT, 0
+                n = min(len(seq.token_ids), batch.budget)
+                blocks = bm.allocate_slots(seq.seq_id, seq.token_ids, n, hit)
             if blocks is None:
                 return
             self.waiting.popleft()
