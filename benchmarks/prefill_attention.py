@@ -46,14 +46,16 @@ def main() -> None:
             routed = "C" if queries * context <= cpu_backend.PREFILL_C_MAX_PAIRS[dtype] else "SDPA"
             limits = dict(cpu_backend.PREFILL_C_MAX_PAIRS)
             cpu_backend.PREFILL_C_MAX_PAIRS[dtype] = queries * context  # the C kernel, whatever the limit says
-            for fn in (cpu_backend.paged_prefill_attention, torch_backend.paged_prefill_attention):
-                fn(*call)
-                times = []
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
+            try:
+                for fn in (cpu_backend.paged_prefill_attention, torch_backend.paged_prefill_attention):
                     fn(*call)
-                    times.append(time.perf_counter() - start)
-                best.append(min(times) * 1e3)
+                    times = []
+                    for _ in range(args.repeats):
+                        start = time.perf_counter()
+                        fn(*call)
+                        times.append(time.perf_counter() - start)
+                    best.append(min(times) * 1e3)
+            finally:
                 cpu_backend.PREFILL_C_MAX_PAIRS.update(limits)
             print(f"{name:8} context {context:5d}, {queries:5d} queries ({queries * context:9,d} pairs): C kernel "
                   f"{best[0]:7.2f} ms, the torch backend's SDPA {best[1]:7.2f} ms ({best[0] / best[1]:.2f}x); the cpu "

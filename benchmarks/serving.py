@@ -341,7 +341,7 @@ def markdown_table(rows: list[dict]) -> str:
     for row in rows:
         s = row["summary"]
         done = f"{s['completed']}" + (f" ({s['failed']} failed)" if s["failed"] else "")
-        lines.append(f"| {row['rate']:g} | {row['target']} | {row.get('turn', 1)} | {done} | "
+        lines.append(f"| {row['rate']:g} | {row['target']} | {row['turn']} | {done} | "
                      f"{s['request_throughput']:.2f} | "
                      f"{s['output_throughput']:.1f} | {ms(s['ttft_ms']['median'])} | {ms(s['ttft_ms']['p99'])} | "
                      f"{ms(s['tpot_ms']['median'])} | {ms(s['tpot_ms']['p99'])} | {ms(s['itl_ms']['p99'])} | "

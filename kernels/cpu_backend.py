@@ -120,8 +120,9 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     batch, width = block_tables.shape
-    skip = torch.ones(batch, dtype=torch.uint8)  # the C kernel leaves these to SDPA (below)
-    skip[by_c] = 0
+    by_sdpa = sorted(set(range(batch)).difference(by_c))  # the C kernel leaves these to SDPA (below)
+    skip = torch.zeros(batch, dtype=torch.uint8)
+    skip[by_sdpa] = 1
     longest = max(lens[i] for i in by_c)  # the scratch holds the keys and values of the C kernel's sequences only
     threads = max(1, torch.get_num_threads())
     stride = (2 * head_dim + PREFILL_ROWS) * -(-longest // PREFILL_TILE) * PREFILL_TILE  # floats a thread
@@ -141,7 +142,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
                4: ValueError(f"cu_seqlens_q[{b}:{b + 2}] = ({x}, {y}) does not rise from 0 within the query's "
                              f"{tokens} tokens"),
                -1: MemoryError(f"the prefill kernel found no memory for the work list of {batch} sequences")}[status]
-    for i in (i for i, c in enumerate(skip.tolist()) if c):
+    for i in by_sdpa:
         torch_backend.prefill_sequence(query, k_cache, v_cache, block_tables, i, starts[i], starts[i + 1], lens[i],
                                        scale, None, None, 0, 0.0, None, out)
     return out
