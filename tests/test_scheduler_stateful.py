@@ -5,7 +5,7 @@ and the prefix cache gets hits; ``n`` from 1 to 3), run scheduler steps
 (``schedule`` -> "forward" -> ``update`` with random next tokens, EOS among
 them), fail steps the way the engine fails them (the forward or the sampler
 raises, after the forks), and abort random live
-requests. Pools are small, so preemption is routine; token budgets are small,
+requests. Pools are small and one arrival in four crowds them, so preemption is routine; token budgets are small,
 so prompts are cut into chunks.
 
 Beside the scheduler runs a model of the KV data: every cache slot holds "the
@@ -271,25 +271,40 @@ class SchedulerMachine(RuleBasedStateMachine):
             ),
             min_size=1,
             max_size=3,
-        )
+        ),
+        crowd=st.sampled_from([False, False, False, True]),
     )
-    def add_requests(self, requests):
-        """One to three requests arrive together (so that several can be admitted, and fork, in one step)."""
+    def add_requests(self, requests, crowd):
+        """One to three requests arrive together (so that several can be admitted, and fork, in one step).
+
+        Most of them stop after a few tokens, so a pool fills only now and then. A crowd (one arrival in four)
+        adds, instead, as many requests as there are seats, each to run until the model's length with EOS ignored:
+        the pool fills whenever more than one of them runs, so preemption, and resuming after it, is exercised in
+        every run, not only in the runs whose draws happen to crowd the pool."""
+        if crowd:
+            rng = random.Random(requests[0][1])
+            for _ in range(self.sched.max_num_seqs):
+                prompt = rng.choices(PROMPT_TOKENS, k=rng.randint(1, self.max_model_len))
+                self._add(prompt, SamplingParams(temperature=0.0, max_tokens=self.max_model_len, ignore_eos=True))
+            requests = []
         for length, pattern, n, max_tokens, ignore_eos, stop in requests:
             prompt = random.Random(pattern).choices(PROMPT_TOKENS, k=length)
-            prompt = prompt[: self.max_model_len - 1]  # the engine refuses longer prompts before they get here
             n = min(n, self.sched.max_num_seqs)
-            params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                    stop_token_ids=stop)
-            rid = f"r{self.next_request}"
-            self.next_request += 1
-            request = Request(rid, list(prompt), params, arrival_time=float(self.next_request))
-            self.sched.add_request(request)
-            seq = request.seqs[0]
-            assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
-            self.expected_tokens[seq.seq_id] = list(prompt)
-            COUNTS["transitions"] += 1
+            self._add(prompt, SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                             stop_token_ids=stop))
         COUNTS["rules"] += 1
+
+    def _add(self, prompt, params):
+        """Add one request, as the engine would: a prompt the model cannot extend is refused before it gets here."""
+        prompt = prompt[: self.max_model_len - 1]
+        rid = f"r{self.next_request}"
+        self.next_request += 1
+        request = Request(rid, list(prompt), params, arrival_time=float(self.next_request))
+        self.sched.add_request(request)
+        seq = request.seqs[0]
+        assert seq.status is SequenceStatus.WAITING and seq in self.sched.waiting
+        self.expected_tokens[seq.seq_id] = list(prompt)
+        COUNTS["transitions"] += 1
 
     @rule(
         steps=st.integers(1, 4),
@@ -505,7 +520,8 @@ def test_a_prefix_hit_that_cannot_fit_a_windowed_pool_gives_way_to_a_fresh_start
     machine = SchedulerMachine()
     machine.setup(block_size=1, num_blocks=12, max_num_seqs=3, budget=7, caching=True, colliding_hash=False,
                   scheduling="continuous", max_len=14, windows=(0, 3))
-    machine.add_requests(requests=[(1, 0, 1, 2, False, None), (1, 0, 1, 2, False, None), (13, 0, 1, 1, False, None)])
+    machine.add_requests(requests=[(1, 0, 1, 2, False, None), (1, 0, 1, 2, False, None), (13, 0, 1, 1, False, None)],
+                         crowd=False)
     for _ in range(6):  # every step checked (_check_output: something is scheduled while requests wait)
         machine.step(fault=None, seed=0, steps=1)
         machine.books_balance()
