@@ -10,8 +10,13 @@ random (only the shapes and the bytes matter), 30 distinct copies, so every prod
 as in a step. The two run in turns, ``--repeats`` rounds; the medians are printed, with each one's bytes per second
 and the read bandwidth of one thread (``decode_step.py``'s sum over 1 GiB) beside them.
 
+With ``--pages``, the tiles alone, twice: in torch's own memory (4 KiB pages) and copied into 2 MiB pages
+(``kernels/cpu/huge_pages.py``, where the engine keeps them), in turns in one process; the copies are checked to give
+the same bits.
+
     OMP_NUM_THREADS=1 python benchmarks/amx_linear.py --threads 1
     OMP_NUM_THREADS=2 python benchmarks/amx_linear.py --threads 2 --rows 1 16 32
+    OMP_NUM_THREADS=1 python benchmarks/amx_linear.py --threads 1 --pages
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from decode_step import read_bandwidth
 
 from kvpaging.kernels import cpu
+from kvpaging.kernels.cpu.huge_pages import huge_pages_allowed, into_huge_pages
 from kvpaging.kernels.cpu.layers import _onednn_product, _pack, onednn_usable
 
 LAYERS = 30
@@ -38,6 +44,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 24, 32])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--pages", action="store_true",
+                    help="the tiles in 4 KiB pages against the same tiles in 2 MiB pages, instead of oneDNN against them")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not (cpu.amx_ready() and onednn_usable()):
@@ -46,7 +54,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for _ in range(LAYERS) for n, k in SHAPES]
     weights.append((torch.randn(*HEAD, generator=g) * 0.02).to(torch.bfloat16))
-    onednn, tiles = [_pack(w) for w in weights], [cpu.amx_pack(w) for w in weights]
+    tiles = [cpu.amx_pack(w) for w in weights]
+    if args.pages:  # the engine's tiles (into_huge_pages) against the same in torch's memory
+        if not huge_pages_allowed():
+            raise SystemExit("this system gives no transparent huge pages (/sys/kernel/mm/transparent_hugepage)")
+        products = {"tiles, 4 KiB pages": tiles, "tiles, 2 MiB pages": into_huge_pages(tiles)}
+    else:
+        products = {"oneDNN (packed)": [_pack(w) for w in weights], "linear_amx.c": tiles}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     bandwidth = read_bandwidth()
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | {args.threads} thread(s) | "
@@ -58,19 +72,22 @@ def main() -> None:
             x = xs[w.shape[1]]
             assert torch.equal(cpu.amx_linear(x, t), F.linear(x, w)), (rows, tuple(w.shape))
 
-        def onednn_step():
-            for w, packed in zip(weights, onednn):
-                _onednn_product(xs[w.shape[1]], packed, None)
+        def run(name):
+            if name == "oneDNN (packed)":
+                for w, packed in zip(weights, products[name]):
+                    _onednn_product(xs[w.shape[1]], packed, None)
+            else:
+                for w, t in zip(weights, products[name]):
+                    cpu.amx_linear_unchecked(xs[w.shape[1]], t)
 
-        def amx_step():
-            for w, t in zip(weights, tiles):
-                cpu.amx_linear_unchecked(xs[w.shape[1]], t)
-
-        times = {"oneDNN (packed)": [], "linear_amx.c": []}
+        if args.pages:
+            for w, a, b in zip(weights, *products.values()):
+                assert torch.equal(cpu.amx_linear(xs[w.shape[1]], a), cpu.amx_linear(xs[w.shape[1]], b))
+        times = {name: [] for name in products}
         for _ in range(args.repeats):
-            for name, step in (("oneDNN (packed)", onednn_step), ("linear_amx.c", amx_step)):
+            for name in products:
                 t0 = time.perf_counter()
-                step()
+                run(name)
                 times[name].append(time.perf_counter() - t0)
         cells = [f"{name} {statistics.median(t) * 1e3:5.1f} ms ({nbytes / statistics.median(t) / 1e9:4.1f} GB/s)"
                  for name, t in times.items()]

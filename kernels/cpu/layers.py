@@ -82,6 +82,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpaging.kernels.cpu.huge_pages import into_huge_pages
 from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
                                   linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
 
@@ -354,13 +355,16 @@ def _give_amx_tiles(model: torch.nn.Module) -> tuple[int, int]:
     with it): returns how many products have them, and their bytes."""
     if not amx_ready():
         return 0, 0
-    tiles = []
+    owners = []
     for _, weight, _, owner, members in _packed_owners(model):
         if owner.amx is None:
             owner.amx = _amx_if_it_agrees(members, weight)
         if owner.amx is not None:
-            tiles.append(owner.amx)
-    return len(tiles), sum(t.numel() * t.element_size() for t in tiles)
+            owners.append(owner)
+    # every product streams its tiles from memory once a step: from 2 MiB pages, not 4 KiB ones (huge_pages.py)
+    for owner, tiles in zip(owners, into_huge_pages([owner.amx for owner in owners])):
+        owner.amx = tiles
+    return len(owners), sum(owner.amx.numel() * owner.amx.element_size() for owner in owners)
 
 
 def _amx_if_it_agrees(members: list[torch.nn.Linear], packed: torch.Tensor) -> torch.Tensor | None:
