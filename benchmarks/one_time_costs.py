@@ -6,6 +6,8 @@ Two costs that land in the middle of a run unless they are paid before it:
   of the trained model's bfloat16 packed products (the q/k/v group, o_proj, the gate/up group, down_proj, the LM
   head), the first call at a row count not seen before against the second call at that row count; then what
   ``warm_packed_products`` (which the engine runs at load) takes to make them for 1 to ``--rows`` rows.
+* **The engine's load.** ``LLM()`` on the trained model, loaded already: everything the engine does before it can
+  serve.
 * **A full collection.** The objects the garbage collector tracks once the trained model is served (the engine,
   the model, the server's libraries), and what one full collection takes, before and after ``gc.freeze()`` (which
   ``kvpaging serve`` calls once the model is loaded).
@@ -56,7 +58,11 @@ def main() -> None:
     print(f"warm_packed_products for 1 to {args.rows} rows: {layers.warm_packed_products(model, args.rows):.2f} s "
           f"({len(layers._warmed)} products made)")
     del model
-    llm = LLM(load_trained_model("smollm2", dtype=torch.bfloat16), max_model_len=512)
+    model = load_trained_model("smollm2", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    llm = LLM(model, max_model_len=512)
+    print(f"LLM(the trained model, max_model_len=512), the model loaded already: {time.perf_counter() - start:.2f} s "
+          "(the engine's copy, its fast layers and their warm-up, the KV cache, the load-time self-check)")
     collections = []
     for _ in range(3):
         start = time.perf_counter()

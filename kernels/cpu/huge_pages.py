@@ -8,10 +8,12 @@ covers what 512 did. Linux backs memory with such pages ("transparent huge pages
 (``madvise(MADV_HUGEPAGE)``) and the system allows it (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
 ``always`` or ``madvise``, the usual default); elsewhere the memory is ordinary memory and nothing else changes.
 
-The engine keeps three things here: the bfloat16 weights as the AMX product's tiles (``layers.py``), the paged KV
-cache, and its private copy's weights (``ModelRunner``). The AMX products of one decode step of the trained model
-ran 23-28% faster from 2 MiB pages than from 4 KiB ones, in one process, in turns (``benchmarks/amx_linear.py
---pages``; RESULTS.md, "The eighteenth session").
+The engine keeps the bfloat16 weights as the AMX product's tiles here (``layers.py``): the AMX products of one
+decode step of the trained model ran 17-25% faster from 2 MiB pages than from 4 KiB ones, in one process, in turns
+(``benchmarks/amx_linear.py --pages``; RESULTS.md, "The eighteenth session"). The paged KV cache stays in torch's
+memory: a 2 MiB page costs the kernel more to fault in (it may first have to compact memory to find 2 MiB free in
+one piece), and the trained model's 1 GiB cache took 2.5 s instead of a fraction of one, for a decode attention
+about a tenth faster.
 
 Memory comes straight from the kernel (an anonymous ``mmap``, zero-filled), not from torch's allocator, and goes back
 when the last tensor viewing it is gone.
@@ -58,9 +60,7 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
         region.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE + HUGE_PAGE)
     except OSError:  # refused: ordinary pages
         pass
-    zeros = whole[start : start + nbytes]
-    zeros.zero_()  # every page faulted in now, as torch.zeros does, not by the first step that writes there
-    return zeros
+    return whole[start : start + nbytes]  # each page faulted in (and zeroed by the kernel) when first touched
 
 
 def zeros_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -31,7 +31,6 @@ from kvpaging.config import EngineConfig
 from kvpaging.core.scheduler_output import SchedulerOutput
 from kvpaging.errors import UnsupportedModelError
 from kvpaging.kernels.backends import get_backend
-from kvpaging.kernels.cpu.huge_pages import zeros_in_huge_pages
 from kvpaging.kernels.cpu.layers import FastLayers
 from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
@@ -108,17 +107,12 @@ class ModelRunner:
         shapes = [(num_blocks, self.block_size, layer.num_kv_heads, layer.width) for layer in self.kv_layout]
         groups = self.layer_groups
         if groups is not None:  # the j-th layer of every group stores in the same tensors (a block is one group's)
-            shared = self._zeros([shapes[0]] * (2 * groups.group_size))
-            return [(shared[2 * slot], shared[2 * slot + 1]) for slot in groups.layer_slot]
-        tensors = self._zeros([shape for shape in shapes for _ in "kv"])
-        return list(zip(tensors[0::2], tensors[1::2]))
-
-    def _zeros(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Zero tensors of the cache's dtype; on the CPU side by side in 2 MiB pages, which a decode step's scattered
-        reads of its blocks walk far less slowly than 4 KiB ones (``kernels/cpu/huge_pages.py``)."""
-        if self.device.type != "cpu":
-            return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for shape in shapes]
-        return zeros_in_huge_pages(shapes, self.kv_cache_dtype)
+            shared = [(torch.zeros(shapes[0], dtype=self.kv_cache_dtype, device=self.device),
+                       torch.zeros(shapes[0], dtype=self.kv_cache_dtype, device=self.device))
+                      for _ in range(groups.group_size)]
+            return [shared[slot] for slot in groups.layer_slot]
+        return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)) for shape in shapes]
 
     @property
     def uses_graphs(self) -> bool:
