@@ -4,9 +4,8 @@ The trained model's decode step reads every linear weight once (269 MB in bfloat
 products take the weights' bytes over what one core reads. This times the products of one decode step at a given
 number of rows, each engine's way: oneDNN on the weight packed once (``_reorder_linear_weight``, what the engine's
 fast layers did before) and ``kernels/cpu/linear_amx.c`` on the weight laid out as the tile unit's tiles, in 2 MiB
-pages where the system gives them (what they do now for up to 64 rows where the results are the same bits, which it
-checks here too: up to 32 rows each output summed in one run, from 33 in the runs oneDNN sums it in, found as the
-engine's warm-up finds them). The weights are the
+pages where the system gives them (what they do now for up to 32 rows where the results are the same bits, which it
+checks here too). The weights are the
 model's shapes (its q/k/v and gate/up side by side, o, down, for each of 30 layers, and the 49,152 x 576 LM head),
 random (only the shapes and the bytes matter), 30 distinct copies, so every product reads its weight from memory
 as in a step. The two run in turns, ``--repeats`` rounds; the medians are printed, with each one's bytes per second
@@ -34,7 +33,7 @@ from decode_step import read_bandwidth
 
 from kvpaging.kernels import cpu
 from kvpaging.kernels.cpu.huge_pages import huge_pages_allowed, into_huge_pages
-from kvpaging.kernels.cpu.layers import AMX_ROWS, _onednn_product, _pack, _run_of, onednn_usable
+from kvpaging.kernels.cpu.layers import _onednn_product, _pack, onednn_usable
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # q/k/v side by side, o, gate/up side by side, down
@@ -44,7 +43,7 @@ HEAD = (49152, 576)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 24, 32, 33, 48, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 24, 32])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--pages", action="store_true",
                     help="the tiles in 4 KiB pages against the same tiles in 2 MiB pages, instead of oneDNN against them")
@@ -71,20 +70,9 @@ def main() -> None:
           f"{bandwidth / 1e9:.1f} GB/s (bytes floor {nbytes / bandwidth * 1e3:.1f} ms)")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
-        # up to 32 rows the tiles sum each output in one run; from 33 in oneDNN's runs, found as the engine's
-        # warm-up finds them (layers._run_of: the run whose products are oneDNN's bits on random inputs)
-        runs = {}
         for w, t in zip(weights[:len(SHAPES)] + weights[-1:], tiles[:len(SHAPES)] + tiles[-1:]):
-            k = w.shape[1]
-            if rows <= AMX_ROWS:
-                runs[tuple(w.shape)] = k
-            else:
-                candidates = [r for r in range(32, k + 1, 32) if k % r == 0]
-                runs[tuple(w.shape)] = _run_of(_pack(w), t, rows, candidates, g)
-                if runs[tuple(w.shape)] is None:
-                    raise SystemExit(f"no run gives oneDNN's bits for {tuple(w.shape)} at {rows} rows")
-            x = xs[k]
-            assert torch.equal(cpu.amx_linear_runs(x, t, runs[tuple(w.shape)]), F.linear(x, w)), (rows, tuple(w.shape))
+            x = xs[w.shape[1]]
+            assert torch.equal(cpu.amx_linear(x, t), F.linear(x, w)), (rows, tuple(w.shape))
 
         def run(name):
             if name == "oneDNN (packed)":
@@ -92,12 +80,11 @@ def main() -> None:
                     _onednn_product(xs[w.shape[1]], packed, None)
             else:
                 for w, t in zip(weights, products[name]):
-                    cpu.amx_linear_runs_unchecked(xs[w.shape[1]], t, runs[tuple(w.shape)])
+                    cpu.amx_linear_unchecked(xs[w.shape[1]], t)
 
         if args.pages:
             for w, a, b in zip(weights, *products.values()):
-                x, r = xs[w.shape[1]], runs[tuple(w.shape)]
-                assert torch.equal(cpu.amx_linear_runs(x, a, r), cpu.amx_linear_runs(x, b, r))
+                assert torch.equal(cpu.amx_linear(xs[w.shape[1]], a), cpu.amx_linear(xs[w.shape[1]], b))
         times = {name: [] for name in products}
         for _ in range(args.repeats):
             for name in products:
@@ -106,8 +93,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         cells = [f"{name} {statistics.median(t) * 1e3:5.1f} ms ({nbytes / statistics.median(t) / 1e9:4.1f} GB/s)"
                  for name, t in times.items()]
-        how = "" if rows <= AMX_ROWS else " in runs of " + "/".join(sorted({str(r) for r in runs.values()}))
-        print(f"{rows:2d} rows (F.linear's bits: yes{how}): " + ", ".join(cells))
+        print(f"{rows:2d} rows (F.linear's bits: yes): " + ", ".join(cells))
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ def main() -> None:
     if args.cpu_fast_layers is not False:
         layers = (f"cpu_fast_layers={args.cpu_fast_layers}: linears on packed weights (oneDNN): {fast.linears} "
                   f"({fast.small_batch_linears} with C products for 1-2 rows; {fast.fused_groups} groups of siblings "
-                  f"run as one product; {fast.amx_products} products of up to 32 rows on AMX tiles, up to 64 in oneDNN's runs), C RMSNorms (their "
+                  f"run as one product; {fast.amx_products} products of up to 32 rows on AMX tiles), C RMSNorms (their "
                   f"own results to the bit): {fast.rms_norms} "
                   f"(oneDNN usable: {onednn_usable()}, C kernels built: {cpu_backend.available()})")
     print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")

@@ -316,29 +316,16 @@ def test_the_warm_up_makes_each_products_kernels_once_per_row_count_and_changes_
 @needs_onednn
 def test_the_warm_up_leaves_out_the_row_counts_that_run_on_amx_tiles(monkeypatch):
     """Products without a bias on a CPU with AMX take up to AMX_ROWS rows on their tiles, so oneDNN never sees those
-    row counts and the warm-up makes no kernels for them; from AMX_ROWS + 1 it runs them on probe inputs, to find
-    the runs in which oneDNN sums them (every row count of both shapes gets one: the q/k/v group's, 160 x 64, and
-    o_proj's, 64 x 64). Elsewhere it makes them from one row, once each."""
+    row counts and the warm-up makes no kernels for them; elsewhere it makes them from one row."""
     parent, _ = _siblings(False, seed=7)
     layers.enable_fast_layers(parent, exact=True)
     products = []
     real = layers._onednn_product
-    monkeypatch.setattr(layers, "_onednn_product", lambda *a: products.append((a[0].shape[0], tuple(a[1].shape)))
-                        or real(*a))
+    monkeypatch.setattr(layers, "_onednn_product", lambda *a: products.append(a[0].shape[0]) or real(*a))
     monkeypatch.setattr(layers, "_warmed", set())
-    monkeypatch.setattr(layers, "_RUNS", {})
     layers.warm_packed_products(parent, 40)
-    if not cpu.amx_ready():
-        assert sorted(products) == sorted([(rows, shape) for rows in range(1, 41) for shape in ((160, 64), (64, 64))])
-        return
-    assert {rows for rows, _ in products} == set(range(layers.AMX_ROWS + 1, 41))
-    for shape in ((160, 64), (64, 64)):
-        assert {rows for rows, s in products if s == shape} == set(range(layers.AMX_ROWS + 1, 41)), shape
-        assert all(layers._RUNS[(*shape, rows, torch.get_num_threads())] is not None
-                   for rows in range(layers.AMX_ROWS + 1, 41)), layers._RUNS
-    calls = len(products)
-    layers.warm_packed_products(parent, 40)  # found and made once: nothing again
-    assert len(products) == calls
+    first = layers.AMX_ROWS + 1 if cpu.amx_ready() else 1
+    assert sorted(products) == sorted(list(range(first, 41)) * 2)  # the q/k/v group's and o_proj's
 
 
 @needs_onednn
@@ -543,10 +530,9 @@ def test_amx_linear_refuses_what_it_cannot_compute():
 
 @needs_amx
 @needs_onednn
-def test_the_default_takes_decode_batches_of_up_to_32_to_amx_and_larger_ones_to_onednn(monkeypatch):
+def test_the_default_takes_decode_batches_of_up_to_32_to_amx_and_larger_ones_to_onednn():
     """By default a bfloat16 layer without a bias runs 1 to 32 rows on its AMX tiles and 33 to 64 on oneDNN's packed
     weight (which sums them in parts there), each ``F.linear``'s to the bit; a layer with a bias keeps oneDNN."""
-    monkeypatch.setattr(layers, "_RUNS", {})  # as before any warm-up (which finds oneDNN's runs: the next test)
     g = torch.Generator().manual_seed(11)
     for bias in (False, True):
         layer = torch.nn.Linear(576, 192, bias=bias)
@@ -555,70 +541,11 @@ def test_the_default_takes_decode_batches_of_up_to_32_to_amx_and_larger_ones_to_
         layer = layer.to(torch.bfloat16)
         plain = copy.deepcopy(layer)
         assert layers.enable_fast_layers(layer, exact=True).amx_products == (0 if bias else 1)
-        for rows, on_amx in ((1, not bias), (32, not bias), (33, False), (64, False)):  # no warm-up: no runs known
+        for rows, on_amx in ((1, not bias), (32, not bias), (33, False), (64, False)):
             x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
             with torch.no_grad():
                 assert torch.equal(layer(x), plain(x)), (bias, rows)
                 assert (cpu.AMX_PROFILER_NAME in ops_called(lambda: layer(x))) == on_amx, (bias, rows)
-
-
-@needs_amx
-@needs_onednn
-@pytest.mark.parametrize("threads", [1, 2])
-def test_after_the_warm_up_33_to_64_rows_run_on_amx_in_onednns_runs_to_the_bit(monkeypatch, threads):
-    """The warm-up finds the runs in which oneDNN sums 33 to 64 rows of each tiled shape (the trained model's
-    576 and 1536 inputs: the q/k/v group, o_proj, the gate/up group and down_proj of one layer), and from then on
-    those products run on the tiles, ``F.linear``'s bits at every row count, one thread or two. Where no run gives
-    oneDNN's bits (here: the search made to find none) the products stay oneDNN's, with the same bits."""
-    monkeypatch.setattr(layers, "_RUNS", {})
-    monkeypatch.setattr(layers, "_warmed", set())
-    g = torch.Generator().manual_seed(12)
-    mlp = torch.nn.Module()
-    for name, (n, k) in (("q", (576, 576)), ("k", (192, 576)), ("v", (192, 576)), ("o", (576, 576)),
-                         ("gate", (1536, 576)), ("up", (1536, 576)), ("down", (576, 1536))):
-        layer = torch.nn.Linear(k, n, bias=False)
-        with torch.no_grad():
-            layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
-        setattr(mlp, name, layer.to(torch.bfloat16))
-    plain = copy.deepcopy(mlp)
-    layers.enable_fast_layers(mlp, exact=True)
-    with cpu_threads(threads):
-        layers.warm_packed_products(mlp, layers.AMX_RUNS_MAX_ROWS)
-        assert all(run is not None for run in layers._RUNS.values()) and len(layers._RUNS) == 4 * 32  # four shapes
-        for rows in range(layers.AMX_ROWS + 1, layers.AMX_RUNS_MAX_ROWS + 1):
-            x, h = (torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in (576, 1536))
-            with torch.no_grad():
-                for name in ("q", "k", "v", "o", "gate", "up"):
-                    assert torch.equal(getattr(mlp, name)(x), getattr(plain, name)(x)), (name, rows)
-                assert torch.equal(mlp.down(h), plain.down(h)), rows
-        x = torch.randn(48, 576, generator=g).to(torch.bfloat16)
-        assert cpu.AMX_PROFILER_NAME in ops_called(lambda: mlp.o(x))
-        monkeypatch.setattr(layers, "_RUNS", {})
-        monkeypatch.setattr(layers, "_run_of", lambda *a: None)
-        layers.warm_packed_products(mlp, layers.AMX_RUNS_MAX_ROWS)
-        assert set(layers._RUNS.values()) == {None}
-        with torch.no_grad():
-            assert torch.equal(mlp.o(x), plain.o(x))
-        assert cpu.AMX_PROFILER_NAME not in ops_called(lambda: mlp.o(x))
-
-
-@needs_amx
-def test_amx_runs_of_the_whole_width_are_amx_linears_order_and_bad_runs_are_refused():
-    g = torch.Generator().manual_seed(13)
-    weight = (torch.randn(208, 576, generator=g) * 0.05).to(torch.bfloat16)  # 13 blocks: an odd last one
-    tiles = cpu.amx_pack(weight)
-    for rows in (1, 17, 32):
-        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-        assert torch.equal(cpu.amx_linear_runs(x, tiles, 576), cpu.amx_linear(x, tiles)), rows
-    x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
-    exact = x.float() @ weight.float().T  # the float32 products, summed otherwise: close, not equal
-    for run in (32, 96, 288, 576):
-        assert torch.allclose(cpu.amx_linear_runs(x, tiles, run).float(), exact, rtol=2e-2, atol=2e-2), run
-    for bad in (0, 16, 100, 320):
-        with pytest.raises(ValueError, match=f"run {bad}"):
-            cpu.amx_linear_runs(x, tiles, bad)
-    with pytest.raises(ValueError, match=r"got x \(65, 576\)"):
-        cpu.amx_linear_runs(torch.zeros(65, 576, dtype=torch.bfloat16), tiles, 288)
 
 
 @needs_onednn

@@ -53,7 +53,7 @@ import torch
 __all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
            "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
            "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "PREFILL_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
-           "amx_linear_unchecked", "amx_linear_runs", "amx_linear_runs_unchecked", "AMX_PROFILER_NAME"]
+           "amx_linear_unchecked", "AMX_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
@@ -93,7 +93,7 @@ _store_kv_fn = None
 _rms_rows_fn = None
 _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
 _argmax_fn = None
-_amx = None  # linear_amx.c's (ready, pack, linear, linear in runs) functions
+_amx = None  # linear_amx.c's (ready, pack, linear) functions
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -214,9 +214,7 @@ def _load():
     ready.argtypes, ready.restype = [], i64
     pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
     linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64], i64
-    runs = lib.kvpaging_amx_linear_runs
-    runs.argtypes, runs.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64], i64
-    _amx = (ready, pack, linear, runs)
+    _amx = (ready, pack, linear)
     return _decode_fn
 
 
@@ -480,7 +478,6 @@ def linear_bf16_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 AMX_MAX_ROWS = 32  # linear_amx.c's bound: two tiles of 16 rows
-AMX_RUNS_MAX_ROWS = 64  # and in runs (kvpaging_amx_linear_runs): four
 
 
 def amx_ready() -> bool:
@@ -522,40 +519,6 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"amx_linear needs 1 to {AMX_MAX_ROWS} rows of the packed weight's {k} inputs (n a multiple "
                          f"of 16, k of 32), got x {tuple(x.shape)}, packed {tuple(packed.shape)}")
     return amx_linear_unchecked(x, packed)
-
-
-def amx_linear_runs(x: torch.Tensor, packed: torch.Tensor, run: int) -> torch.Tensor:
-    """:func:`amx_linear` for 1 to 64 rows with the inputs summed in runs of ``run`` (a multiple of 32 that divides
-    the weight's inputs): each run's float32 sums from zero, the runs' sums added to the total first to last, rounded
-    to bfloat16 once. ``run`` equal to the inputs is :func:`amx_linear`'s order; oneDNN sums more than 32 rows in runs
-    of a length that depends on the shape and the rows (``layers.py`` finds it by probing)."""
-    if not amx_ready():
-        raise RuntimeError("amx_linear_runs needs a CPU with AMX and the C kernels built for it"
-                           + ("" if _reason is None else f": {_reason}"))
-    n, k = packed.shape if packed.dim() == 2 else (-1, -1)
-    if not (x.dtype == packed.dtype == torch.bfloat16 and x.device.type == packed.device.type == "cpu"
-            and x.is_contiguous() and packed.is_contiguous()):
-        raise ValueError(f"amx_linear_runs needs contiguous bfloat16 CPU tensors, got x {x.dtype} on {x.device}, "
-                         f"packed {packed.dtype} on {packed.device}")
-    if (x.dim() < 1 or x.shape[-1] != k or not 1 <= x.numel() // max(k, 1) <= AMX_RUNS_MAX_ROWS or n % 16 or k % 32
-            or run < 32 or run % 32 or k % run):
-        raise ValueError(f"amx_linear_runs needs 1 to {AMX_RUNS_MAX_ROWS} rows of the packed weight's {k} inputs (n a "
-                         f"multiple of 16, k of 32) and runs of a multiple of 32 inputs dividing k, got x "
-                         f"{tuple(x.shape)}, packed {tuple(packed.shape)}, run {run}")
-    return amx_linear_runs_unchecked(x, packed, run)
-
-
-def amx_linear_runs_unchecked(x: torch.Tensor, packed: torch.Tensor, run: int) -> torch.Tensor:
-    """:func:`amx_linear_runs` for a caller that made its checks."""
-    n, k = packed.shape
-    out = x.new_empty(*x.shape[:-1], n)
-    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.numel() // k, n, k, run, torch.get_num_threads())
-    failed = call_named(AMX_PROFILER_NAME, _amx[3], args)
-    if failed == -1:
-        raise MemoryError(f"amx_linear_runs: no memory for {x.numel() // k} x {k} padded inputs")
-    if failed:
-        raise RuntimeError(f"amx_linear_runs could not run {x.numel() // k} rows of a {n} x {k} product here")
-    return out
 
 
 def amx_linear_unchecked(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -38,14 +38,14 @@ implementation of the *same* maths (measured by
   torch's own, between two C passes): the layer's own results to the bit (checked per layer on
   probe inputs), in less time (``python -m kvpaging.kernels.cpu.layers`` prints both, for one
   row to a 2,048-row chunk).
-* **Up to 64 bfloat16 rows on AMX.** A decode step's products are bound by the weights' bytes, and oneDNN's
+* **Up to 32 bfloat16 rows on AMX.** A decode step's products are bound by the weights' bytes, and oneDNN's
   packed product streams them at 55-75% of what one core reads. Where the CPU has AMX, a layer without a bias
   also keeps its weight laid out as the unit's tiles, in 2 MiB pages (``linear_amx.c``: each block of 16 outputs
   read once, in order, the next blocks fetched ahead; ``huge_pages.py``), and its products of up to ``AMX_ROWS``
-  rows go there: the same instruction, blocking and order of sums as oneDNN's product of up to 32 rows, so
-  ``F.linear``'s bits (checked per layer on probe rows, at every row count it takes). From 33 to 64 rows oneDNN
-  sums in runs; the warm-up at load finds them for each shape and row count (``_find_runs``), and the tiles sum
-  in the same runs (``amx_linear_runs``). The cost: a third copy of those weights (logged).
+  rows go there: the same
+  instruction, blocking and order of sums as oneDNN's product of up to 32 rows, so ``F.linear``'s bits (checked
+  per layer on probe rows, at every row count it takes); beyond 32 rows oneDNN sums in parts, and keeps them. The
+  cost: a third copy of those weights (logged).
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
   about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
@@ -84,9 +84,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpaging.kernels.cpu.huge_pages import into_huge_pages
-from kvpaging.kernels.cpu import (AMX_MAX_ROWS, AMX_RUNS_MAX_ROWS, amx_linear_runs_unchecked, amx_linear_unchecked,
-                                  amx_pack, amx_ready, available, linear_bf16, linear_bf16_unchecked, rms_norm,
-                                  rms_norm_unchecked)
+from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
+                                  linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
            "warm_packed_products"]
@@ -143,9 +142,10 @@ PACKED_MAX_ROWS_BF16 = PACK_BATCH_HINT
 # Products of at most this many rows go to linear_amx.c where it is F.linear's to the bit: oneDNN's AMX product of
 # up to 32 rows sums each output's inputs in one run, 32 at a time, as linear_amx.c does; from 33 rows it sums them
 # in runs whose length depends on the shape and the rows (an AMX Xeon, 2026-12-06, one and two threads), and
-# linear_amx.c's tiles, tried there with oneDNN's runs, were no faster: those rows stay with oneDNN.
+# linear_amx.c's tiles, tried there with oneDNN's runs, were no faster: those rows stay with oneDNN. Tried again with
+# the tiles in 2 MiB pages (2026-12-07, 6f55103, reverted): 0.93-1.12x of oneDNN's time by row count, the same
+# throughput on the trained model's workload, and a second more of warm-up at load to find the runs.
 AMX_ROWS = AMX_MAX_ROWS
-TILE_INPUTS = 32  # a tile's inputs: linear_amx.c's runs are whole tiles
 AMX_PROBE_ROWS = (1, 2, 3, 8, 15, 16, 17, 24, 31, 32)  # each tile count, full and not, at its edges
 
 
@@ -177,14 +177,8 @@ def _product(input: torch.Tensor, packed: torch.Tensor, amx: torch.Tensor | None
              bias: torch.Tensor | None) -> torch.Tensor:
     """A packed layer's (or fused group's) product: on AMX for up to ``AMX_ROWS`` rows where the layer has its tiles
     (``amx``: never with a bias), else oneDNN's."""
-    if amx is not None:
-        rows = input.numel() // input.shape[-1]
-        if rows <= AMX_ROWS:
-            return amx_linear_unchecked(input.contiguous(), amx)
-        # oneDNN's runs for this shape and row count, where the warm-up found them (warm_packed_products)
-        run = _RUNS.get((*amx.shape, rows, torch.get_num_threads()))
-        if run is not None:
-            return amx_linear_runs_unchecked(input.contiguous(), amx, run)
+    if amx is not None and input.numel() <= AMX_ROWS * input.shape[-1]:
+        return amx_linear_unchecked(input.contiguous(), amx)
     return _onednn_product(input, packed, bias)
 
 
@@ -511,10 +505,9 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     groups = _fuse_siblings(model) if use_onednn else 0
     amx, amx_bytes = _give_amx_tiles(model)
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
-                "product; %d products of up to %d rows on AMX, %d in oneDNN's runs once the warm-up found them, on %s "
-                "MiB more of their weights as its tiles), %d RMSNorms%s",
-                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, AMX_RUNS_MAX_ROWS, f"{amx_bytes / 2**20:,.0f}",
-                norms,
+                "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles), %d "
+                "RMSNorms%s",
+                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, f"{amx_bytes / 2**20:,.0f}", norms,
                 f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
     return FastLayers(linears, norms, small, groups, amx)
@@ -522,9 +515,6 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
 
 # (packed weight's shape, bias or not, threads, rows): the bfloat16 products whose oneDNN kernels this process has made
 _warmed: set[tuple] = set()
-# (outputs, inputs, rows, threads) -> the inputs per run in which oneDNN sums a product of that shape and row count,
-# for 33 to AMX_RUNS_MAX_ROWS rows (None: none of linear_amx.c's runs gives its bits), as warm_packed_products found them
-_RUNS: dict[tuple[int, int, int, int], int | None] = {}
 
 
 def packed_products(model: torch.nn.Module) -> dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -546,19 +536,16 @@ def _tiled_shapes(model: torch.nn.Module) -> set[tuple]:
 
 def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
     """Run every bfloat16 packed product of ``model`` (each distinct shape once: a lone layer's, a fused group's) on
-    every row count from 1 to ``max_rows`` (at most ``PACKED_MAX_ROWS_BF16``, the most a packed product
+    zeros of every row count from 1 to ``max_rows`` (at most ``PACKED_MAX_ROWS_BF16``, the most a packed product
     takes), so that oneDNN makes its kernels for them now, at load. It makes them the first time a shape comes (the
     trained model's products: 0.54 ms a first call at a new row count against 0.10 ms the next,
     ``benchmarks/one_time_costs.py``), and a run of
     requests would otherwise pay that in the middle of its decode steps, each time a finished request makes the batch
     a size not seen before. Shapes this process made already (another engine on the same model) are skipped, and so
-    are the row counts a shape's products all run on AMX tiles (up to ``AMX_ROWS``); from ``AMX_ROWS + 1`` to
-    ``AMX_RUNS_MAX_ROWS`` the products that have tiles are run on probe inputs, to find the runs in which oneDNN
-    sums them (``_find_runs``). Returns the seconds it took."""
+    are the row counts a shape's products all run on AMX tiles (up to ``AMX_ROWS``). Returns the seconds it took."""
     start, threads = time.perf_counter(), torch.get_num_threads()
     tiled = _tiled_shapes(model)
     with torch.no_grad():
-        _find_runs(model, min(max_rows, PACKED_MAX_ROWS_BF16, AMX_RUNS_MAX_ROWS), threads)
         for (shape, no_bias), (weight, bias) in packed_products(model).items():
             first = AMX_ROWS + 1 if (shape, no_bias) in tiled else 1
             for rows in range(first, min(max_rows, PACKED_MAX_ROWS_BF16) + 1):
@@ -566,56 +553,6 @@ def warm_packed_products(model: torch.nn.Module, max_rows: int) -> float:
                     _onednn_product(torch.zeros(rows, shape[-1], dtype=torch.bfloat16), weight, bias)
                     _warmed.add((shape, no_bias, threads, rows))
     return time.perf_counter() - start
-
-
-# sums (rows x outputs) a run is checked on before the tiles take a shape's products: a wrong order gives the same
-# bfloat16 result for all of a small product's sums now and then (a run of 192 where oneDNN's is 288 matched one
-# input of 40 x 576 sums in three, 2026-12-07: about one sum in 20,000 rounds otherwise), since the last rounding
-# hides most float32 differences; over a quarter of a million sums a wrong run would have to miss some 12 expected
-# differences at once (odds of about 1 in 160,000), and a model's probes try a handful of wrong runs
-PROBE_SUMS = 250_000
-
-
-def _find_runs(model: torch.nn.Module, max_rows: int, threads: int) -> None:
-    """For each shape of ``model``'s tiled products and each row count from ``AMX_ROWS + 1`` to ``max_rows``, the
-    run length (inputs) in which oneDNN sums them (``_RUNS``), so that ``linear_amx.c`` takes those products too
-    (``amx_linear_runs``): the run whose products are oneDNN's to the bit on random inputs of at least
-    ``PROBE_SUMS`` sums in all, the row count before's run tried first, then the longest. All products of one shape
-    share oneDNN's kernel for a row count, so each shape is probed once, on one of its products. Where no run gives
-    oneDNN's bits, that shape's products of that row count stay oneDNN's. The probes' oneDNN products make its
-    kernels, as the warm-up's would."""
-    shapes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (shape, no_bias), weight, _, owner, _ in _packed_owners(model):
-        if owner.amx is not None and no_bias:
-            shapes.setdefault(tuple(owner.amx.shape), (weight, owner.amx))
-    g = torch.Generator().manual_seed(2)
-    for (n, k), (weight, tiles) in shapes.items():
-        candidates = [run for run in range(TILE_INPUTS, k + 1, TILE_INPUTS) if k % run == 0]
-        for rows in range(AMX_ROWS + 1, max_rows + 1):
-            if (n, k, rows, threads) not in _RUNS:
-                before = _RUNS.get((n, k, rows - 1, threads))  # tried first, then the longest runs first
-                order = sorted(candidates, key=lambda run: (run != before, -run))
-                _RUNS[n, k, rows, threads] = _run_of(weight, tiles, rows, order, g)
-                _warmed.add(((n, k), True, threads, rows))
-
-
-def _run_of(weight: torch.Tensor, tiles: torch.Tensor, rows: int, candidates: list[int],
-            g: torch.Generator) -> int | None:
-    """The first of ``candidates`` (runs, in inputs) for which ``amx_linear_runs`` gives oneDNN's product on
-    ``weight`` to the bit on random inputs of ``rows`` rows, as many as make ``PROBE_SUMS`` sums (a candidate is
-    dropped at its first difference); None if none does."""
-    n, k = tiles.shape
-    xs = torch.randn(-(-PROBE_SUMS // (rows * n)), rows, k, generator=g).to(torch.bfloat16)
-    wanted: list[torch.Tensor] = []
-    for run in candidates:
-        for i, x in enumerate(xs):
-            if i == len(wanted):
-                wanted.append(_onednn_product(x, weight, None))
-            if not torch.equal(amx_linear_runs_unchecked(x, tiles, run), wanted[i]):
-                break
-        else:
-            return run
-    return None
 
 
 def _timed(fn, repeats: int = 200) -> float:

@@ -1,4 +1,4 @@
-/* A bfloat16 linear layer for a decode step's rows (at most 64), on the matrix units of an Intel CPU (AMX).
+/* A bfloat16 linear layer for a decode step's rows (at most 32), on the matrix units of an Intel CPU (AMX).
  *
  *     y[r][j] = sum over i of x[r][i] * w[j][i],   w is [n][k] as nn.Linear keeps it (no bias)
  *
@@ -12,13 +12,10 @@
  * Each output is a float32 sum, 32 inputs at a time by the unit's bfloat16 dot product (TDPBF16PS), from the first
  * 32 inputs to the last, rounded to bfloat16 once, to nearest even: the instruction, the blocking and the order of
  * oneDNN's AMX product of up to 32 rows, so the results are the same bits (the caller checks that on each real
- * layer before using it: kernels/cpu/layers.py). For 33 to 64 rows oneDNN sums the inputs in runs whose length
- * depends on the shape and the rows (on the trained model's shapes: 576 inputs as two runs of 288; 1536 as three of
- * 512 at 33-36 rows, four of 384 from 37), each run from zero, the runs' sums then added first to last:
- * kvpaging_amx_linear_runs does the same, one block of outputs at a time for up to four row tiles, for a run length
- * the caller found by comparing with oneDNN's own product (kernels/cpu/layers.py, at load). In 4 KiB pages it was no
- * faster than oneDNN; from the 2 MiB pages the engine keeps the tiles in (kernels/cpu/huge_pages.py) it reads the
- * weights faster. A row's result does not depend on the rows beside it.
+ * layer before using it: kernels/cpu/layers.py). For more rows oneDNN sums the inputs in runs whose length depends
+ * on the shape and the rows (576 inputs as two runs of 288 from 33 rows to 64; 1536 as three of 512 at 33-36 rows,
+ * four of 384 from 37), and these tiles were no faster there: those products stay with it. A row's result does not
+ * depend on the rows beside it.
  *
  * Compiled with the other CPU kernels (-march=native); on a CPU without AMX the functions exist and report that
  * they cannot run (kvpaging_amx_ready returns 0). Linux asks a process to request the tile registers before it
@@ -154,56 +151,6 @@ static void block(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64_t ro
     if (row_tiles > 1)
         STORE(1, 1, b);
 }
-
-/* Outputs 16b..16b+15 for up to 64 rows (four row tiles: tiles 0-3 their sums, 4 the row tile of x, 5 the weight's),
- * the inputs summed in runs of `run_tiles` tiles: each run's float32 sums from zero, then the runs added one after
- * another, first to last (how oneDNN sums more than 32 rows). */
-#define RUN_STEP(M) do { \
-        if (row_tiles > (M)) { \
-            _tile_loadd(4, xp + (M) * 16 * k + t * TILE_K, k * 2); \
-            _tile_dpbf16ps(M, 4, 5); \
-        } \
-    } while (0)
-#define RUN_ADD(M) do { \
-        if (row_tiles > (M)) { \
-            _tile_stored(M, sums, 64); \
-            float *into = total + (M) * 256; \
-            for (int e = 0; e < 256; e++) \
-                into[e] = first ? sums[e] : into[e] + sums[e]; \
-        } \
-    } while (0)
-
-static void block_in_runs(const uint16_t *xp, const uint16_t *w, uint16_t *y, int64_t rows, int64_t row_tiles,
-                          int64_t n, int64_t k, int64_t b, int64_t run_tiles, const uint16_t *end)
-{
-    const int64_t tiles = k / TILE_K, block_elems = k * TILE_N;
-    const uint16_t *wb = w + b * block_elems, *ahead = wb + AHEAD * block_elems;
-    float sums[16 * 16], total[4 * 16 * 16];
-    for (int64_t r0 = 0; r0 < tiles; r0 += run_tiles) {
-        const int first = r0 == 0;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t t = r0; t < r0 + run_tiles; t++) {
-            const uint16_t *from = ahead + t * TILE_N * TILE_K;
-            if (from < end)
-                fetch(from, from + TILE_N * TILE_K < end ? from + TILE_N * TILE_K : end);
-            _tile_loadd(5, wb + t * TILE_N * TILE_K, 64);
-            RUN_STEP(0);
-            RUN_STEP(1);
-            RUN_STEP(2);
-            RUN_STEP(3);
-        }
-        RUN_ADD(0);
-        RUN_ADD(1);
-        RUN_ADD(2);
-        RUN_ADD(3);
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int c = 0; c < TILE_N; c++)
-            y[r * n + b * TILE_N + c] = f32_to_bf16(total[(r / 16) * 256 + (r % 16) * 16 + c]);
-}
 #endif
 
 /* 1 where this build and this process can use the tile unit (permission asked for once), else 0. */
@@ -260,47 +207,6 @@ int64_t kvpaging_amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t 
     return 0;
 #else
     (void)x; (void)packed; (void)y; (void)rows; (void)n; (void)k; (void)threads;
-    return -2;
-#endif
-}
-
-/* y = x w^T for 1 to 64 rows, the inputs summed in runs of `run` inputs (a multiple of 32 dividing k; k itself: one
- * run, the order of kvpaging_amx_linear), each run's sums added to the total in turn. Returns 0, -1 when scratch
- * memory is short, -2 when the tile unit cannot be used or the shape or run does not fit (nothing written). */
-int64_t kvpaging_amx_linear_runs(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t rows, int64_t n,
-                                 int64_t k, int64_t run, int64_t threads)
-{
-#ifdef KVPAGING_AMX
-    if (!kvpaging_amx_ready() || rows < 1 || rows > 2 * MAX_ROWS || n % TILE_N || k % TILE_K || run < TILE_K
-        || run % TILE_K || k % run)
-        return -2;
-    const int64_t row_tiles = (rows + 15) / 16;
-    uint16_t *padded = NULL;
-    if (rows % 16) {
-        padded = calloc((size_t)(row_tiles * 16 * k), sizeof(uint16_t));
-        if (padded == NULL)
-            return -1;
-        memcpy(padded, x, sizeof(uint16_t) * (size_t)(rows * k));
-    }
-    const uint16_t *xp = padded != NULL ? padded : x;
-    const uint16_t *end = packed + n * k;
-    fetch(packed, packed + (AHEAD * k * TILE_N < n * k ? AHEAD * k * TILE_N : n * k));
-#ifdef _OPENMP
-#pragma omp parallel num_threads((int)threads) if (threads > 1)
-#endif
-    {
-        configure();
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t b = 0; b < n / TILE_N; b++)
-            block_in_runs(xp, packed, y, rows, row_tiles, n, k, b, run / TILE_K, end);
-        _tile_release();
-    }
-    free(padded);
-    return 0;
-#else
-    (void)x; (void)packed; (void)y; (void)rows; (void)n; (void)k; (void)run; (void)threads;
     return -2;
 #endif
 }
