@@ -41,8 +41,9 @@ from throughput import FAST_LAYERS  # --cpu-fast-layers off|default|on: the engi
 
 def read_bandwidth() -> float:
     """Bytes per second torch's threads read (one unless told otherwise): the best of three sums over 1 GiB, in 2 MiB
-    pages where the system gives them (``kernels/cpu/huge_pages.py``; one thread read 14.0-14.1 GB/s from them
-    against 9.6-10.3 GB/s from torch's own 4 KiB pages on 2026-12-07): the floor is what the core can read at best."""
+    pages where the system gives them (``kernels/cpu/huge_pages.py``; on 2026-12-07 one thread read 14.2-14.3 GB/s
+    from them against 10.7 GB/s from torch's own 4 KiB pages, ``amx_linear.py``'s header): the floor is what the
+    core can read at best."""
     data = huge_page_zeros(1 << 30).view(torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(3):

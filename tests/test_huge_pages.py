@@ -70,15 +70,26 @@ def test_small_regions_are_ordinary_memory():
 
 
 @pytest.mark.skipif(not huge_pages_allowed(), reason="this system gives no transparent huge pages")
-def test_the_engines_amx_tiles_are_in_huge_pages():
-    from kvpaging import LLM
-    from kvpaging.kernels import cpu
-    from kvpaging.kernels.cpu.layers import _packed_owners
-    from kvpaging.models import load_trained_model
+def test_the_fast_layers_amx_tiles_are_in_huge_pages_and_give_the_same_bits():
+    """``enable_fast_layers`` (which the engine runs on its copy of a bfloat16 model) lays each product's weight out
+    as AMX tiles in 2 MiB pages; the layers' results stay ``F.linear``'s."""
+    import copy
 
-    if not cpu.amx_ready():
-        pytest.skip("no AMX here: no tiles")
-    model = load_trained_model("smollm2", dtype=torch.bfloat16, device="cpu")
-    llm = LLM(model, num_blocks=512, max_model_len=256)
-    tiles = [owner.amx for *_, owner, _ in _packed_owners(llm.engine.runner.model) if owner.amx is not None]
-    assert tiles and all(huge_bytes_at(t.data_ptr()) > 0 for t in tiles)
+    from kvpaging.kernels import cpu
+    from kvpaging.kernels.cpu.layers import _packed_owners, enable_fast_layers, onednn_usable
+
+    if not (cpu.amx_ready() and onednn_usable()):
+        pytest.skip("no AMX or no oneDNN here: no tiles")
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.copy_(torch.randn(1024, 1024, generator=g) * 0.03)
+    model = model.to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    assert enable_fast_layers(model, exact=True).amx_products == 2
+    tiles = [owner.amx for *_, owner, _ in _packed_owners(model)]
+    assert len(tiles) == 2 and all(huge_bytes_at(t.data_ptr()) > 0 for t in tiles)  # 4 MiB of tiles, one region
+    x = torch.randn(7, 1024, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))

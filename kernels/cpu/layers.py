@@ -143,7 +143,7 @@ PACKED_MAX_ROWS_BF16 = PACK_BATCH_HINT
 # up to 32 rows sums each output's inputs in one run, 32 at a time, as linear_amx.c does; from 33 rows it sums them
 # in runs whose length depends on the shape and the rows (an AMX Xeon, 2026-12-06, one and two threads), and
 # linear_amx.c's tiles, tried there with oneDNN's runs, were no faster: those rows stay with oneDNN. Tried again with
-# the tiles in 2 MiB pages (2026-12-07, 6f55103, reverted): 0.93-1.12x of oneDNN's time by row count, the same
+# the tiles in 2 MiB pages (2026-12-07, 6f55103, reverted): 0.89-1.12x of oneDNN's time by row count, the same
 # throughput on the trained model's workload, and a second more of warm-up at load to find the runs.
 AMX_ROWS = AMX_MAX_ROWS
 AMX_PROBE_ROWS = (1, 2, 3, 8, 15, 16, 17, 24, 31, 32)  # each tile count, full and not, at its edges
