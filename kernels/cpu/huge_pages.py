@@ -9,11 +9,10 @@ covers what 512 did. Linux backs memory with such pages ("transparent huge pages
 ``always`` or ``madvise``, the usual default); elsewhere the memory is ordinary memory and nothing else changes.
 
 The engine keeps the bfloat16 weights as the AMX product's tiles here (``layers.py``): the AMX products of one
-decode step of the trained model ran 17-25% faster from 2 MiB pages than from 4 KiB ones, in one process, in turns
-(``benchmarks/amx_linear.py --pages``; RESULTS.md, "The eighteenth session"). The paged KV cache stays in torch's
-memory: a 2 MiB page costs the kernel more to fault in (it may first have to compact memory to find 2 MiB free in
-one piece), and the trained model's 1 GiB cache took 2.5 s instead of a fraction of one, for a decode attention
-about a tenth faster.
+decode step of the trained model took 15-25% less time from 2 MiB pages than from 4 KiB ones, in one process, in
+turns (``benchmarks/amx_linear.py --pages``; RESULTS.md, "The eighteenth session"). The paged KV cache stays in
+torch's memory: with its 1 GiB in 2 MiB pages, faulted in at load, ``LLM()`` on the trained model took 9.1-9.7 s
+against 4.3-6.2 s (``benchmarks/one_time_costs.py``), for a decode attention about a tenth faster.
 
 Memory comes straight from the kernel (an anonymous ``mmap``, zero-filled), not from torch's allocator, and goes back
 when the last tensor viewing it is gone.
