@@ -20,6 +20,7 @@ when the last tensor viewing it is gone.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import sys
@@ -33,6 +34,7 @@ _ALIGN = 64  # each tensor of into_huge_pages starts on a cache line
 _SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+@functools.cache
 def huge_pages_allowed() -> bool:
     """Whether this system backs memory that asks for it with 2 MiB pages (Linux with transparent huge pages in
     ``always`` or ``madvise`` mode)."""
@@ -54,19 +56,18 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     # one huge page more, to align
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while any view of it lives
-    start = -whole.data_ptr() % HUGE_PAGE
     try:
-        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE + HUGE_PAGE)
+        region.madvise(mmap.MADV_HUGEPAGE)  # the whole mapping: the 2 MiB pages inside it, wherever they start
     except OSError:  # refused: ordinary pages
         pass
+    start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]  # each page faulted in (and zeroed by the kernel) when first touched
 
 
 def zeros_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Zero CPU tensors of ``shapes`` and ``dtype``, contiguous, side by side in one region of 2 MiB pages
     (:func:`huge_page_zeros`), each from a cache line's start."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    sizes = [itemsize * math.prod(shape) for shape in shapes]
+    sizes = [dtype.itemsize * math.prod(shape) for shape in shapes]
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + -(-size // _ALIGN) * _ALIGN)

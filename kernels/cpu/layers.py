@@ -83,9 +83,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpaging.kernels.cpu.huge_pages import into_huge_pages
 from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
                                   linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
+from kvpaging.kernels.cpu.huge_pages import into_huge_pages
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
            "warm_packed_products"]
