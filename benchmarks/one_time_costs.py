@@ -6,6 +6,9 @@ Two costs that land in the middle of a run unless they are paid before it:
   of the trained model's bfloat16 packed products (the q/k/v group, o_proj, the gate/up group, down_proj, the LM
   head), the first call at a row count not seen before against the second call at that row count; then what
   ``warm_packed_products`` (which the engine runs at load) takes to make them for 1 to ``--rows`` rows.
+* **Start-up.** A fresh Python process, from its start to the first token of a one-token ``LLM.generate`` on the
+  trained model in bfloat16, split into the imports, the model's load, ``LLM()`` and the request (issue 28's bound
+  is 10 s).
 * **The engine's load.** ``LLM()`` on the trained model, loaded already: everything the engine does before it can
   serve.
 * **A full collection.** The objects the garbage collector tracks once the trained model is served (the engine,
@@ -19,11 +22,49 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
+
+# what a user's script does first: the imports, the trained model, LLM(), one request of one token
+START_UP = """
+import sys, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+from kvpaging import LLM, SamplingParams
+from kvpaging.models import load_trained_model
+t1 = time.perf_counter()
+model = load_trained_model("smollm2", dtype=torch.bfloat16)
+t2 = time.perf_counter()
+llm = LLM(model, max_model_len=512)
+t3 = time.perf_counter()
+llm.generate(["Hello!"], SamplingParams(max_tokens=1), use_tqdm=False)
+t4 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2, t4 - t3, flush=True)
+"""
+
+
+def start_up(threads: int) -> None:
+    """Process start to first token, timed from outside (the interpreter's own start included) up to the line the
+    process prints once its token is back."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    start = time.perf_counter()
+    with subprocess.Popen([sys.executable, "-c", START_UP, str(threads)], stdout=subprocess.PIPE, text=True,
+                          env=env) as child:
+        line = child.stdout.readline()
+        total = time.perf_counter() - start
+        child.wait()
+    if child.returncode or not line.strip():
+        raise SystemExit(f"the start-up process failed (exit {child.returncode})")
+    imports, load, engine, first = (float(x) for x in line.split())
+    print(f"start-up, process start to first token (the trained model, bfloat16): {total:.2f} s (imports {imports:.2f}, "
+          f"the model's load {load:.2f}, LLM() {engine:.2f}, the request {first:.2f}; the rest is the interpreter's start)")
 
 
 def main() -> None:
@@ -31,14 +72,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=48, help="warm the packed products for 1 to this many rows")
     args = ap.parse_args()
+    print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    start_up(args.threads)  # before this process loads anything
     torch.set_num_threads(args.threads)
     import kvpaging.entrypoints.serve  # noqa: F401 - the server's libraries, as `kvpaging serve` has them
     from kvpaging import LLM
     from kvpaging.kernels.cpu import layers
     from kvpaging.models import load_trained_model
 
-    print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     model = load_trained_model("smollm2", dtype=torch.bfloat16)
     layers.enable_fast_layers(model, exact=True)
     products = layers.packed_products(model)

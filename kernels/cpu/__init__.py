@@ -487,10 +487,11 @@ def amx_ready() -> bool:
     return _load() is not None and bool(_amx[0]())
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+def amx_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A bfloat16 weight ``[n, k]`` (``n`` a multiple of 16, ``k`` of 32) laid out as ``linear_amx.c`` reads it:
     for each block of 16 outputs, its tiles of 32 inputs in order, each 16 pairs of inputs by 16 outputs. The same
-    elements, another order: ``weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)``."""
+    elements, another order: ``weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)``. Written into
+    ``out`` where given (a contiguous bfloat16 CPU tensor of the weight's shape), else into a new tensor."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
     if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
@@ -498,9 +499,14 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"amx_pack needs a bfloat16 CPU weight [n, k] with n a multiple of 16 and k of 32, got "
                          f"{weight.dtype} on {weight.device}, shape {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
-    packed = torch.empty_like(weight)
-    _amx[1](weight.data_ptr(), packed.data_ptr(), *weight.shape)
-    return packed
+    if out is None:
+        out = torch.empty_like(weight)
+    elif not (out.shape == weight.shape and out.dtype == torch.bfloat16 and out.device.type == "cpu"
+              and out.is_contiguous()):
+        raise ValueError(f"amx_pack's out must be a contiguous bfloat16 CPU tensor of shape {tuple(weight.shape)}, "
+                         f"got {out.dtype} on {out.device}, shape {tuple(out.shape)}")
+    _amx[1](weight.data_ptr(), out.data_ptr(), *weight.shape)
+    return out
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ implementation of the *same* maths (measured by
   read once, in order, the next blocks fetched ahead; ``huge_pages.py``), and its products of up to ``AMX_ROWS``
   rows go there: the same
   instruction, blocking and order of sums as oneDNN's product of up to 32 rows, so ``F.linear``'s bits (checked
-  per layer on probe rows, at every row count it takes); beyond 32 rows oneDNN sums in parts, and keeps them. The
+  per layer on probe rows: every row count it takes for a shape's first layer, the most for the others); beyond 32 rows oneDNN sums in parts, and keeps them. The
   cost: a third copy of those weights (logged).
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
@@ -85,7 +85,7 @@ import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
                                   linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
-from kvpaging.kernels.cpu.huge_pages import into_huge_pages
+from kvpaging.kernels.cpu.huge_pages import zeros_in_huge_pages
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
            "warm_packed_products"]
@@ -290,51 +290,68 @@ def _side_by_side(members: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _fuse_siblings(model: torch.nn.Module) -> int:
-    """Make a ``_FusedGroup`` of every set of ``FUSED_SIBLINGS`` children of one module that are packed bfloat16
-    linears of one input width, all with a bias or all without, whose products side by side are their own
-    ``F.linear`` products to the bit on probe rows; returns how many groups."""
-    groups = 0
+def _fuse_siblings(model: torch.nn.Module, exact: bool, use_c: bool, probed: set[tuple]) -> int:
+    """Make a ``_FusedGroup`` of every set of ``FUSED_SIBLINGS`` children of one module that are plain bfloat16 CPU
+    linears of one input width, all with a bias or all without, none with a fast path yet, whose products side by
+    side are their own ``F.linear`` products to the bit on probe rows; its members get their packed ``forward``
+    here (without a probe of their own: the group's covers each). Returns the bytes of their weights."""
+    weight_bytes = 0
     for parent in model.modules():
         for names in FUSED_SIBLINGS:
             members = [getattr(parent, name, None) for name in names]
-            if not all(isinstance(m, torch.nn.Linear) for m in members):
-                continue
-            group = vars(members[0]).get("_fused")
-            if group is not None and group.members == members:  # made by an earlier call
-                groups += 1
-                continue
-            if not all(vars(m).get("_fused", 0) is None and m.weight.dtype == torch.bfloat16 for m in members):
+            if not all(type(m) is torch.nn.Linear and not has_fast_path(m) and m.weight.dtype == torch.bfloat16
+                       and m.weight.device.type == "cpu" for m in members):
                 continue
             first = members[0]
             if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in members):
                 continue
-            packed = _packed_if_it_agrees(members)
+            packed = _packed_if_it_agrees(members, probed)
             if packed is not None:
+                for member in members:
+                    _give_packed_forward(member, None, exact, use_c)
+                    weight_bytes += member.weight.numel() * member.weight.element_size()
                 _FusedGroup(members, packed)
-                groups += 1
-    return groups
+    return weight_bytes
 
 
-def _packed_if_it_agrees(members: list[torch.nn.Linear]) -> torch.Tensor | None:
+def _give_packed_forward(module: torch.nn.Linear, packed: torch.Tensor | None, exact: bool, use_c: bool) -> None:
+    """``module``'s ``forward`` becomes the packed one, on ``packed`` (None: a fused group's member, which packs its
+    own weight only if it ever runs alone)."""
+    module._packed = _Packed() if packed is None else _Packed(packed, module.weight._version)
+    bf16 = module.weight.dtype == torch.bfloat16
+    module._packed_max_numel = PACKED_MAX_ROWS_BF16 * module.in_features if bf16 else sys.maxsize
+    # an attribute of its own either way: read on every call, a missing one costs nn.Module's lookup
+    module._small_batch = not exact and use_c and bf16 and _small_batch_agrees(module)
+    module._fused = None  # the _FusedGroup it runs in, if any (_fuse_siblings)
+    module.forward = types.MethodType(_packed_linear_forward, module)
+
+
+def _packed_if_it_agrees(members: list[torch.nn.Linear], probed: set[tuple]) -> torch.Tensor | None:
     """The weight of a layer (or of sibling layers side by side, a fused group's) packed, if oneDNN's product on it
     agrees with each layer's ``F.linear`` on probe inputs of the sizes it will get: to the bit in bfloat16, from one
     row to ``PACKED_MAX_ROWS_BF16`` (oneDNN runs the same kernels either way); in float32 (oneDNN's sums, not MKL's)
     within rounding on a small probe, a check that packing works for the layer, kept short because float32 products
-    cost more (the engine's self-check compares the whole model). None where it does not: the layers keep theirs."""
+    cost more (the engine's self-check compares the whole model). None where it does not: the layers keep theirs.
+
+    Which kernels oneDNN runs, and so how it adds a product's terms, depends on the shapes, the dtype and the
+    threads, not on the values: the first layer of each shape (``probed`` holds the shapes that passed) is probed at
+    every row count, the others of that shape once, at the most rows, on their own weights."""
     g = torch.Generator().manual_seed(0)
     dtype = members[0].weight.dtype
     exact = dtype == torch.bfloat16
     try:
         weight, bias = _side_by_side(members)
+        key = (tuple(weight.shape), bias is None, dtype, torch.get_num_threads())
+        all_rows = (1, 2, 16, 48, PACKED_MAX_ROWS_BF16) if exact else (1, 4)
         packed = _pack(weight)
         with torch.no_grad():
-            for rows in (1, 2, 16, 48, PACKED_MAX_ROWS_BF16) if exact else (1, 4):
+            for rows in all_rows[-1:] if key in probed else all_rows:
                 x = torch.randn(rows, members[0].in_features, generator=g).to(dtype)
                 got = _onednn_product(x, packed, bias)
                 own = torch.cat([F.linear(x, m.weight, m.bias) for m in members], dim=-1)
                 if not (torch.equal(got, own) if exact else torch.allclose(got, own, rtol=1e-4, atol=1e-4)):
                     return None
+        probed.add(key)
         return packed
     except (RuntimeError, TypeError, NotImplementedError):
         return None
@@ -355,42 +372,55 @@ def _packed_owners(model: torch.nn.Module):
 
 def _give_amx_tiles(model: torch.nn.Module) -> tuple[int, int]:
     """``linear_amx.c``'s tiles for every packed bfloat16 product of ``model`` that agrees (a fused group's made
-    with it): returns how many products have them, and their bytes."""
+    with it): returns how many products have them, and their bytes. Every product streams its tiles from memory
+    once a step: they are packed straight into 2 MiB pages, not 4 KiB ones (``huge_pages.py``); a product that does
+    not agree leaves its slot unused."""
     if not amx_ready():
         return 0, 0
-    owners = []
-    for _, weight, _, owner, members in _packed_owners(model):
-        if owner.amx is None:
-            owner.amx = _amx_if_it_agrees(members, weight)
-        if owner.amx is not None:
-            owners.append(owner)
-    # every product streams its tiles from memory once a step: from 2 MiB pages, not 4 KiB ones (huge_pages.py)
-    for owner, tiles in zip(owners, into_huge_pages([owner.amx for owner in owners])):
-        owner.amx = tiles
-    return len(owners), sum(owner.amx.numel() * owner.amx.element_size() for owner in owners)
+    owners = list(_packed_owners(model))
+    todo = [(weight, owner, members) for _, weight, _, owner, members in owners
+            if owner.amx is None and _tiles_fit(members)]
+    slots = zeros_in_huge_pages([tuple(weight.shape) for weight, _, _ in todo], torch.bfloat16)
+    probed: set[tuple] = set()
+    for (weight, owner, members), slot in zip(todo, slots):
+        owner.amx = _amx_if_it_agrees(members, weight, probed, slot)
+    tiled = [owner.amx for _, _, _, owner, _ in owners if owner.amx is not None]
+    return len(tiled), sum(tiles.numel() * tiles.element_size() for tiles in tiled)
 
 
-def _amx_if_it_agrees(members: list[torch.nn.Linear], packed: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 layer's weight (or sibling layers' side by side) as ``linear_amx.c``'s tiles, if its product is
-    the layers' own to the bit on probe rows (``AMX_PROBE_ROWS``, up to ``AMX_ROWS``): against their packed
-    product (``packed``, which ``_packed_if_it_agrees`` found to be their ``F.linear``'s, and which costs a fraction
-    of an ``F.linear`` that packs the weight anew on every call), and against ``F.linear`` itself at the most rows.
-    None where the CPU has no AMX, a layer has a bias, the shape does not tile (outputs a multiple of 16, inputs of
-    32) or a probe differs."""
+def _tiles_fit(members: list[torch.nn.Linear]) -> bool:
+    """Whether a bfloat16 layer (or sibling layers side by side) can have AMX tiles: no bias, its inputs a multiple
+    of 32, its outputs of 16."""
     first = members[0]
-    if not (amx_ready() and first.weight.dtype == torch.bfloat16 and all(m.bias is None for m in members)
-            and first.in_features % 32 == 0 and sum(m.out_features for m in members) % 16 == 0):
-        return None
+    return (first.weight.dtype == torch.bfloat16 and all(m.bias is None for m in members)
+            and first.in_features % 32 == 0 and sum(m.out_features for m in members) % 16 == 0)
+
+
+def _amx_if_it_agrees(members: list[torch.nn.Linear], packed: torch.Tensor, probed: set[tuple],
+                      out: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 layer's weight (or sibling layers' side by side) as ``linear_amx.c``'s tiles, packed into ``out``,
+    if its product is the layers' own to the bit on probe rows (``AMX_PROBE_ROWS``, up to ``AMX_ROWS``): against
+    their packed product (``packed``, which ``_packed_if_it_agrees`` found to be their ``F.linear``'s, and which
+    costs a fraction of an ``F.linear`` that packs the weight anew on every call), and against ``F.linear`` itself
+    at the most rows. None where a probe differs. As in ``_packed_if_it_agrees``, the first layer of each shape
+    (``probed``) is probed at every row count; the others against ``F.linear`` alone."""
+    first = members[0]
     g = torch.Generator().manual_seed(1)
     try:
-        tiles = amx_pack(_side_by_side(members)[0])
+        weight = _side_by_side(members)[0]
+        key = (tuple(weight.shape), torch.get_num_threads())
+        tiles = amx_pack(weight, out)
         with torch.no_grad():
-            for rows in AMX_PROBE_ROWS:
+            for rows in () if key in probed else AMX_PROBE_ROWS:
                 x = torch.randn(rows, first.in_features, generator=g).to(torch.bfloat16)
                 if not torch.equal(amx_linear_unchecked(x, tiles), _onednn_product(x, packed, None)):
                     return None
+            x = torch.randn(AMX_PROBE_ROWS[-1], first.in_features, generator=g).to(torch.bfloat16)
             own = torch.cat([F.linear(x, m.weight) for m in members], dim=-1)
-            return tiles if torch.equal(amx_linear_unchecked(x, tiles), own) else None
+            if not torch.equal(amx_linear_unchecked(x, tiles), own):
+                return None
+        probed.add(key)
+        return tiles
     except (RuntimeError, ValueError):
         return None
 
@@ -477,32 +507,29 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     use_onednn = onednn_usable()
     use_c = available()
     dtypes = (torch.bfloat16,) if exact else (torch.float32, torch.bfloat16)
-    linears = norms = small = packed_bytes = 0
+    probed: set[tuple] = set()  # the shapes whose packed products agreed at every probe row count (_packed_if_it_agrees)
+    # sibling linears first: a group's probe covers its members, which then need none of their own
+    packed_bytes = _fuse_siblings(model, exact, use_c, probed) if use_onednn else 0
+    linears = norms = small = groups = 0
     for module in model.modules():
         if has_fast_path(module):
             linears += isinstance(module, torch.nn.Linear)
             norms += not isinstance(module, torch.nn.Linear)
             small += vars(module).get("_small_batch", False)
+            group = vars(module).get("_fused")
+            groups += group is not None and group.members[0] is module
             continue
         if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
-            packed = (_packed_if_it_agrees([module]) if module.weight.device.type == "cpu"
+            packed = (_packed_if_it_agrees([module], probed) if module.weight.device.type == "cpu"
                       and module.weight.dtype in dtypes else None)
             if packed is not None:
-                module._packed = _Packed(packed, module.weight._version)
-                bf16 = module.weight.dtype == torch.bfloat16
-                module._packed_max_numel = PACKED_MAX_ROWS_BF16 * module.in_features if bf16 else sys.maxsize
-                # an attribute of its own either way: read on every call, a missing one costs nn.Module's lookup
-                module._small_batch = (not exact and use_c and module.weight.dtype == torch.bfloat16
-                                       and _small_batch_agrees(module))
-                module._fused = None  # a _FusedGroup it runs in (_fuse_siblings, below)
-                module.forward = types.MethodType(_packed_linear_forward, module)
+                _give_packed_forward(module, packed, exact, use_c)
                 linears += 1
                 small += module._small_batch
                 packed_bytes += module.weight.numel() * module.weight.element_size()
         elif use_c and _is_rms_norm(module) and _agrees(module):
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
-    groups = _fuse_siblings(model) if use_onednn else 0
     amx, amx_bytes = _give_amx_tiles(model)
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
                 "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles), %d "
