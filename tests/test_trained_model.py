@@ -299,6 +299,31 @@ def test_a_cached_load_is_fast_and_identical(smollm2, cache_copy, monkeypatch):
     assert folder.name.endswith(manifest["gguf_sha256"][:16])
 
 
+def test_a_load_hashes_only_files_written_since_they_were_hashed(smollm2, cache_copy, monkeypatch):
+    """Each file's SHA-256 is checked once, and its modification time noted in the manifest; later loads hash only a
+    file whose time moved (a manifest from before the times were noted is hashed whole, once)."""
+    root, folder = cache_copy
+    manifest_path = folder / trained_module.MANIFEST
+    old = json.loads(manifest_path.read_text())
+    for entry in old["files"].values():
+        entry.pop("mtime_ns", None)
+    manifest_path.write_text(json.dumps(old))
+    hashed = []
+    real = trained_module._sha256
+    monkeypatch.setattr(trained_module, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    digest = real(trained_module.gguf_path())
+    assert trained_module._check_cache(folder, digest) is None
+    assert sorted(hashed) == sorted(old["files"])  # every file, once
+    stamped = json.loads(manifest_path.read_text())["files"]
+    assert all(entry["mtime_ns"] == (folder / name).stat().st_mtime_ns for name, entry in stamped.items())
+    hashed.clear()
+    assert trained_module._check_cache(folder, digest) is None
+    assert hashed == []
+    os.utime(folder / "tokenizer.json")  # written again (the same bytes): hashed again, found whole
+    assert trained_module._check_cache(folder, digest) is None
+    assert hashed == ["tokenizer.json"]
+
+
 @pytest.mark.parametrize("damage", ["truncate weights", "flip a byte", "delete tokenizer", "garbage manifest"])
 def test_a_damaged_cache_is_rebuilt(smollm2, cache_copy, monkeypatch, damage):
     root, folder = cache_copy

@@ -18,8 +18,9 @@ The first load dequantizes (about 25 s, mostly converting the tokenizer).
 The result is kept in a cache folder, ``$KVPAGING_CACHE_DIR`` (default
 ``~/.cache/kvpaging``) ``/models/<name>-<hash of the GGUF file>/``: float32
 safetensors weights, config, tokenizer and generation config, plus a manifest
-with each file's size and SHA-256. Later loads read that folder (a few
-seconds). The folder is written under a temporary name and renamed into place
+with each file's size, SHA-256 and modification time. Later loads read that folder (a few
+seconds), and hash only a file written since it was last hashed (as ``make`` does, by its
+modification time). The folder is written under a temporary name and renamed into place
 in one step, so a load that is killed half way leaves no half cache; a folder
 whose files no longer match its manifest is rebuilt.
 
@@ -152,16 +153,37 @@ def _check_cache(folder: Path, digest: str) -> str | None:
             return "it was built from another GGUF file"
     except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable manifest ({exc!r})"
+    stamped = True
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
-        size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{name} has {size} bytes, the manifest says {expected['size']}"
+        stat = path.stat()
+        if stat.st_size != expected["size"]:
+            return f"{name} has {stat.st_size} bytes, the manifest says {expected['size']}"
+        if stat.st_mtime_ns == expected.get("mtime_ns"):
+            continue  # not written since it was last hashed (make's test): the 538 MB of weights are not read again
         if _sha256(path) != expected["sha256"]:
             return f"{name} does not match its SHA-256"
+        expected["mtime_ns"], stamped = stat.st_mtime_ns, False
+    if not stamped:  # each file hashed and found whole: note when, so that the next load need not hash it again
+        _write_manifest(folder, manifest)
     return None
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    """Replace the manifest in one step (a reader sees the old one or the new one); a read-only cache keeps its own."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+        os.replace(tmp, folder / MANIFEST)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _dequantize(source: Path):
@@ -192,7 +214,8 @@ def _build_cache(spec: TrainedModel, source: Path, digest: str, folder: Path) ->
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p), "mtime_ns": p.stat().st_mtime_ns}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"model": spec.name, "source": f"{spec.distribution}/{spec.gguf_file}", "gguf_sha256": digest,
                     "quantization": spec.quantization, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
