@@ -69,15 +69,19 @@ def attention_glue(engine, steps: int) -> dict | None:
     """Wall time a step spends in kvpaging's attention function, all layers together, and within it in the
     backend's C store of the keys and values, in its decode path's Python (``store_and_decode``, or
     ``paged_decode_attention`` in a mixed step) and in the C kernel that does the arithmetic: each wrapped with a
-    clock for ``steps`` more steps (the cpu backend only; None for the others)."""
+    clock for ``steps`` more steps (the cpu backend only; None for the others). Also the C RMSNorms (with the
+    residual add before them, as the direct forward calls them, or alone): a clock around each call, which costs far
+    less than the profiler's record around it."""
     from transformers import AttentionInterface
 
+    import kvpaging.kernels.cpu.layers as layers
     import kvpaging.kernels.cpu_backend as cpu
     import kvpaging.worker.attention as attention
+    import kvpaging.worker.direct_forward as direct
 
     if engine.runner.backend is not cpu:
         return None
-    spent = {"total": 0.0, "store": 0.0, "decode": 0.0, "kernel": 0.0, "calls": 0}
+    spent = {"total": 0.0, "store": 0.0, "decode": 0.0, "kernel": 0.0, "calls": 0, "norms": 0.0}
 
     def clocked(fn, key):
         def call(*a, **k):
@@ -93,6 +97,10 @@ def attention_glue(engine, steps: int) -> dict | None:
     originals = [getattr(cpu, name) for name in names]
     for name, fn, key in zip(names, originals, ("store", "decode", "decode", "kernel")):
         setattr(cpu, name, clocked(fn, key))
+    norms = [(direct, "add_rms_norm_unchecked"), (layers, "rms_norm_unchecked")]
+    norm_originals = [getattr(module, name) for module, name in norms]
+    for (module, name), fn in zip(norms, norm_originals):
+        setattr(module, name, clocked(fn, "norms"))
     # (another function under the attention's name: the engine's direct forward steps aside, so the model's own
     # forward calls the clocked one)
     AttentionInterface.register(attention.ATTN_NAME, clocked(attention.paged_attention_forward, "total"))
@@ -102,6 +110,8 @@ def attention_glue(engine, steps: int) -> dict | None:
     finally:
         for name, fn in zip(names, originals):
             setattr(cpu, name, fn)
+        for (module, name), fn in zip(norms, norm_originals):
+            setattr(module, name, fn)
         AttentionInterface.register(attention.ATTN_NAME, attention.paged_attention_forward)
     result = {key: value / steps for key, value in spent.items()}
     result["wrapper"] = result["decode"] - result["kernel"] - result["store"]  # (decodes only: the store is inside)
@@ -200,6 +210,8 @@ def main() -> None:
               f"of which the C store of keys and values {glue['store'] * 1e3:.2f}, the decode path's Python "
               f"{glue['wrapper'] * 1e3:.2f} and its C kernel {glue['kernel'] * 1e3:.2f} (means of {args.steps} steps "
               "more, timed inside)")
+        print(f"  in the C RMSNorms (with the residual add before them): {glue['norms'] * 1e3:.2f} ms a step (the same "
+              "steps; the profiled split below puts the profiler's own cost around each call there)")
     profiled = sum(groups.values())
     for name, seconds in groups.items():
         print(f"  {name:18s} {seconds * 1e3:7.1f} ms  {seconds / profiled:6.1%} of the profiled step's tensor ops")

@@ -267,8 +267,16 @@ class _FusedGroup:
         return out
 
     def undo(self) -> None:
+        """Each member runs alone from now on: on a packed weight of its own where that product is its ``F.linear``'s
+        on probe rows (the group's probe covered its slice of the group's product, not a product of its own), else
+        on its own ``forward``."""
         for member in self.members:
             member._fused = None
+            packed = _packed_if_it_agrees([member], set())
+            if packed is None:
+                del member.forward
+            else:
+                member._packed = _Packed(packed, member.weight._version)
         self.input = self.output = None
 
     def __deepcopy__(self, memo) -> None:  # a copy of a member runs alone, on a packed weight of its own
