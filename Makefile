@@ -56,16 +56,18 @@ save-lessons: $(STAMP) browser-deps
 	done
 
 # The suite in two halves, side by side: the tests (pytest), and the lessons executed by nbval
-# followed by the AsyncLLM tests, the architecture matrix and the sampling controls (LATE_TESTS), so that
+# followed by the AsyncLLM tests and the architecture matrix (LATE_TESTS), so that
 # the two halves take about as long (on a 2-core AMD EPYC VM, 2026-12-03, from a clean clone, three runs:
 # tests 16:52, 18:19 and 15:29, lessons 15:13 + 1:39, 16:32 + 1:47 and 14:16 + 2:01; 19:41, 21:24 and 19:20 in
 # all with the install, close to the 20 minutes this suite must stay under; CI took 25:35 before trimming,
 # 17:48 after; on a 2-core Intel Xeon on 2026-12-07, tests 16:37, lessons 16:02 + 1:38 with prompt logprobs
-# among the late tests, which then moved to the first half).
+# among the late tests, which then moved to the first half; on the same kind of Xeon later that day, a slow
+# hour, 20:09 in all: tests 17:21, lessons 16:56 + 0:57 with the sampling controls, 48 s of it, among the late
+# tests; the first half then lost 45 s of its products' checks, and the sampling controls moved to it).
 # Each runs on one CPU thread (OMP_NUM_THREADS=1): on a 2-core machine two processes that each
 # spin two OpenMP threads wait on each other and slow down many times over. The trained model's
 # cache is built first, once, so the two halves never build it at the same time.
-LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py tests/test_sampling_controls.py
+LATE_TESTS := tests/test_async_llm.py tests/test_architectures.py
 test: $(STAMP) browser-deps
 	$(BIN)/python -c "from kvpaging.models.trained_model import trained_path; print('trained model cache:', trained_path())"
 	@# a workbook of its own (kvpaging.teach.workbook): the lessons' saved outputs are those of a learner who kept nothing

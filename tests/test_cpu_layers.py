@@ -215,19 +215,22 @@ def test_other_modules_and_dtypes_are_left_alone():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (576, 1536)])
 def test_bfloat16_products_of_any_size_are_f_linears_to_the_bit(threads, n, k):
-    """Every row count from 1 to 520 (decode batches, prefill chunks), the trained model's layer shapes: F.linear's
-    product to the bit. oneDNN may split a large product on a packed weight otherwise than on the plain one (an AMX
-    Xeon at two threads did, at 96 rows for 192 x 576 and from 289 for 576 x 576), so such products must not take
-    the packed weight."""
+    """Every row count a packed product takes (1 to ``PACKED_MAX_ROWS_BF16``: decode batches) and larger ones up to
+    520 (prefill chunks), the trained model's layer shapes: F.linear's product to the bit. oneDNN may split a large
+    product on a packed weight otherwise than on the plain one (an AMX Xeon at two threads did, at 96 rows for
+    192 x 576 and from 289 for 576 x 576), so such products must not take the packed weight: the row counts past the
+    bound are those, the bound's neighbours and a spread up to 520 (each is ``F.linear`` itself when routed right)."""
     g = torch.Generator().manual_seed(n + k)
     layer = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
     layer = layer.to(torch.bfloat16)
     plain = copy.deepcopy(layer)
+    bound = layers.PACKED_MAX_ROWS_BF16
+    past_it = (bound + 1, bound + 2, 96, 97, 128, 200, 288, 289, 300, 400, 511, 520)
     with cpu_threads(threads), torch.no_grad():
         assert layers.enable_fast_layers(layer, exact=True).linears == 1
-        for rows in range(1, 521):
+        for rows in (*range(1, bound + 1), *past_it):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
             assert torch.equal(layer(x), plain(x)), rows
 
