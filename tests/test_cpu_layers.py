@@ -374,6 +374,23 @@ def test_a_copy_of_fused_siblings_runs_each_alone_with_its_own_weights():
 
 
 @needs_onednn
+def test_a_member_running_alone_is_checked_first_and_keeps_f_linear_where_its_packed_product_differs(monkeypatch):
+    """A fused group's members are checked as a group, not alone: the first time one runs alone (its group undone,
+    or a copy of it) its own packed product is checked against F.linear, and where that check fails the member
+    runs F.linear from then on."""
+    parent, plain = _siblings(False, seed=6)
+    layers.enable_fast_layers(parent, exact=True)
+    twin = copy.deepcopy(parent)
+    checked = []
+    monkeypatch.setattr(layers, "_packed_if_it_agrees", lambda members, probed: checked.append(members) or None)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(twin.k_proj(x), plain.k_proj(x)) and torch.equal(twin.k_proj(x), plain.k_proj(x))
+    assert checked == [[twin.k_proj]]  # once, at its first call alone
+    assert vars(twin.k_proj)["_packed"].weight is None  # no packed weight: F.linear
+
+
+@needs_onednn
 def test_a_patched_copy_still_deep_copies_and_pickles_with_its_own_weights():
     model = tiny("qwen3", seed=0, num_hidden_layers=1)
     served = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=True).engine.model

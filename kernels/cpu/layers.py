@@ -155,7 +155,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 class _Packed:
     """A layer's weight packed for oneDNN, made when the layer is checked and again whenever the weight was written
-    in place (its ``_version`` moved). A copy or a pickle of the layer starts without it, and packs its own weight."""
+    in place (its ``_version`` moved). A copy or a pickle of the layer, and a fused group's member, start without
+    it: their first call alone packs the weight and checks its product against ``F.linear``."""
 
     __slots__ = ("weight", "version", "amx")
 
@@ -205,8 +206,15 @@ def _packed_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.
     if self._fused is not None:
         return self._fused.take(self, input)
     packed = self._packed
-    if packed.version != weight._version:
-        packed.weight, packed.version = _pack(weight), weight._version
+    if packed.version != weight._version:  # never packed alone, or its weight written in place since
+        if packed.weight is None:  # a fused group's member (its group undone) or a copy of one: checked first
+            packed.weight = _packed_if_it_agrees([self], set())
+            if packed.weight is None:
+                self._packed_max_numel = -1  # F.linear from now on
+                return F.linear(input, weight, bias)
+        else:
+            packed.weight = _pack(weight)
+        packed.version = weight._version
         packed.amx = None if packed.amx is None else amx_pack(weight)
     return _product(input, packed.weight, packed.amx, bias)
 
@@ -267,16 +275,9 @@ class _FusedGroup:
         return out
 
     def undo(self) -> None:
-        """Each member runs alone from now on: on a packed weight of its own where that product is its ``F.linear``'s
-        on probe rows (the group's probe covered its slice of the group's product, not a product of its own), else
-        on its own ``forward``."""
+        """Each member runs alone from now on (its own packed weight is made, and checked, at its next call)."""
         for member in self.members:
             member._fused = None
-            packed = _packed_if_it_agrees([member], set())
-            if packed is None:
-                del member.forward
-            else:
-                member._packed = _Packed(packed, member.weight._version)
         self.input = self.output = None
 
     def __deepcopy__(self, memo) -> None:  # a copy of a member runs alone, on a packed weight of its own
@@ -323,8 +324,8 @@ def _fuse_siblings(model: torch.nn.Module, exact: bool, use_c: bool, probed: set
 
 
 def _give_packed_forward(module: torch.nn.Linear, packed: torch.Tensor | None, exact: bool, use_c: bool) -> None:
-    """``module``'s ``forward`` becomes the packed one, on ``packed`` (None: a fused group's member, which packs its
-    own weight only if it ever runs alone)."""
+    """``module``'s ``forward`` becomes the packed one, on ``packed`` (None: a fused group's member, which packs and
+    checks its own weight only if it ever runs alone)."""
     module._packed = _Packed() if packed is None else _Packed(packed, module.weight._version)
     bf16 = module.weight.dtype == torch.bfloat16
     module._packed_max_numel = PACKED_MAX_ROWS_BF16 * module.in_features if bf16 else sys.maxsize
