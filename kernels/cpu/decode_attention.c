@@ -51,26 +51,33 @@
 
 #include "bf16.h"
 
-/* Ask for a whole block ahead of its use: the cache is far bigger than the CPU's caches, so every
- * block comes from memory, and the loads of one token alone cannot keep memory busy. */
-static inline void prefetch_block(const char *block, int64_t bytes)
+/* Ask for bytes [from, to) of a block that comes next (its 64-byte lines): the cache is far bigger than the CPU's
+ * caches, so every block comes from memory. A block's lines are asked for a part at a time, spread over the work on
+ * the block before it: asked for all at once, they would stall that work (a core tracks only so many lines on their
+ * way), and memory would sit idle while it runs. */
+static inline void prefetch_part(const char *block, int64_t bytes, int64_t part, int64_t parts)
 {
-    for (int64_t i = 0; i < bytes; i += 64)  /* one 64-byte cache line at a time */
-        __builtin_prefetch(block + i, 0, 3);
+    if (block == NULL)
+        return;
+    for (int64_t at = part * bytes / parts / 64 * 64; at < (part + 1) * bytes / parts; at += 64)
+        __builtin_prefetch(block + at, 0, 3);
 }
 
-/* Block j of a sequence in a cache, as float32, with block j + 1 asked for while block j is being used:
- * in place in a float32 cache; widened into `scratch` from a bfloat16 one. */
-static inline const float *block_of(const void *cache, int bf16, const int32_t *table, int64_t j,
-                                    int64_t num_used, int64_t block_stride, float *scratch)
+/* How many of a sequence's len tokens block j holds. */
+static inline int64_t tokens_in(int64_t len, int64_t j, int64_t block_size)
 {
-    const int64_t bytes = block_stride * (bf16 ? 2 : 4);
-    if (j + 1 < num_used)
-        prefetch_block((const char *)cache + (int64_t)table[j + 1] * bytes, bytes);
+    return len - j * block_size < block_size ? len - j * block_size : block_size;
+}
+
+/* Block j of a sequence in a cache, as float32: in place in a float32 cache; from a bfloat16 one, its first
+ * `elems` values widened into `scratch`. */
+static inline const float *block_of(const void *cache, int bf16, const int32_t *table, int64_t j,
+                                    int64_t block_stride, int64_t elems, float *scratch)
+{
     if (!bf16)
         return (const float *)cache + (int64_t)table[j] * block_stride;
     const uint16_t *src = (const uint16_t *)cache + (int64_t)table[j] * block_stride;
-    for (int64_t i = 0; i < block_stride; i++) {
+    for (int64_t i = 0; i < elems; i++) {
         const uint32_t bits = (uint32_t)src[i] << 16;
         memcpy(scratch + i, &bits, sizeof(float));
     }
@@ -78,11 +85,13 @@ static inline const float *block_of(const void *cache, int bf16, const int32_t *
 }
 
 /* The attention of sequence b, whose table and length were checked, into o: one thread's whole share of work.
- * q: its query rows, float32, q_head_stride apart. */
+ * q: its query rows, float32, q_head_stride apart. The blocks are read in the order key blocks, value blocks, and
+ * each asks for the next on its way: after the last key block the first value block, after the last value block
+ * the first key block of `next` (the sequence this thread computes next; NULL: none known). */
 static inline __attribute__((always_inline)) void decode_one(
     const float *q, int64_t q_head_stride,
     const void *k_cache, const void *v_cache, int bf16, const int32_t *block_tables, int64_t table_stride,
-    const int32_t *seq_lens, float *o, float *scores, float *block, int64_t b,
+    const int32_t *seq_lens, float *o, float *scores, float *block, int64_t b, const int32_t *next,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
 {
     const int64_t group = num_heads / num_kv_heads;
@@ -91,6 +100,7 @@ static inline __attribute__((always_inline)) void decode_one(
     const int64_t len = seq_lens[b];
     const int32_t *table = block_tables + b * table_stride;
     const int64_t num_used = (len + block_size - 1) / block_size;
+    const int64_t token_bytes = token_stride * (bf16 ? 2 : 4), block_bytes = block_size * token_bytes;
     memset(o, 0, sizeof(float) * num_heads * head_dim);
     if (len <= 0)
         return;
@@ -99,9 +109,13 @@ static inline __attribute__((always_inline)) void decode_one(
         row_max[h] = -FLT_MAX;
     /* pass 1: every head's scores (scores[h][t]), block by block: a block is read from memory once, for all heads */
     for (int64_t j = 0; j < num_used; j++) {
-        const float *k = block_of(k_cache, bf16, table, j, num_used, block_stride, block);
-        const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
+        const int64_t start = j * block_size, n = tokens_in(len, j, block_size);
+        const float *k = block_of(k_cache, bf16, table, j, block_stride, n * token_stride, block);
+        const int64_t after = j + 1 < num_used ? j + 1 : 0;  /* the next key block, or the first value block */
+        const char *ahead = (const char *)(j + 1 < num_used ? k_cache : v_cache) + table[after] * block_bytes;
+        const int64_t ahead_bytes = tokens_in(len, after, block_size) * token_bytes;
         for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its query stays in registers */
+            prefetch_part(ahead, ahead_bytes, h, num_heads);
             const float *qh = q + h * q_head_stride, *kh = k + (h / group) * head_dim;
             float *s = scores + h * len + start, m = row_max[h];
             for (int64_t i = 0; i < n; i++, kh += token_stride) {
@@ -127,9 +141,13 @@ static inline __attribute__((always_inline)) void decode_one(
     }
     /* pass 2: the weighted sum of the values */
     for (int64_t j = 0; j < num_used; j++) {
-        const float *v = block_of(v_cache, bf16, table, j, num_used, block_stride, block);
-        const int64_t start = j * block_size, n = len - start < block_size ? len - start : block_size;
+        const int64_t start = j * block_size, n = tokens_in(len, j, block_size);
+        const float *v = block_of(v_cache, bf16, table, j, block_stride, n * token_stride, block);
+        const char *ahead = j + 1 < num_used ? (const char *)v_cache + table[j + 1] * block_bytes  /* next values */
+                            : next != NULL ? (const char *)k_cache + next[0] * block_bytes : NULL;  /* next keys */
+        const int64_t ahead_bytes = j + 1 < num_used ? tokens_in(len, j + 1, block_size) * token_bytes : block_bytes;
         for (int64_t h = 0; h < num_heads; h++) {  /* one head at a time: its sum stays in registers */
+            prefetch_part(ahead, ahead_bytes, h, num_heads);
             const float *vh = v + (h / group) * head_dim, *p = scores + h * len + start;
             float *oh = o + h * head_dim, acc[head_dim];
             for (int64_t d = 0; d < head_dim; d++)
@@ -174,7 +192,7 @@ static int64_t check_tables(const int32_t *block_tables, int64_t table_stride, i
  * general copy. The switch sits inside the threads' loop, so each copy is made inside the code the
  * threads run. */
 #define DECODE(BF16, D) decode_one(q, q_stride, k_cache, v_cache, BF16, block_tables, table_stride, seq_lens, o,  \
-    scores + thread * scores_stride, BF16 ? block + thread * block_size * num_kv_heads * D : block, b,          \
+    scores + thread * scores_stride, BF16 ? block + thread * block_size * num_kv_heads * D : block, b, next,   \
     num_heads, num_kv_heads, D, block_size, scale)
 #ifdef _OPENMP
 #define THREAD_NUM omp_get_thread_num()
@@ -196,6 +214,9 @@ int64_t NAME(const void *query, int64_t q_batch_stride, int64_t q_head_stride,  
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)")                    \
     for (int64_t b = 0; b < batch; b++) {                                                                     \
         const int64_t thread = THREAD_NUM, row = num_heads * head_dim;                                        \
+        /* the sequence this thread computes next, known when one thread computes them all in order */              \
+        const int32_t *next = threads == 1 && b + 1 < batch && seq_lens[b + 1] > 0                              \
+                              ? block_tables + (b + 1) * table_stride : NULL;                                   \
         float q_row[BF16 ? row : 1], o_row[BF16 ? row : 1];  /* bfloat16: the widened query, the float32 output */ \
         const float *q = BF16 ? q_row : (const float *)query + b * q_batch_stride;                            \
         float *o = BF16 ? o_row : (float *)out + b * row;                                                     \
