@@ -178,7 +178,7 @@ def main() -> None:
     for event in prof.key_averages():
         name, seconds = event.key, event.self_cpu_time_total / 1e6
         if name in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16",
-                    "kvpaging::cpu_linear_amx"):
+                    "kvpaging::cpu_linear_amx", "kvpaging::cpu_linear_f32"):
             groups["linear layers"] += seconds
         elif name == "kvpaging::cpu_decode_attention":
             groups["decode attention"] += seconds

@@ -69,8 +69,10 @@ class EngineConfig:
         checked per layer), a float32 model's linears too (not to the bit: oneDNN's sums run in another order than
         MKL's), and a bfloat16 linear's products of one or two rows (decode steps of one or two sequences) through
         kvpaging's own C product (float32 sums in another order than oneDNN's). None (the default): the bfloat16
-        packing and the C RMSNorms, which change no result (a resolved config keeps None for them, False where
-        they do not apply); False: the model's own layers, exactly what ``generate()`` runs.
+        packing, the C RMSNorms and, for a float32 model, its linears' decode-sized products through kvpaging's
+        own C product wherever that gives MKL's ``F.linear`` bits (checked per shape and row count on the first
+        real product; ``F.linear`` everywhere else): what changes no result (a resolved config keeps None for
+        them, False where they do not apply); False: the model's own layers, exactly what ``generate()`` runs.
     tensor_parallel_size: split the model and its KV cache across this many processes (ranks):
         one GPU each on CUDA, CPU processes over gloo otherwise (``kvpaging/distributed/tensor_parallel.py``).
         The memory settings above (``gpu_memory_utilization``, ``kv_cache_memory_bytes``) are

@@ -63,15 +63,17 @@ def test_the_engine_copy_gets_every_float32_linear_and_rms_norm_and_the_user_mod
     assert served.lm_head.weight is model.lm_head.weight  # the copy shares the weights, no second copy
 
 
-def test_a_float32_model_gets_only_its_c_norms_by_default_and_false_runs_the_models_own_layers():
+def test_a_float32_model_gets_its_c_norms_and_mkl_exact_linears_by_default_and_false_runs_the_models_own_layers():
     model = tiny("qwen3", seed=0)
     by_default = LLM(model, num_blocks=16, max_model_len=64)
-    assert by_default.engine.config.cpu_fast_layers is None  # the exact fast layers: in float32, the norms alone
+    assert by_default.engine.config.cpu_fast_layers is None  # the exact fast layers
     served = list(by_default.engine.model.modules())
     norms = [m for m in served if type(m).__name__.endswith("RMSNorm")]
-    expected = layers.FastLayers(0, len(norms)) if cpu.available() else layers.FastLayers()
+    linears = [m for m in served if type(m) is torch.nn.Linear]  # (no bias in qwen3's tiny model)
+    # float32: the norms, and every linear on linear_f32.c where it is MKL's product to the bit (checked per size)
+    expected = (layers.FastLayers(len(linears), len(norms), f32_linears=len(linears)) if cpu.available()
+                else layers.FastLayers())
     assert by_default.engine.runner.fast_layers == expected
-    assert not any("forward" in vars(m) for m in served if type(m) is torch.nn.Linear)
     plain = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=False)
     assert plain.engine.runner.fast_layers == layers.FastLayers()
     assert not any("forward" in vars(m) for m in plain.engine.model.modules())
@@ -592,3 +594,53 @@ def test_a_fused_groups_tiles_follow_a_weight_written_in_place_and_a_shape_that_
         x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
         assert torch.equal(odd(x), odd_plain(x))
 
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_float32_linear_is_mkls_product_to_the_bit_at_every_row_count_and_on_inputs_after_the_checked_one(threads):
+    """The float32 layers' C product (linear_f32.c) is used for a row count only once it gave ``F.linear``'s bits on
+    the first real product of that size: every later product of that size, on other inputs, must still be
+    ``F.linear``'s to the bit (how MKL adds the terms depends on the shape and the rows, not on the values)."""
+    g = torch.Generator().manual_seed(0)
+    with cpu_threads(threads):
+        for n, k in ((192, 576), (200, 96), (48, 1536)):
+            layer = torch.nn.Linear(k, n, bias=False)
+            layers._give_f32_forward(layer)
+            with torch.no_grad():
+                for rows in (1, 5, 16, 17, 24, 33, 48, 64, 16, 5, 1, 24):  # each size twice, on new inputs
+                    x = torch.randn(rows, k, generator=g)
+                    assert torch.equal(layer(x), F.linear(x, layer.weight)), (n, k, rows)
+                x = torch.randn(2, 3, k, generator=g)  # rows in any leading shape
+                assert torch.equal(layer(x), F.linear(x, layer.weight))
+                x = torch.randn(300, k, generator=g)  # a prompt chunk: F.linear's own
+                assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+@needs_c
+def test_a_float32_linear_runs_the_c_product_where_it_agrees_and_f_linear_where_it_does_not(monkeypatch):
+    """Where the C product gives MKL's bits (found on the machines this was written on for 16 rows and more) it runs
+    in F.linear's place; a row count whose check failed runs F.linear, and so does every row count of a shape whose
+    run length was not found."""
+    layer = torch.nn.Linear(576, 192, bias=False)
+    layers._give_f32_forward(layer)
+    monkeypatch.setattr(layers, "_f32_runs", {})
+    monkeypatch.setattr(layers, "_f32_rows", {})
+    x = torch.randn(24, 576)
+    with torch.no_grad(), cpu_threads(1):
+        layer(x)
+        key = (192, 576, 1)
+        if not layers._f32_runs.get(key):
+            pytest.skip("MKL does not sum 24-row float32 products in runs here: the layers keep F.linear")
+        assert layers._f32_rows[(*key, 24)] is True
+        assert "kvpaging::cpu_linear_f32" in ops_called(lambda: layer(x))
+        layers._f32_rows[(*key, 24)] = False  # as if the check had failed: F.linear from then on
+        assert "kvpaging::cpu_linear_f32" not in ops_called(lambda: layer(x))
+        monkeypatch.setattr(layers, "f32_linear_unchecked", lambda x, packed, n, kc: torch.zeros(x.shape[0], n))
+        layers._f32_rows.pop((*key, 24))  # a check whose C product differs: refused, and F.linear's product served
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and layers._f32_rows[(*key, 24)] is False
+        layers._f32_runs.clear()  # a shape whose run length is not found: every row count of it refused
+        layers._f32_rows.clear()
+        y = torch.randn(30, 576)
+        assert torch.equal(layer(y), F.linear(y, layer.weight))
+        assert layers._f32_runs[key] == 0 and layers._f32_rows[(*key, 30)] is False

@@ -16,6 +16,9 @@ Seven small C files live here:
 * ``linear_amx.c``: a bfloat16 linear layer of up to 32 rows on the matrix units of an Intel CPU with AMX, on a weight
   laid out once as the unit's tiles (:func:`amx_pack`, :func:`amx_linear`; ``layers.py`` uses it where it is
   ``F.linear``'s product to the bit);
+* ``linear_f32.c``: a float32 linear layer for a decode step's rows, summing each output's inputs in MKL's runs, on
+  a weight laid out once as blocks of 16 outputs (:func:`f32_pack`, :func:`f32_linear_unchecked`; ``layers.py`` uses
+  it for each shape and row count where it gave ``F.linear``'s bits);
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
   engine's direct forward, ``kvpaging/worker/direct_forward.py``);
 * ``argmax.c``: each row's greedy pick, the index ``torch.max(x, dim=-1)`` gives (:func:`argmax_rows`, for the
@@ -53,7 +56,7 @@ import torch
 __all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
            "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
            "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "PREFILL_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
-           "amx_linear_unchecked", "AMX_PROFILER_NAME"]
+           "amx_linear_unchecked", "AMX_PROFILER_NAME", "f32_pack", "f32_linear_unchecked", "F32_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
@@ -68,7 +71,9 @@ SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("decode_attention.c", ["-ffast-math", *WIDE]), ("prefill_attention.c", ["-ffast-math", *WIDE]),
     ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
     ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]),
-    ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []))}
+    ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []),
+    # `acc + x * w` must be one fused multiply-add there, as in MKL's sgemm (linear_f32.c's header)
+    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -82,6 +87,7 @@ ROTARY_PROFILER_NAME = "kvpaging::cpu_rotary"
 LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
 ARGMAX_PROFILER_NAME = "kvpaging::cpu_argmax"
 AMX_PROFILER_NAME = "kvpaging::cpu_linear_amx"
+F32_PROFILER_NAME = "kvpaging::cpu_linear_f32"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
@@ -94,6 +100,7 @@ _rms_rows_fn = None
 _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
 _argmax_fn = None
 _amx = None  # linear_amx.c's (ready, pack, linear) functions
+_f32 = None  # linear_f32.c's (pack, linear) functions
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -161,7 +168,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
     global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
-    global _amx, _prefill_fns
+    global _amx, _prefill_fns, _f32
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -215,6 +222,10 @@ def _load():
     pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
     linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64], i64
     _amx = (ready, pack, linear)
+    pack, linear = lib.kvpaging_f32_pack, lib.kvpaging_f32_linear
+    pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
+    linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64], i64
+    _f32 = (pack, linear)
     return _decode_fn
 
 
@@ -538,4 +549,32 @@ def amx_linear_unchecked(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         raise MemoryError(f"amx_linear: no memory for {x.numel() // k} x {k} padded inputs")
     if failed:
         raise RuntimeError(f"amx_linear could not run {x.numel() // k} rows of a {n} x {k} product here")
+    return out
+
+
+def f32_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight ``[n, k]`` laid out as ``linear_f32.c`` reads it: blocks of 16 outputs, input by input (a
+    last block not full padded with zero outputs); a new 1-D tensor of ``ceil(n / 16) * 16 * k`` floats."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    if not (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2):
+        raise ValueError(f"f32_pack needs a float32 CPU weight [n, k], got {weight.dtype} on {weight.device}, "
+                         f"shape {tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    out = torch.empty(-(-n // 16) * 16 * k, dtype=torch.float32)
+    _f32[0](weight.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def f32_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int) -> torch.Tensor:
+    """``x @ weight.T`` for rows of float32 ``x`` (contiguous, ``k`` features last), ``packed`` being
+    ``f32_pack(weight)`` and ``n`` the weight's outputs: each output's inputs summed in runs of ``kc`` by fused
+    multiply-adds in order, the runs' sums added in order (``linear_f32.c``). MKL's ``F.linear`` sums so for the
+    shapes and row counts ``kernels/cpu/layers.py`` finds it does, and only there is this used in its place."""
+    k = x.shape[-1]
+    out = x.new_empty(*x.shape[:-1], n)
+    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.numel() // k, n, k, kc, torch.get_num_threads())
+    if call_named(F32_PROFILER_NAME, _f32[1], args):
+        raise MemoryError(f"f32_linear: no memory for {x.numel() // k} x {k} padded inputs")
     return out

@@ -46,6 +46,16 @@ implementation of the *same* maths (measured by
   instruction, blocking and order of sums as oneDNN's product of up to 32 rows, so ``F.linear``'s bits (checked
   per layer on probe rows: every row count it takes for a shape's first layer, the most for the others); beyond 32 rows oneDNN sums in parts, and keeps them. The
   cost: a third copy of those weights (logged).
+* **A float32 model's decode products, MKL's to the bit.** ``F.linear`` in float32 is MKL's sgemm, which reads
+  the trained model's weights in a decode step at about a third of what one core streams. For 16 rows and more
+  MKL sums each output's inputs in runs (288 of 576 inputs, 384 of 1,536), each a chain of fused multiply-adds
+  in input order, and adds the runs (found on an AMX Xeon with torch 2.13's MKL, one and two threads;
+  ``benchmarks/RESULTS.md``). ``linear_f32.c`` sums so, on the weight laid out once as blocks of 16 outputs
+  (a second copy of the weights, logged). It runs a product of up to ``F32_MAX_ROWS`` rows only where it gave
+  ``F.linear``'s bits: the first real product of each shape, row count and thread count is computed both ways
+  and compared (``_f32_check``), and ``F.linear`` keeps every size where they differ (on that machine, fewer
+  than 16 rows) and every product of more rows. So it is on by default (``cpu_fast_layers=None``): a float32
+  model's tokens stay ``generate()``'s.
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
   about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
@@ -55,7 +65,8 @@ implementation of the *same* maths (measured by
 The engine gives a **bfloat16** model's linears their packed weights by default
 (``cpu_fast_layers=None``): the products are ``F.linear``'s to the bit, so nothing a
 user sees changes but the speed and the memory (a second copy of those weights,
-logged), and a bfloat16 or float32 model's RMSNorms the C path. The float32 packed linears are
+logged), a **float32** model's linears ``linear_f32.c`` where it is MKL's to the bit, and a bfloat16 or float32
+model's RMSNorms the C path. The float32 packed linears are
 not bit for bit the model's own (oneDNN sums in another order), and neither is ``linear.c``'s
 small-batch product, so they stay off unless asked for: ``LLM(..., cpu_fast_layers=True)``.
 With ``cpu_fast_layers=False`` the engine runs the model's own layers, the very code
@@ -83,8 +94,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available, linear_bf16,
-                                  linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
+from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available,
+                                  f32_linear_unchecked, f32_pack, linear_bf16, linear_bf16_unchecked, rms_norm,
+                                  rms_norm_unchecked)
 from kvpaging.kernels.cpu.huge_pages import zeros_in_huge_pages
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
@@ -105,6 +117,7 @@ class FastLayers:
     small_batch_linears: int = 0  # bfloat16 linears that take one or two rows to linear.c (cpu_fast_layers=True)
     fused_groups: int = 0  # sibling bfloat16 linears on one input (q/k/v, gate/up) run as one product
     amx_products: int = 0  # bfloat16 products (a lone layer's, a fused group's) whose decode rows go to linear_amx.c
+    f32_linears: int = 0  # float32 linears whose decode rows go to linear_f32.c where it is MKL's to the bit
 
 
 def onednn_linear():
@@ -451,6 +464,76 @@ def _small_batch_agrees(module: torch.nn.Linear) -> bool:
             return False
 
 
+# Float32 products of at most this many rows (a decode step's) go to linear_f32.c where they are F.linear's (MKL's)
+# to the bit; a product of more rows (a prompt chunk) is MKL's, whose large products use the CPU well.
+F32_MAX_ROWS = 256
+# (outputs, inputs, threads) -> the run length with which linear_f32.c gave F.linear's bits (found at the first
+# product of 16 rows or more, where MKL sums in runs on the machines seen), and (outputs, inputs, threads, rows) ->
+# whether it did for that row count (each checked once, on the first real product of that size, by one layer of
+# that shape: how MKL adds a product's terms depends on the shape, the rows and the threads, not on the values)
+_f32_runs: dict[tuple, int] = {}
+_f32_rows: dict[tuple, bool] = {}
+
+
+class _F32Packed:
+    """A float32 layer's weight as ``linear_f32.c`` reads it, made again whenever the weight was written in place
+    (its ``_version`` moved); a copy or a pickle of the layer starts without it and packs at its first call."""
+
+    __slots__ = ("weight", "version")
+
+    def __init__(self, weight: torch.Tensor | None = None, version: int = -1) -> None:
+        self.weight, self.version = weight, version
+
+    def __deepcopy__(self, memo) -> _F32Packed:
+        return _F32Packed()
+
+    def __reduce__(self):
+        return (_F32Packed, ())
+
+
+def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """A float32 linear (no bias): a decode step's rows through ``linear_f32.c`` where its product is ``F.linear``'s
+    to the bit for this shape, row count and thread count (checked once, on the first such product, against
+    ``F.linear`` itself); ``F.linear`` otherwise."""
+    weight = self._parameters["weight"]
+    k = self.in_features
+    if (input.dtype is not torch.float32 or input.device.type != "cpu" or input.dim() < 2 or input.shape[-1] != k
+            or input.numel() > F32_MAX_ROWS * k or not input.is_contiguous() or self._parameters["bias"] is not None):
+        return F.linear(input, weight, self._parameters["bias"])
+    packed = self._f32
+    if packed.version != weight._version:
+        packed.weight, packed.version = f32_pack(weight), weight._version
+    n, threads, rows = self.out_features, torch.get_num_threads(), input.numel() // k
+    verdict = _f32_rows.get((n, k, threads, rows))
+    if verdict:
+        return f32_linear_unchecked(input, packed.weight, n, _f32_runs[n, k, threads])
+    own = F.linear(input, weight)
+    if verdict is None:
+        _f32_check(input, packed.weight, own, (n, k, threads), rows)
+    return own
+
+
+def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: tuple, rows: int) -> None:
+    """Decide whether ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``) to the bit at this row count.
+    The run length is searched for at the first product of 16 rows or more (a few candidates: MKL's runs seen so
+    far are ``k`` cut into equal parts of at most 384); a row count below that waits, undecided, until it is known."""
+    n, k, _ = shape
+    if shape not in _f32_runs:
+        if rows < 16:
+            return
+        parts = [p for p in range(1, 9) if k % p == 0]
+        candidates = sorted({k // p for p in parts}, key=lambda kc: (kc > 384, -kc))
+        _f32_runs[shape] = next((kc for kc in candidates
+                                 if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
+    kc = _f32_runs[shape]
+    _f32_rows[(*shape, rows)] = bool(kc) and torch.equal(f32_linear_unchecked(x, packed, n, kc), own)
+
+
+def _give_f32_forward(module: torch.nn.Linear) -> None:
+    module._f32 = _F32Packed(f32_pack(module.weight), module.weight._version)
+    module.forward = types.MethodType(_f32_linear_forward, module)
+
+
 _NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -464,7 +547,7 @@ def _fast_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -
 def has_fast_path(module: torch.nn.Module) -> bool:
     """Whether ``enable_fast_layers`` gave ``module`` its fast ``forward``."""
     forward = vars(module).get("forward")
-    return getattr(forward, "__func__", None) in (_packed_linear_forward, _fast_rms_norm_forward)
+    return getattr(forward, "__func__", None) in (_packed_linear_forward, _fast_rms_norm_forward, _f32_linear_forward)
 
 
 def is_c_rms_norm(module: torch.nn.Module) -> bool:
@@ -519,16 +602,23 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     probed: set[tuple] = set()  # the shapes whose packed products agreed at every probe row count (_packed_if_it_agrees)
     # sibling linears first: a group's probe covers its members, which then need none of their own
     packed_bytes = _fuse_siblings(model, exact, use_c, probed) if use_onednn else 0
-    linears = norms = small = groups = 0
+    linears = norms = small = groups = f32 = f32_bytes = 0
     for module in model.modules():
         if has_fast_path(module):
+            f32 += vars(module).get("_f32") is not None
             linears += isinstance(module, torch.nn.Linear)
             norms += not isinstance(module, torch.nn.Linear)
             small += vars(module).get("_small_batch", False)
             group = vars(module).get("_fused")
             groups += group is not None and group.members[0] is module
             continue
-        if type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
+        if (exact and use_c and type(module) is torch.nn.Linear and module.bias is None
+                and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"):
+            _give_f32_forward(module)  # MKL's bits where linear_f32.c gives them (checked per shape and row count)
+            linears += 1
+            f32 += 1
+            f32_bytes += module._f32.weight.numel() * 4
+        elif type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
             packed = (_packed_if_it_agrees([module], probed) if module.weight.device.type == "cpu"
                       and module.weight.dtype in dtypes else None)
             if packed is not None:
@@ -541,12 +631,14 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             norms += 1
     amx, amx_bytes = _give_amx_tiles(model)
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
-                "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles), %d "
+                "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles; %d float32 "
+                "products of up to %d rows in C where they are MKL's to the bit, on %s MiB more of their weights), %d "
                 "RMSNorms%s",
-                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, f"{amx_bytes / 2**20:,.0f}", norms,
+                linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, f"{amx_bytes / 2**20:,.0f}", f32,
+                F32_MAX_ROWS, f"{f32_bytes / 2**20:,.0f}", norms,
                 f"; packed weights take {packed_bytes / 2**20:,.0f} MiB beside the model's own "
                 "(cpu_fast_layers=False: the model's own layers, no copy)" if packed_bytes else "")
-    return FastLayers(linears, norms, small, groups, amx)
+    return FastLayers(linears, norms, small, groups, amx, f32)
 
 
 # (packed weight's shape, bias or not, threads, rows): the bfloat16 products whose oneDNN kernels this process has made
