@@ -27,7 +27,6 @@
 
 #define BLOCK 16 /* outputs a block: one vector of 16 floats */
 #define NB 2     /* blocks computed together */
-#define ROWS 8   /* rows computed together: NB x ROWS sums in registers */
 #define AHEAD 16 /* inputs: each block's weight is asked for this far ahead of its use */
 
 typedef float v16 __attribute__((vector_size(4 * BLOCK)));
@@ -52,53 +51,59 @@ void kvpaging_f32_pack(const float *w, float *packed, int64_t n, int64_t k)
             }
 }
 
-/* Outputs of blocks b.. (NB of them, or fewer at the end: `nb`) for ROWS rows of x from row r0 (x holds whole groups
- * of ROWS rows), their first `rows` rows stored into y. Each run's sums are added to y's as they come. */
-static inline void blocks_for_rows(const float *x, const float *packed, float *y, int64_t r0, int64_t rows, int64_t n,
-                                   int64_t k, int64_t kc, int64_t b, int64_t nb)
-{
-    const float *w[NB];
-    for (int j = 0; j < NB; j++)
-        w[j] = packed + (b + (j < nb ? j : 0)) * k * BLOCK;
-    for (int64_t start = 0; start < k; start += kc) {
-        const int64_t end = start + kc < k ? start + kc : k;
-        v16 acc[ROWS][NB];
-        for (int r = 0; r < ROWS; r++)
-            for (int j = 0; j < NB; j++)
-                acc[r][j] = (v16){0};
-        for (int64_t i = start; i < end; i++) {
-            v16 u[NB];
-            for (int j = 0; j < NB; j++) {
-                __builtin_prefetch(w[j] + (i + AHEAD) * BLOCK, 0, 3);
-                u[j] = load16(w[j] + i * BLOCK);
-            }
-            for (int r = 0; r < ROWS; r++) {
-                const float xr = x[(r0 + r) * k + i];
-                for (int j = 0; j < NB; j++)
-                    acc[r][j] = acc[r][j] + xr * u[j];  /* one fused multiply-add each (-ffp-contract=fast) */
-            }
-        }
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < nb; j++)
-                for (int c = 0; c < BLOCK; c++) {
-                    const int64_t out = (b + j) * BLOCK + c;
-                    if (out < n) {
-                        float *at = y + (r0 + r) * n + out;
-                        *at = start ? *at + acc[r][j][c] : acc[r][j][c];
-                    }
-                }
-    }
+/* Outputs of blocks b.. (NB of them, or fewer at the end: `nb`) for R rows of x from row r0 (x holds whole groups
+ * of R rows), their first `rows` rows stored into y. Each run's sums are added to y's as they come. One copy for
+ * each group size R, so that its NB x R sums stay in registers. */
+#define BLOCKS_FOR_ROWS(R)                                                                                        \
+static void blocks_for_##R##_rows(const float *x, const float *packed, float *y, int64_t r0, int64_t rows,       \
+                                  int64_t n, int64_t k, int64_t kc, int64_t b, int64_t nb)                       \
+{                                                                                                                 \
+    const float *w[NB];                                                                                           \
+    for (int j = 0; j < NB; j++)                                                                                  \
+        w[j] = packed + (b + (j < nb ? j : 0)) * k * BLOCK;                                                       \
+    for (int64_t start = 0; start < k; start += kc) {                                                             \
+        const int64_t end = start + kc < k ? start + kc : k;                                                      \
+        v16 acc[R][NB];                                                                                           \
+        for (int r = 0; r < R; r++)                                                                               \
+            for (int j = 0; j < NB; j++)                                                                          \
+                acc[r][j] = (v16){0};                                                                             \
+        for (int64_t i = start; i < end; i++) {                                                                   \
+            v16 u[NB];                                                                                            \
+            for (int j = 0; j < NB; j++) {                                                                        \
+                __builtin_prefetch(w[j] + (i + AHEAD) * BLOCK, 0, 3);                                             \
+                u[j] = load16(w[j] + i * BLOCK);                                                                  \
+            }                                                                                                     \
+            for (int r = 0; r < R; r++) {                                                                         \
+                const float xr = x[(r0 + r) * k + i];                                                             \
+                for (int j = 0; j < NB; j++)                                                                      \
+                    acc[r][j] = acc[r][j] + xr * u[j];  /* one fused multiply-add each (-ffp-contract=fast) */    \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int64_t r = 0; r < rows; r++)                                                                        \
+            for (int64_t j = 0; j < nb; j++)                                                                      \
+                for (int c = 0; c < BLOCK; c++) {                                                                 \
+                    const int64_t out = (b + j) * BLOCK + c;                                                      \
+                    if (out < n) {                                                                                \
+                        float *at = y + (r0 + r) * n + out;                                                       \
+                        *at = start ? *at + acc[r][j][c] : acc[r][j][c];                                          \
+                    }                                                                                             \
+                }                                                                                                 \
+    }                                                                                                             \
 }
+BLOCKS_FOR_ROWS(8)
+BLOCKS_FOR_ROWS(12)
 
 /* y = x w^T for `rows` rows of x [rows][k], w packed by kvpaging_f32_pack, each output's inputs summed in runs of
  * kc. Returns 0, or -1 when scratch memory is short (nothing written). */
 int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64_t rows, int64_t n, int64_t k,
                             int64_t kc, int64_t threads)
 {
-    const int64_t groups = (rows + ROWS - 1) / ROWS, blocks = (n + BLOCK - 1) / BLOCK;
+    /* rows in groups of 8 or of 12, whichever pads fewer (12 on a tie: fewer passes over each block's weights) */
+    const int64_t by = (rows + 11) / 12 * 12 <= (rows + 7) / 8 * 8 ? 12 : 8;
+    const int64_t groups = (rows + by - 1) / by, blocks = (n + BLOCK - 1) / BLOCK;
     float *padded = NULL;  /* x with its last group of rows filled up with zeros, where it is not whole */
-    if (rows % ROWS) {
-        padded = calloc((size_t)(groups * ROWS * k), sizeof(float));
+    if (rows % by) {
+        padded = calloc((size_t)(groups * by * k), sizeof(float));
         if (padded == NULL)
             return -1;
         memcpy(padded, x, sizeof(float) * (size_t)(rows * k));
@@ -109,8 +114,11 @@ int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64
 #endif
     for (int64_t b = 0; b < blocks; b += NB)
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t r0 = g * ROWS, left = rows - r0;
-            blocks_for_rows(xp, packed, y, r0, left < ROWS ? left : ROWS, n, k, kc, b, blocks - b < NB ? blocks - b : NB);
+            const int64_t r0 = g * by, left = rows - r0, nb = blocks - b < NB ? blocks - b : NB;
+            if (by == 12)
+                blocks_for_12_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
+            else
+                blocks_for_8_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
         }
     free(padded);
     return 0;
