@@ -644,3 +644,19 @@ def test_a_float32_linear_runs_the_c_product_where_it_agrees_and_f_linear_where_
         y = torch.randn(30, 576)
         assert torch.equal(layer(y), F.linear(y, layer.weight))
         assert layers._f32_runs[key] == 0 and layers._f32_rows[(*key, 30)] is False
+
+
+@needs_c
+def test_a_float32_linear_lays_its_weight_out_only_when_a_product_needs_it(monkeypatch):
+    """Products of a few rows (before any shape's run length is known) are F.linear's and lay nothing out: an engine
+    that serves a few sequences at a time pays no memory for the C product."""
+    monkeypatch.setattr(layers, "_f32_runs", {})
+    monkeypatch.setattr(layers, "_f32_rows", {})
+    layer = torch.nn.Linear(96, 64, bias=False)
+    layers._give_f32_forward(layer)
+    with torch.no_grad():
+        for rows in (1, 4, 15):
+            layer(torch.randn(rows, 96))
+        assert layer._f32.weight is None and not layers._f32_rows
+        layer(torch.randn(16, 96))  # the first product of 16 rows: laid out, and checked
+        assert layer._f32.weight is not None and (64, 96, torch.get_num_threads(), 16) in layers._f32_rows

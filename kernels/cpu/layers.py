@@ -476,8 +476,9 @@ _f32_rows: dict[tuple, bool] = {}
 
 
 class _F32Packed:
-    """A float32 layer's weight as ``linear_f32.c`` reads it, made again whenever the weight was written in place
-    (its ``_version`` moved); a copy or a pickle of the layer starts without it and packs at its first call."""
+    """A float32 layer's weight as ``linear_f32.c`` reads it, made at the first product that needs it and again
+    whenever the weight was written in place since (its ``_version`` moved); a copy or a pickle of the layer starts
+    without it."""
 
     __slots__ = ("weight", "version")
 
@@ -494,22 +495,24 @@ class _F32Packed:
 def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """A float32 linear (no bias): a decode step's rows through ``linear_f32.c`` where its product is ``F.linear``'s
     to the bit for this shape, row count and thread count (checked once, on the first such product, against
-    ``F.linear`` itself); ``F.linear`` otherwise."""
+    ``F.linear`` itself); ``F.linear`` otherwise. The weight is laid out for the C product at the first product
+    that needs it (a model that never runs one, batches of a few sequences, never pays the memory)."""
     weight = self._parameters["weight"]
     k = self.in_features
     if (input.dtype is not torch.float32 or input.device.type != "cpu" or input.dim() < 2 or input.shape[-1] != k
             or input.numel() > F32_MAX_ROWS * k or not input.is_contiguous() or self._parameters["bias"] is not None):
         return F.linear(input, weight, self._parameters["bias"])
+    shape, rows = (self.out_features, k, torch.get_num_threads()), input.numel() // k
+    verdict, runs = _f32_rows.get((*shape, rows)), _f32_runs.get(shape)
+    if verdict is False or runs == 0 or (runs is None and rows < 16):  # refused, or not to be checked yet (_f32_check)
+        return F.linear(input, weight)
     packed = self._f32
-    if packed.version != weight._version:
+    if packed.version != weight._version:  # not laid out yet, or its weight was written in place since
         packed.weight, packed.version = f32_pack(weight), weight._version
-    n, threads, rows = self.out_features, torch.get_num_threads(), input.numel() // k
-    verdict = _f32_rows.get((n, k, threads, rows))
     if verdict:
-        return f32_linear_unchecked(input, packed.weight, n, _f32_runs[n, k, threads])
+        return f32_linear_unchecked(input, packed.weight, shape[0], runs)
     own = F.linear(input, weight)
-    if verdict is None:
-        _f32_check(input, packed.weight, own, (n, k, threads), rows)
+    _f32_check(input, packed.weight, own, shape, rows)
     return own
 
 
@@ -518,9 +521,7 @@ def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: 
     The run length is searched for at the first product of 16 rows or more (a few candidates: MKL's runs seen so
     far are ``k`` cut into equal parts of at most 384); a row count below that waits, undecided, until it is known."""
     n, k, _ = shape
-    if shape not in _f32_runs:
-        if rows < 16:
-            return
+    if shape not in _f32_runs:  # (the caller gets here with 16 rows or more)
         parts = [p for p in range(1, 9) if k % p == 0]
         candidates = sorted({k // p for p in parts}, key=lambda kc: (kc > 384, -kc))
         _f32_runs[shape] = next((kc for kc in candidates
@@ -530,7 +531,7 @@ def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: 
 
 
 def _give_f32_forward(module: torch.nn.Linear) -> None:
-    module._f32 = _F32Packed(f32_pack(module.weight), module.weight._version)
+    module._f32 = _F32Packed()
     module.forward = types.MethodType(_f32_linear_forward, module)
 
 
@@ -617,7 +618,7 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             _give_f32_forward(module)  # MKL's bits where linear_f32.c gives them (checked per shape and row count)
             linears += 1
             f32 += 1
-            f32_bytes += module._f32.weight.numel() * 4
+            f32_bytes += -(-module.out_features // 16) * 16 * module.in_features * 4
         elif type(module) is torch.nn.Linear and use_onednn:  # subclasses (LoRA, quantized, ...) keep theirs
             packed = (_packed_if_it_agrees([module], probed) if module.weight.device.type == "cpu"
                       and module.weight.dtype in dtypes else None)
@@ -632,7 +633,8 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
     amx, amx_bytes = _give_amx_tiles(model)
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
                 "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles; %d float32 "
-                "products of up to %d rows in C where they are MKL's to the bit, on %s MiB more of their weights), %d "
+                "products of up to %d rows in C where they are MKL's to the bit, on up to %s MiB more of their weights, "
+                "laid out at their first such product), %d "
                 "RMSNorms%s",
                 linears, small, SMALL_BATCH_ROWS, groups, amx, AMX_ROWS, f"{amx_bytes / 2**20:,.0f}", f32,
                 F32_MAX_ROWS, f"{f32_bytes / 2**20:,.0f}", norms,
