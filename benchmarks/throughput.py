@@ -296,7 +296,8 @@ def main() -> None:
     if args.cpu_fast_layers is not False:
         layers = (f"cpu_fast_layers={args.cpu_fast_layers}: linears on packed weights (oneDNN): {fast.linears} "
                   f"({fast.small_batch_linears} with C products for 1-2 rows; {fast.fused_groups} groups of siblings "
-                  f"run as one product; {fast.amx_products} products of up to 32 rows on AMX tiles), C RMSNorms (their "
+                  f"run as one product; {fast.amx_products} products of up to 32 rows on AMX tiles; "
+                  f"{fast.f32_linears} float32 linears on C products where MKL's to the bit), C RMSNorms (their "
                   f"own results to the bit): {fast.rms_norms} "
                   f"(oneDNN usable: {onednn_usable()}, C kernels built: {cpu_backend.available()})")
     print(f"kvpaging attention backend: {backend} | layers (both engines): {layers}")
@@ -314,6 +315,8 @@ def main() -> None:
         runs = ", ".join(f"{r:.0f}" for r in rates[name])
         tokens = "/".join(str(u) for u in sorted(useful_tokens[name]))
         print(f"{name:36s} {rate:10.1f} useful tokens/s{ratio}   [{tokens} useful tokens; runs: {runs}]")
+    if f32_verdicts():
+        print(f"float32 products by row count, as checked in the runs above: {f32_verdicts()}")
     if peer is not None:
         print(f"vLLM {peer.setup['vllm']}: start-up (engine ready) {peer.setup['startup_seconds']:.0f} s; "
               f"kvpaging / vLLM: {results['kvpaging'] / results['vLLM']:.2f}x")
@@ -322,6 +325,28 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "tokens_per_s": results}, f, indent=2)
+
+
+def f32_verdicts() -> str:
+    """Which row counts of each float32 product shape ran in C (``linear_f32.c``, MKL's bits: checked on the first
+    product of each size, ``kernels/cpu/layers.py``) and which stayed ``F.linear``, in this process."""
+    from kvpaging.kernels.cpu import layers as cpu_layers
+
+    shapes: dict[tuple, dict[bool, list[int]]] = {}
+    for (n, k, threads, rows), ok in sorted(cpu_layers._f32_rows.items()):
+        shapes.setdefault((n, k, threads), {True: [], False: []})[ok].append(rows)
+
+    def spans(rows: list[int]) -> str:
+        runs, start = [], None
+        for i, r in enumerate(rows):
+            start = r if start is None else start
+            if i + 1 == len(rows) or rows[i + 1] != r + 1:
+                runs.append(str(r) if start == r else f"{start}-{r}")
+                start = None
+        return ",".join(runs) or "none"
+
+    return "; ".join(f"{n}x{k} ({threads} thread(s)): C at {spans(v[True])}, F.linear at {spans(v[False])}"
+                     for (n, k, threads), v in shapes.items())
 
 
 if __name__ == "__main__":
