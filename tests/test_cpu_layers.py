@@ -660,3 +660,21 @@ def test_a_float32_linear_lays_its_weight_out_only_when_a_product_needs_it(monke
         assert layer._f32.weight is None and not layers._f32_rows
         layer(torch.randn(16, 96))  # the first product of 16 rows: laid out, and checked
         assert layer._f32.weight is not None and (64, 96, torch.get_num_threads(), 16) in layers._f32_rows
+
+
+@needs_c
+def test_float32_linears_on_one_weight_share_its_layout_and_a_weight_written_in_place_is_laid_out_again():
+    """Engines made on one model share its weight tensors, and so the C product's layout of each; a weight written
+    in place since gets a new one (the product stays F.linear's)."""
+    weight = torch.nn.Parameter(torch.randn(64, 96))
+    first, second = torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(96, 64, bias=False)
+    first.weight = second.weight = weight
+    for layer in (first, second):
+        layers._give_f32_forward(layer)
+    x = torch.randn(16, 96)
+    with torch.no_grad():
+        first(x), second(x)
+        assert first._f32.weight is not None and first._f32.weight is second._f32.weight
+        weight.mul_(2)
+        assert torch.equal(second(x), F.linear(x, weight))
+        assert first._f32.weight is not second._f32.weight

@@ -89,6 +89,7 @@ import logging
 import sys
 import time
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -508,12 +509,31 @@ def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
         return F.linear(input, weight)
     packed = self._f32
     if packed.version != weight._version:  # not laid out yet, or its weight was written in place since
-        packed.weight, packed.version = f32_pack(weight), weight._version
+        packed.weight, packed.version = _f32_layout(weight), weight._version
     if verdict:
         return f32_linear_unchecked(input, packed.weight, shape[0], runs)
     own = F.linear(input, weight)
     _f32_check(input, packed.weight, own, shape, rows)
     return own
+
+
+# id(weight) -> (a weak reference to the weight, its _version, a weak reference to its layout): engines made on one
+# model (a notebook's several LLM(...)s) share their layers' weight tensors, and so one layout of each
+_f32_layouts: dict[int, tuple] = {}
+
+
+def _f32_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``f32_pack(weight)``, or the layout another layer on this very weight tensor, at this version, made already."""
+    entry = _f32_layouts.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+        layout = entry[2]()
+        if layout is not None:
+            return layout
+    layout = f32_pack(weight)
+    for key in [key for key, (ref, _, held) in _f32_layouts.items() if ref() is None or held() is None]:
+        del _f32_layouts[key]  # weights or layouts nobody holds any more
+    _f32_layouts[id(weight)] = (weakref.ref(weight), weight._version, weakref.ref(layout))
+    return layout
 
 
 def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: tuple, rows: int) -> None:
