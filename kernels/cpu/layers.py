@@ -466,8 +466,10 @@ def _small_batch_agrees(module: torch.nn.Linear) -> bool:
 
 
 # Float32 products of at most this many rows (a decode step's) go to linear_f32.c where they are F.linear's (MKL's)
-# to the bit; a product of more rows (a prompt chunk) is MKL's, whose large products use the CPU well.
-F32_MAX_ROWS = 256
+# to the bit; a product of more rows (a prompt chunk, a very large batch) is MKL's, which is as fast there: a step's
+# products with the weights from memory took the C product 0.62x MKL's time at 16 rows, 0.68x at 24, 0.81x at 48,
+# 0.97x at 96 and 1.05x at 128 (one thread on the AMX Xeon, `benchmarks/f32_linear.py`, benchmarks/RESULTS.md).
+F32_MAX_ROWS = 96
 # (outputs, inputs, threads) -> the run length with which linear_f32.c gave F.linear's bits (found at the first
 # product of 16 rows or more, where MKL sums in runs on the machines seen), and (outputs, inputs, threads, rows) ->
 # whether it did for that row count (each checked once, on the first real product of that size, by one layer of
