@@ -665,7 +665,7 @@ def test_a_float32_linear_lays_its_weight_out_only_when_a_product_needs_it(monke
 @needs_c
 def test_float32_linears_on_one_weight_share_its_layout_and_a_weight_written_in_place_is_laid_out_again():
     """Engines made on one model share its weight tensors, and so the C product's layout of each; a weight written
-    in place since gets a new one (the product stays F.linear's)."""
+    in place since gets a new one, and the layers' products stay F.linear's either way."""
     weight = torch.nn.Parameter(torch.randn(64, 96))
     first, second = torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(96, 64, bias=False)
     first.weight = second.weight = weight
@@ -673,8 +673,10 @@ def test_float32_linears_on_one_weight_share_its_layout_and_a_weight_written_in_
         layers._give_f32_forward(layer)
     x = torch.randn(16, 96)
     with torch.no_grad():
-        first(x), second(x)
-        assert first._f32.weight is not None and first._f32.weight is second._f32.weight
+        layout = layers._f32_layout(weight)
+        assert layers._f32_layout(weight) is layout  # one layout of one weight tensor, while someone holds it
+        assert torch.equal(layout.view(4, 96, 16)[1, :, 3], weight[16 + 3])  # block 1, output 3, input by input
+        assert torch.equal(first(x), F.linear(x, weight)) and torch.equal(second(x), F.linear(x, weight))
         weight.mul_(2)
-        assert torch.equal(second(x), F.linear(x, weight))
-        assert first._f32.weight is not second._f32.weight
+        assert layers._f32_layout(weight) is not layout  # written in place: laid out again
+        assert torch.equal(first(x), F.linear(x, weight)) and torch.equal(second(x), F.linear(x, weight))
