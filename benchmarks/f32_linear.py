@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import f32_linear_unchecked, f32_pack
+from kvpaging.kernels.cpu.layers import f32_run_length
 
 LAYERS = 30
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))  # q k v o gate up down
@@ -31,14 +32,9 @@ HEAD = (49152, 576)
 
 
 def run_length(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> int:
-    """The run length with which the C product gives ``F.linear``'s bits for ``x`` (0: none), among the engine's
-    candidates (``k`` cut into 1 to 8 equal parts, those of at most 384 first)."""
-    k = weight.shape[1]
-    own = F.linear(x, weight)
-    for kc in sorted({k // p for p in range(1, 9) if k % p == 0}, key=lambda kc: (kc > 384, -kc)):
-        if torch.equal(f32_linear_unchecked(x, packed, weight.shape[0], kc), own):
-            return kc
-    return 0
+    """The run length with which the C product gives ``F.linear``'s bits for ``x`` (0: none), searched for as the
+    engine searches for it (``kernels/cpu/layers.py``)."""
+    return f32_run_length(x, packed, F.linear(x, weight))
 
 
 def main() -> None:

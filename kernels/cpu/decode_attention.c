@@ -51,10 +51,10 @@
 
 #include "bf16.h"
 
-/* Ask for bytes [from, to) of a block that comes next (its 64-byte lines): the cache is far bigger than the CPU's
- * caches, so every block comes from memory. A block's lines are asked for a part at a time, spread over the work on
- * the block before it: asked for all at once, they would stall that work (a core tracks only so many lines on their
- * way), and memory would sit idle while it runs. */
+/* Ask for part `part` of `parts` of the first `bytes` of a block that comes next (its 64-byte lines; NULL: none):
+ * the cache is far bigger than the CPU's caches, so every block comes from memory. A block's lines are asked for a
+ * part at a time, spread over the work on the block before it: asked for all at once, they would stall that work (a
+ * core tracks only so many lines on their way), and memory would sit idle while it runs. */
 static inline void prefetch_part(const char *block, int64_t bytes, int64_t part, int64_t parts)
 {
     if (block == NULL)

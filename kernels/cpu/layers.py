@@ -478,23 +478,6 @@ _f32_runs: dict[tuple, int] = {}
 _f32_rows: dict[tuple, bool] = {}
 
 
-class _F32Packed:
-    """A float32 layer's weight as ``linear_f32.c`` reads it, made at the first product that needs it and again
-    whenever the weight was written in place since (its ``_version`` moved); a copy or a pickle of the layer starts
-    without it."""
-
-    __slots__ = ("weight", "version")
-
-    def __init__(self, weight: torch.Tensor | None = None, version: int = -1) -> None:
-        self.weight, self.version = weight, version
-
-    def __deepcopy__(self, memo) -> _F32Packed:
-        return _F32Packed()
-
-    def __reduce__(self):
-        return (_F32Packed, ())
-
-
 def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """A float32 linear (no bias): a decode step's rows through ``linear_f32.c`` where its product is ``F.linear``'s
     to the bit for this shape, row count and thread count (checked once, on the first such product, against
@@ -538,22 +521,29 @@ def _f32_layout(weight: torch.Tensor) -> torch.Tensor:
     return layout
 
 
+def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor) -> int:
+    """The run length with which ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``, whose weight
+    ``packed`` lays out) to the bit, or 0 where none does. The candidates: ``k`` cut into 1 to 8 equal parts, those of
+    at most 384 first (MKL's runs seen so far are equal parts of at most 384)."""
+    n, k = own.shape[-1], x.shape[-1]
+    candidates = sorted({k // p for p in range(1, 9) if k % p == 0}, key=lambda kc: (kc > 384, -kc))
+    return next((kc for kc in candidates if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
+
+
 def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: tuple, rows: int) -> None:
-    """Decide whether ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``) to the bit at this row count.
-    The run length is searched for at the first product of 16 rows or more (a few candidates: MKL's runs seen so
-    far are ``k`` cut into equal parts of at most 384); a row count below that waits, undecided, until it is known."""
-    n, k, _ = shape
+    """Decide whether ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``) to the bit at this row count:
+    at a shape's first product of 16 rows or more, by searching for the run length (``f32_run_length``); after it,
+    with the run length found (a row count below 16 waits, undecided, until it is known)."""
     if shape not in _f32_runs:  # (the caller gets here with 16 rows or more)
-        parts = [p for p in range(1, 9) if k % p == 0]
-        candidates = sorted({k // p for p in parts}, key=lambda kc: (kc > 384, -kc))
-        _f32_runs[shape] = next((kc for kc in candidates
-                                 if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
+        _f32_runs[shape] = f32_run_length(x, packed, own)
+        _f32_rows[(*shape, rows)] = bool(_f32_runs[shape])
+        return
     kc = _f32_runs[shape]
-    _f32_rows[(*shape, rows)] = bool(kc) and torch.equal(f32_linear_unchecked(x, packed, n, kc), own)
+    _f32_rows[(*shape, rows)] = bool(kc) and torch.equal(f32_linear_unchecked(x, packed, shape[0], kc), own)
 
 
 def _give_f32_forward(module: torch.nn.Linear) -> None:
-    module._f32 = _F32Packed()
+    module._f32 = _Packed()  # its layout for linear_f32.c, made at the first product that needs it (``amx`` unused)
     module.forward = types.MethodType(_f32_linear_forward, module)
 
 
