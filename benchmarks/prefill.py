@@ -20,7 +20,7 @@ thresholds, which then keep the engine's in the heap too, so only the engine alo
 ``--profile`` runs one more engine step per length under ``torch.profiler`` and splits its operators' own CPU time
 (the profiler's overhead included, so shares, not timings): the linear layers' products, attention (SDPA and the C
 decode kernel), storing keys and values, the RMSNorms in C, the rotary embedding in C (the direct forward's),
-elementwise operations (multiplies, adds, SiLU, the rotary embedding's concatenations and negations where torch does
+elementwise operations (multiplies, adds, SiLU (with its product, in C in bfloat16), the rotary embedding's concatenations and negations where torch does
 it, casts and copies) and the rest.
 """
 
@@ -116,7 +116,8 @@ GROUPS = {
     "storing keys and values": ("aten::index_copy_",),
     "RMSNorms in C": ("kvpaging::cpu_rms_norm",),
     "rotary embedding in C": ("kvpaging::cpu_rotary",),  # the direct forward's (kvpaging/worker/direct_forward.py)
-    "elementwise": ("aten::mul", "aten::add", "aten::silu", "aten::cat", "aten::neg", "aten::copy_", "aten::pow",
+    "elementwise": ("aten::mul", "aten::add", "aten::silu", "kvpaging::cpu_silu_mul", "aten::cat", "aten::neg",
+                    "aten::copy_", "aten::pow",
                     "aten::mean", "aten::rsqrt", "aten::sum", "aten::div_", "aten::fill_"),
 }
 

@@ -1,5 +1,5 @@
-"""The C kernels that a decode step's norms and greedy pick run on (``kernels/cpu/rms_norm.c``, ``argmax.c``),
-against the torch code they stand in for: every element, every index, to the bit."""
+"""The C kernels that a decode step's norms, gated MLPs and greedy pick run on (``kernels/cpu/rms_norm.c``,
+``silu_mul.c``, ``argmax.c``), against the torch code they stand in for: every element, every index, to the bit."""
 
 from __future__ import annotations
 
@@ -67,6 +67,48 @@ def test_add_rms_norm_refuses_what_it_cannot_serve():
         cpu.add_rms_norm(x, x[:1], w, 1e-6)
     with pytest.raises(ValueError, match=r"weight of shape \(8,\), got .* weight \(4,\)"):
         cpu.add_rms_norm(x, x, torch.randn(4), 1e-6)
+
+
+def same_or_both_nan(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Every element the same bits, but where both are NaN (torch's own loops give a NaN different payloads)."""
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_then_product_in_one_pass_is_torchs_to_the_bit(threads, monkeypatch):
+    """``silu_mul(gate, up)`` is ``silu(gate) * up`` in bfloat16: every element, as halves of one fused product's
+    output and as tensors of their own, over row counts a decode step and a prompt chunk have, with infinities,
+    NaNs, signed zeros, subnormals and the largest numbers among the inputs (NaN results: NaN both ways)."""
+    assert cpu.silu_table() is not None  # torch's vectorized and scalar SiLU agree on every bfloat16 number here
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the kernel is told to share rows among
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 0.0, 1e-40, -1e-40, 3.3e38, -3.3e38,
+                            88.0, -88.0, 1e-3]).bfloat16()
+    for rows, cols in ((1, 1536), (3, 96), (48, 1536), (300, 1536), (7, 33)):
+        both = (torch.randn(1, rows, 2 * cols, generator=g) * 6).bfloat16()
+        flat = both.view(-1)
+        flat[torch.randint(0, flat.numel(), (40,), generator=g)] = special[torch.randint(0, len(special), (40,),
+                                                                                         generator=g)]
+        gate, up = both[..., :cols], both[..., cols:]
+        want = torch.nn.functional.silu(gate) * up
+        assert same_or_both_nan(cpu.silu_mul(gate, up), want), (rows, cols)
+        assert same_or_both_nan(cpu.silu_mul(gate.contiguous(), up.contiguous()), want), (rows, cols)
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)  # each number once
+    assert same_or_both_nan(cpu.silu_mul(every, torch.ones_like(every)), torch.nn.functional.silu(every))
+
+
+@needs_c
+def test_silu_mul_refuses_what_it_cannot_compute():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="bfloat16 CPU tensors, got gate torch.float32"):
+        cpu.silu_mul(x, x)
+    x = x.bfloat16()
+    with pytest.raises(ValueError, match=r"one shape \[..., cols\].* got gate \(2, 8\) .* up \(1, 8\)"):
+        cpu.silu_mul(x, x[:1])
+    with pytest.raises(ValueError, match="each row contiguous"):
+        cpu.silu_mul(x.t(), x.t())
 
 
 def logits_with_ties_nans_and_infinities(g: torch.Generator, rows: int, cols: int, case: int) -> torch.Tensor:

@@ -33,11 +33,13 @@ def test_a_llama_model_runs_the_direct_forward_and_gives_its_own_forwards_tokens
     assert tokens(llm) == tokens(own)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("c_rotary", [True, False])
-def test_every_logit_of_a_mixed_step_is_the_models_own_forwards(c_rotary):
+def test_every_logit_of_a_mixed_step_is_the_models_own_forwards(c_rotary, dtype):
     """A step with decodes and prompt chunks together, every position's logits: the same bits both ways, with the
-    rotary embedding in C and with transformers' own function (where the C kernels are not built)."""
-    model = tiny("llama", seed=1)
+    rotary embedding in C and with transformers' own function (where the C kernels are not built), in float32 and
+    in bfloat16 (where each MLP's SiLU and product are one C call)."""
+    model = tiny("llama", seed=1).to(dtype)
     llm = LLM(model, num_blocks=32, max_model_len=64, max_num_batched_tokens=20)
     engine, runner = llm.engine, llm.engine.runner
     direct = runner.direct
@@ -196,6 +198,33 @@ def test_the_c_rotary_embedding_refuses_what_it_cannot_compute():
         cpu.rotary(x, cos.to(torch.bfloat16), cos)
     with pytest.raises(ValueError, match=r"cos \(1, 3, 1, 6\)"):
         cpu.rotary(x, cos[..., :6].contiguous(), cos[..., :6].contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gated_mlps_silu_and_product_are_one_c_call_in_bfloat16_with_the_same_bits(dtype, monkeypatch):
+    """Where the activation is SiLU and the tensors bfloat16, ``act_fn(gate) * up`` is one ``silu_mul`` call; in float32,
+    or with another activation (GELU), the activation's own forward, then the product. Every bit the same."""
+    from transformers.activations import ACT2FN
+
+    from kvpaging.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the C kernels cannot be built here")
+    calls = []
+    real = direct_module.silu_mul_unchecked
+    monkeypatch.setattr(direct_module, "silu_mul_unchecked", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    both = (torch.randn(1, 7, 2 * 40, generator=g) * 4).to(dtype)
+    gate, up = both[..., :40], both[..., 40:]  # the two halves of one fused product, as the fast layers give them
+    for name, c_calls in (("silu", 1 if dtype == torch.bfloat16 else 0), ("gelu", 0)):
+        act = ACT2FN[name]
+        calls.clear()
+        got = direct_module._act_then_mul(act, cpu.silu_table())(gate, up)
+        assert len(calls) == c_calls, name
+        assert torch.equal(got, act(gate) * up), name
+    calls.clear()
+    assert torch.equal(direct_module._act_then_mul(ACT2FN["silu"], None)(gate, up), ACT2FN["silu"](gate) * up)
+    assert not calls  # no table (torch's loops disagree, or no C kernels): the activation's own forward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

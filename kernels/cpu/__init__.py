@@ -1,6 +1,6 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Seven small C files live here:
+Eight small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
@@ -22,7 +22,9 @@ Seven small C files live here:
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
   engine's direct forward, ``kvpaging/worker/direct_forward.py``);
 * ``argmax.c``: each row's greedy pick, the index ``torch.max(x, dim=-1)`` gives (:func:`argmax_rows`, for the
-  sampler when every row of a step is greedy).
+  sampler when every row of a step is greedy);
+* ``silu_mul.c``: a gated MLP's ``silu(gate) * up`` in bfloat16, to the bit, in one pass, its SiLU from a table torch
+  computed (:func:`silu_mul`, for the engine's direct forward).
 
 They are compiled together (each with its own flags) the first time one is needed, with the C compiler
 found on the machine (``$CC``, else ``cc``), for this machine's CPU
@@ -44,6 +46,7 @@ import contextlib
 import ctypes
 import hashlib
 import itertools
+import math
 import os
 import platform
 import shutil
@@ -54,24 +57,25 @@ from pathlib import Path
 import torch
 
 __all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
-           "add_rms_norm_unchecked", "rotary", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
+           "add_rms_norm_unchecked", "rotary", "silu_mul", "silu_mul_unchecked", "silu_table", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
            "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "PREFILL_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
            "amx_linear_unchecked", "AMX_PROFILER_NAME", "f32_pack", "f32_linear_unchecked", "F32_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
-# on some compilers. rms_norm.c and rotary.c must round as torch does, so nothing may be reordered or fused there;
-# argmax.c must see NaNs and both signs of zero as torch's comparisons do. -mprefer-vector-width=512 lets the attention
-# kernels' loops use AVX-512's whole registers where the CPU has them (gcc keeps to 256-bit ones on Intel CPUs unless
-# told: the prefill kernel's sums then spill out of registers; the decode kernel took about 5% less time with it on
-# the AMX Xeon, benchmarks/decode_step.py); on other x86 CPUs it changes nothing, and other compilers' targets (ARM) do
-# not know the option.
+# on some compilers. rms_norm.c, rotary.c and silu_mul.c must round as torch does, so nothing may be reordered or
+# fused there; argmax.c must see NaNs and both signs of zero as torch's comparisons do. -mprefer-vector-width=512 lets
+# the loops use AVX-512's whole registers where the CPU has them (gcc keeps to 256-bit ones on Intel CPUs unless told:
+# the prefill kernel's sums then spill out of registers; the decode kernel took about 5% less time with it on the AMX
+# Xeon, benchmarks/decode_step.py, and the bfloat16 rotary embedding about a fifth less); the arithmetic is the same
+# either way (no reordering is allowed where it would change a bit); on other x86 CPUs it changes nothing, and other
+# compilers' targets (ARM) do not know the option.
 WIDE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("decode_attention.c", ["-ffast-math", *WIDE]), ("prefill_attention.c", ["-ffast-math", *WIDE]),
-    ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno"]),
-    ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno"]),
-    ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []),
+    ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno", *WIDE]),
+    ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno", *WIDE]),
+    ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []), ("silu_mul.c", ["-ffp-contract=off", *WIDE]),
     # `acc + x * w` must be one fused multiply-add there, as in MKL's sgemm (linear_f32.c's header)
     ("linear_f32.c", ["-ffp-contract=fast", *WIDE]))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
@@ -88,6 +92,7 @@ LINEAR_PROFILER_NAME = "kvpaging::cpu_linear_bf16"
 ARGMAX_PROFILER_NAME = "kvpaging::cpu_argmax"
 AMX_PROFILER_NAME = "kvpaging::cpu_linear_amx"
 F32_PROFILER_NAME = "kvpaging::cpu_linear_f32"
+SILU_MUL_PROFILER_NAME = "kvpaging::cpu_silu_mul"
 
 _decode_fn = None  # float32 caches
 _decode_bf16_fn = None  # bfloat16 caches
@@ -101,6 +106,8 @@ _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean i
 _argmax_fn = None
 _amx = None  # linear_amx.c's (ready, pack, linear) functions
 _f32 = None  # linear_f32.c's (pack, linear) functions
+_silu_mul_fn = None
+_silu_table: torch.Tensor | None | bool = False  # torch's SiLU of every bfloat16 number (None: none; False: not made)
 _reason: str | None = None  # why the kernel could not be built, once tried
 
 
@@ -168,7 +175,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
     global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
-    global _amx, _prefill_fns, _f32
+    global _amx, _prefill_fns, _f32, _silu_mul_fn
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -226,6 +233,9 @@ def _load():
     pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
     linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64], i64
     _f32 = (pack, linear)
+    _silu_mul_fn = lib.kvpaging_silu_mul
+    _silu_mul_fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    _silu_mul_fn.restype = None
     return _decode_fn
 
 
@@ -456,6 +466,65 @@ def rotary_pair_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         return rotary_unchecked(q, cos, sin), rotary_unchecked(k, cos, sin)
     both = rotary_unchecked(q.as_strided((1, tokens, q_heads + k.shape[2], dim), q.stride()), cos, sin)
     return both[:, :, :q_heads], both[:, :, q_heads:]
+
+
+def silu_table() -> torch.Tensor | None:
+    """torch's own SiLU of every bfloat16 number, widened to float32 and indexed by the number's 16 bits (the table
+    ``silu_mul.c`` reads), made once; None where torch's vectorized loop and its scalar one (a tensor's elements past
+    its last whole vector, or read with a stride) give some number different bits: a number's SiLU would then depend
+    on where in a tensor it sits, which one table cannot say. A NaN result is a NaN either way (NaN and -inf in), its
+    payload the loop's: only that may differ."""
+    global _silu_table
+    if _silu_table is False:
+        numbers = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)  # index i: bits i
+        vectorized = torch.nn.functional.silu(numbers)
+        strided = torch.nn.functional.silu(numbers.repeat_interleave(2)[::2])  # every element by the scalar loop
+        nan = vectorized.isnan()
+        same = (torch.equal(nan, strided.isnan())
+                and torch.equal(vectorized[~nan].view(torch.int16), strided[~nan].view(torch.int16)))
+        _silu_table = vectorized.float() if same else None
+    return _silu_table
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.functional.silu(gate) * up`` for bfloat16 CPU tensors, to the bit, in one C pass (``silu_mul.c``: the
+    SiLU from :func:`silu_table`, the product rounded once as torch rounds it). ``gate`` and ``up``: one shape
+    ``[..., cols]``, each row contiguous (the two halves of one fused product are fine). Returns a new contiguous
+    tensor of that shape; raises where the table cannot be made (:func:`silu_table`)."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    if not (gate.dtype == up.dtype == torch.bfloat16 and gate.device.type == up.device.type == "cpu"):
+        raise ValueError(f"silu_mul needs bfloat16 CPU tensors, got gate {gate.dtype} on {gate.device}, "
+                         f"up {up.dtype} on {up.device}")
+    if (gate.shape != up.shape or gate.dim() == 0 or gate.stride(-1) != 1 or up.stride(-1) != 1
+            or not (_rows_evenly_apart(gate) and _rows_evenly_apart(up))):
+        raise ValueError(f"silu_mul needs gate and up of one shape [..., cols], each row contiguous and rows evenly "
+                         f"apart, got gate {tuple(gate.shape)} {gate.stride()}, up {tuple(up.shape)} {up.stride()}")
+    table = silu_table()
+    if table is None:
+        raise RuntimeError("torch's SiLU gives some bfloat16 number different bits in its vectorized and scalar "
+                           "loops here, so no table is its SiLU everywhere")
+    return silu_mul_unchecked(gate, up, table)
+
+
+def _rows_evenly_apart(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows (every dimension but the last, flattened) are one stride apart."""
+    return all(x.stride(d) == x.stride(-2) * math.prod(x.shape[d + 1 : -1]) for d in range(x.dim() - 2)
+               if x.shape[d] > 1)
+
+
+def silu_mul_unchecked(gate: torch.Tensor, up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` without its checks, for a caller that made them (the direct forward checks its model once),
+    with ``table`` from :func:`silu_table`."""
+    cols = gate.shape[-1]
+    rows = gate.numel() // cols if cols else 0
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    gate_stride = gate.stride(-2) if gate.dim() > 1 else cols
+    up_stride = up.stride(-2) if up.dim() > 1 else cols
+    args = (gate.data_ptr(), gate_stride, up.data_ptr(), up_stride, table.data_ptr(), out.data_ptr(), rows, cols,
+            torch.get_num_threads())
+    call_named(SILU_MUL_PROFILER_NAME, _silu_mul_fn, args)
+    return out
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,9 @@ layers' where they have one) one after the other. The rotary embedding runs on t
 built (``kernels/cpu/rotary.c``: each product and the sum rounded where torch rounds them; transformers' own
 ``apply_rotary_pos_emb`` otherwise), and each residual connection with the norm after it in one C call where that
 norm is the engine's C RMSNorm (``add_rms_norm``: the sum rounded as torch rounds it, then the norm's own arithmetic,
-its mean in torch's order of sums). The logits are the model's own to the bit:
+its mean in torch's order of sums), and in bfloat16 each MLP's SiLU and the product after it in one C pass
+(``silu_mul``: the SiLU from a table torch computed for every bfloat16 number, the product rounded as torch rounds
+it). The logits are the model's own to the bit:
 the runner checks that on two probe steps (a prompt chunk, then a decode) before it uses the path, and runs the
 model's own forward otherwise, and for any step before which a hook was added, a ``forward`` replaced or a module
 swapped on its copy of the model, or another function registered under kvpaging's attention name
@@ -31,9 +33,10 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvpaging.kernels.cpu import add_rms_norm_unchecked, available, rotary_pair_unchecked
+from kvpaging.kernels.cpu import add_rms_norm_unchecked, available, rotary_pair_unchecked, silu_mul_unchecked, silu_table
 from kvpaging.kernels.cpu.layers import has_fast_path, is_c_rms_norm
 from kvpaging.worker.attention import ATTN_NAME, AttentionMetadata, paged_attention_forward
 from kvpaging.worker.self_check import step_output
@@ -72,9 +75,11 @@ class DirectForward:
         # last layer): one C call for the sum and the norm where that norm is the engine's C RMSNorm
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         self.first_norm = layers[0].input_layernorm if len(layers) else self.norm
+        table = silu_table() if self.c_rotary else None  # torch's SiLU of every bfloat16 number, for silu_mul.c
         self.layers = [(layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                         layer.self_attn.o_proj, _add_then_norm(layer.post_attention_layernorm), layer.mlp.gate_proj,
-                        layer.mlp.up_proj, layer.mlp.act_fn, layer.mlp.down_proj, _add_then_norm(next_norm))
+                        layer.mlp.up_proj, _act_then_mul(layer.mlp.act_fn, table), layer.mlp.down_proj,
+                        _add_then_norm(next_norm))
                        for layer, next_norm in zip(layers, next_norms)]
         # every module with its place in its parent and its forward as they are now
         self.watch = [(parent, name, child, vars(child).get("forward"))
@@ -105,7 +110,7 @@ class DirectForward:
         cos_heads, sin_heads = cos.unsqueeze(2), sin.unsqueeze(2)
         tokens = input_ids.shape[1]
         x = self.first_norm.forward(hidden)
-        for attn, q_proj, k_proj, v_proj, o_proj, add_post_norm, gate_proj, up_proj, act_fn, down_proj, add_next_norm \
+        for attn, q_proj, k_proj, v_proj, o_proj, add_post_norm, gate_proj, up_proj, act_mul, down_proj, add_next_norm \
                 in self.layers:
             q = q_proj.forward(x).view(1, tokens, -1, attn.head_dim)
             k = k_proj.forward(x).view(1, tokens, -1, attn.head_dim)
@@ -117,7 +122,7 @@ class DirectForward:
             out, _ = paged_attention_forward(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                              scaling=attn.scaling, kvpaging=meta)
             hidden, x = add_post_norm(hidden, o_proj.forward(out.reshape(1, tokens, -1)))
-            hidden, x = add_next_norm(hidden, down_proj.forward(act_fn.forward(gate_proj.forward(x)) * up_proj.forward(x)))
+            hidden, x = add_next_norm(hidden, down_proj.forward(act_mul(gate_proj.forward(x), up_proj.forward(x))))
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.lm_head.forward(x[:, keep])  # x: the model's last norm of the hidden states
 
@@ -138,6 +143,20 @@ def _add_then_norm(norm):
         return hidden, norm.forward(hidden)
 
     return add_then_norm
+
+
+def _act_then_mul(act_fn, table: torch.Tensor | None):
+    """``(gate, up) -> act_fn(gate) * up``, a gated MLP's middle: in one C pass (``silu_mul``, the same bits) where
+    ``act_fn`` is SiLU, the tensors bfloat16 and ``table`` torch's SiLU of every bfloat16 number (``silu_table``),
+    else ``act_fn``'s forward, then the product."""
+    c_silu = table is not None and type(act_fn) in (SiLUActivation, torch.nn.SiLU)
+
+    def act_then_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if c_silu and gate.dtype is up.dtype is torch.bfloat16 and gate.stride(-1) == up.stride(-1) == 1:
+            return silu_mul_unchecked(gate, up, table)
+        return act_fn.forward(gate) * up
+
+    return act_then_mul
 
 
 def direct_forward_if_exact(runner, config) -> DirectForward | None:
