@@ -20,8 +20,8 @@ thresholds, which then keep the engine's in the heap too, so only the engine alo
 ``--profile`` runs one more engine step per length under ``torch.profiler`` and splits its operators' own CPU time
 (the profiler's overhead included, so shares, not timings): the linear layers' products, attention (SDPA and the C
 decode kernel), storing keys and values, the RMSNorms in C, the rotary embedding in C (the direct forward's),
-elementwise operations (multiplies, adds, SiLU (with its product, in C in bfloat16), the rotary embedding's concatenations and negations where torch does
-it, casts and copies) and the rest.
+elementwise operations (multiplies, adds, SiLU, in bfloat16 with its product in C, the rotary embedding's
+concatenations and negations where torch does it, casts and copies) and the rest.
 """
 
 from __future__ import annotations
