@@ -240,6 +240,17 @@ def test_token_positions_count_what_each_approach_computes():
         serving.token_positions(work, batch_size=2, output_lengths=[1, 2])
 
 
+def test_every_c_kernel_of_the_cpu_counts_where_its_work_belongs_in_the_time_breakdown():
+    """Each C kernel's profiler name is counted as a product, attention, or the elementwise work it replaces: a kernel
+    left out would have its time counted as Python and dispatch in lesson 10's breakdown."""
+    from kvpaging.kernels import cpu
+
+    names = {getattr(cpu, n) for n in dir(cpu) if n.endswith("PROFILER_NAME")}
+    assert len(names) >= 8
+    counted = serving._LINEAR_OPS | serving._ATTENTION_OPS | serving._C_LAYER_OPS
+    assert names <= counted, sorted(names - counted)
+
+
 def test_time_breakdown_profiles_a_full_recomputation():
     work = serving.make_workload(4, 512, (4, 12), (2, 6), seed=0)
     llm = LLM(tiny("qwen3", **SMALL), max_model_len=64, kv_cache_memory_bytes=1 << 20)

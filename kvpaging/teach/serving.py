@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpaging.kernels import cpu_backend
+from kvpaging.kernels import cpu, cpu_backend
 
 __all__ = [
     "RunEvents",
@@ -292,12 +292,13 @@ class EngineResult:
 
 # -- where the time goes --------------------------------------------------------------------
 
-# the last two: cpu_fast_layers (oneDNN on packed weights; one bfloat16 row through kernels/cpu/linear.c)
-_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvpaging::cpu_linear_bf16",
-                         "kvpaging::cpu_linear_amx"})
+# after torch's: cpu_fast_layers (oneDNN on packed weights; a bfloat16 row or two through kernels/cpu/linear.c,
+# up to 32 on AMX tiles; float32 decode rows in MKL's order of sums)
+_LINEAR_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", cpu.LINEAR_PROFILER_NAME,
+                         cpu.AMX_PROFILER_NAME, cpu.F32_PROFILER_NAME})
 # the C kernels that do what transformers' elementwise operations (and the sampler's max) would: they count with them
-_C_LAYER_OPS = frozenset({cpu_backend.RMS_NORM_PROFILER_NAME, cpu_backend.ROTARY_PROFILER_NAME,
-                          cpu_backend.ARGMAX_PROFILER_NAME})
+_C_LAYER_OPS = frozenset({cpu.RMS_NORM_PROFILER_NAME, cpu.ROTARY_PROFILER_NAME, cpu.ARGMAX_PROFILER_NAME,
+                          cpu.SILU_MUL_PROFILER_NAME})
 _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
