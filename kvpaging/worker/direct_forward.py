@@ -75,7 +75,8 @@ class DirectForward:
         # last layer): one C call for the sum and the norm where that norm is the engine's C RMSNorm
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         self.first_norm = layers[0].input_layernorm if len(layers) else self.norm
-        table = silu_table() if self.c_rotary else None  # torch's SiLU of every bfloat16 number, for silu_mul.c
+        # torch's SiLU of every bfloat16 number, for silu_mul.c (made once a process, for a bfloat16 model)
+        table = silu_table() if self.c_rotary and self.embed.weight.dtype == torch.bfloat16 else None
         self.layers = [(layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                         layer.self_attn.o_proj, _add_then_norm(layer.post_attention_layernorm), layer.mlp.gate_proj,
                         layer.mlp.up_proj, _act_then_mul(layer.mlp.act_fn, table), layer.mlp.down_proj,
