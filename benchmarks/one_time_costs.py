@@ -11,6 +11,9 @@ Two costs that land in the middle of a run unless they are paid before it:
   is 10 s).
 * **The engine's load.** ``LLM()`` on the trained model, loaded already: everything the engine does before it can
   serve.
+* **The C kernels' build.** What the first ``LLM()`` on a machine pays once (the library is cached per machine after
+  it): every source compiled side by side, then linked (``kernels/cpu/__init__.py``), against the same compiles one
+  after another.
 * **A full collection.** The objects the garbage collector tracks once the trained model is served (the engine,
   the model, the server's libraries), and what one full collection takes, before and after ``gc.freeze()`` (which
   ``kvpaging serve`` calls once the model is loaded).
@@ -67,6 +70,34 @@ def start_up(threads: int) -> None:
           f"the model's load {load:.2f}, LLM() {engine:.2f}, the request {first:.2f}; the rest is the interpreter's start)")
 
 
+def kernel_build() -> None:
+    """The CPU kernels' build from nothing into a temporary folder, side by side as the engine builds it, then one
+    compile after another."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from kvpaging.kernels import cpu
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        print("the C kernels' build: no C compiler here")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        cpu._compile(cc, Path(tmp) / "side_by_side.so", cpu.OPENMP_FLAGS)
+        side = time.perf_counter() - start
+        start = time.perf_counter()
+        for src, flags in cpu.SOURCES.items():
+            cpu._run_compiler([cc, *cpu.COMPILE_FLAGS, *flags, *cpu.OPENMP_FLAGS, "-c", str(src), "-o",
+                               str(Path(tmp) / f"{src.stem}.o")])
+        cpu._run_compiler([cc, *(str(Path(tmp) / f"{src.stem}.o") for src in cpu.SOURCES), "-o",
+                           str(Path(tmp) / "in_turn.so"), *cpu.LINK_FLAGS, *cpu.OPENMP_FLAGS])
+        in_turn = time.perf_counter() - start
+    print(f"the C kernels' build from nothing ({len(cpu.SOURCES)} sources): {side:.2f} s side by side (the engine's), "
+          f"{in_turn:.2f} s one after another")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -75,6 +106,7 @@ def main() -> None:
     print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     start_up(args.threads)  # before this process loads anything
+    kernel_build()
     torch.set_num_threads(args.threads)
     import kvpaging.entrypoints.serve  # noqa: F401 - the server's libraries, as `kvpaging serve` has them
     from kvpaging import LLM
