@@ -31,12 +31,6 @@ SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 57
 HEAD = (49152, 576)
 
 
-def run_length(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> int:
-    """The run length with which the C product gives ``F.linear``'s bits for ``x`` (0: none), searched for as the
-    engine searches for it (``kernels/cpu/layers.py``)."""
-    return f32_run_length(x, packed, F.linear(x, weight))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -56,7 +50,8 @@ def main() -> None:
         runs = {}
         for w, p in zip(weights, packed):
             if tuple(w.shape) not in runs:
-                runs[tuple(w.shape)] = run_length(xs[w.shape[1]], w, p)
+                x = xs[w.shape[1]]
+                runs[tuple(w.shape)] = f32_run_length(x, p, F.linear(x, w))  # as the engine searches for it
         exact = all(runs.values())
         kcs = {shape: kc or min(384, shape[1]) for shape, kc in runs.items()}  # timed either way
 

@@ -1,6 +1,6 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Eight small C files live here:
+Nine small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
@@ -127,16 +127,24 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compile(cc: str, target: Path, extra: list[str]) -> None:
-    """Compile every source (side by side, on up to four of the cores this process may use), then link them."""
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the path; None: none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _compile(cc: str, target: Path, extra: list[str], workers: int | None = None) -> None:
+    """Compile every source, side by side on ``workers`` threads (default: up to four of the cores this process may
+    use), then link them."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
         lib = Path(tmp) / target.name
         commands = [[cc, *COMPILE_FLAGS, *flags, *extra, "-c", str(src), "-o", obj]
                     for (src, flags), obj in zip(SOURCES.items(), objects)]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, cores))) as pool:
+        if workers is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            workers = max(1, min(4, cores))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             for _ in pool.map(_run_compiler, commands):  # each raises if its compile failed
                 pass
         _run_compiler([cc, *objects, "-o", str(lib), *LINK_FLAGS, *extra])
@@ -187,7 +195,7 @@ def _load():
     global _amx, _prefill_fns, _f32, _silu_mul_fn
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = find_compiler()
     if cc is None:
         _reason = "no C compiler found (set $CC, or install gcc)"
         return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpaging.kernels import cpu, cpu_backend
+from kvpaging.kernels import cpu
 
 __all__ = [
     "RunEvents",
@@ -303,7 +303,7 @@ _ATTENTION_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
     "aten::index_select", "aten::index_copy_", "aten::index", "aten::index_put_",
-    cpu_backend.PROFILER_NAME, cpu_backend.PREFILL_PROFILER_NAME,  # the "cpu" backend's C kernels
+    cpu.PROFILER_NAME, cpu.PREFILL_PROFILER_NAME,  # the "cpu" backend's C kernels
 })
 
 
