@@ -68,9 +68,8 @@ __all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_at
 # fused there; argmax.c must see NaNs and both signs of zero as torch's comparisons do. -mprefer-vector-width=512 lets
 # the loops use AVX-512's whole registers where the CPU has them (gcc keeps to 256-bit ones on Intel CPUs unless told:
 # the prefill kernel's sums then spill out of registers; the decode kernel took about 5% less time with it on the AMX
-# Xeon, benchmarks/decode_step.py, and the bfloat16 rotary embedding about a fifth less); the arithmetic is the same
-# either way (no reordering is allowed where it would change a bit); on other x86 CPUs it changes nothing, and other
-# compilers' targets (ARM) do not know the option.
+# Xeon, benchmarks/decode_step.py); the arithmetic is the same either way (no reordering is allowed where it would
+# change a bit); on other x86 CPUs it changes nothing, and other compilers' targets (ARM) do not know the option.
 WIDE = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
 SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("decode_attention.c", ["-ffast-math", *WIDE]), ("prefill_attention.c", ["-ffast-math", *WIDE]),
