@@ -12,6 +12,7 @@ and pickles.
 from __future__ import annotations
 
 import copy
+import logging
 import io
 
 import pytest
@@ -26,6 +27,8 @@ from kvpaging.teach.scheduling import cpu_threads
 
 needs_onednn = pytest.mark.skipif(not layers.onednn_usable(), reason="torch has no usable oneDNN linear here")
 needs_c = pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+needs_bf16_packing = pytest.mark.skipif(not layers.bf16_packing_usable(),
+                                        reason="oneDNN cannot pack a bfloat16 weight on this CPU (no AVX-512 BW/VL/DQ)")
 needs_amx = pytest.mark.skipif(not cpu.amx_ready(), reason="no AMX here (or the C kernels cannot be built)")
 
 
@@ -89,7 +92,7 @@ def test_a_float32_model_gets_its_c_norms_and_mkl_exact_linears_by_default_and_f
         assert "mkldnn::_linear_pointwise" not in ops_called(lambda: plain.generate(prompts, params, use_tqdm=False))
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens_with_or_without():
     """The packed bfloat16 linears change no result (each layer's product is ``F.linear``'s to the bit, checked when
     it is turned on), so they are the default for a bfloat16 model on the CPU; False keeps the model's own."""
@@ -112,6 +115,35 @@ def test_a_bfloat16_model_gets_its_packed_linears_by_default_and_the_same_tokens
     prompts = [[5, 9, 2, 7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in by_default.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in own.generate(prompts, params, use_tqdm=False)]
+
+
+@needs_onednn
+def test_bf16_packing_usable_says_whether_a_bfloat16_weight_packs_here():
+    """The verdict is the packing's own: a bfloat16 weight packs exactly where it says so (torch's oneDNN needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT for it)."""
+    try:
+        packs = layers._pack(torch.randn(64, 96).to(torch.bfloat16)) is not None
+    except RuntimeError:
+        packs = False
+    assert layers.bf16_packing_usable() is packs
+
+
+@pytest.mark.skipif(layers.bf16_packing_usable(), reason="oneDNN packs bfloat16 weights on this CPU")
+def test_without_bf16_packing_a_bfloat16_models_linears_keep_f_linear_and_the_log_says_why(caplog):
+    """On a CPU where oneDNN cannot pack a bfloat16 weight (AVX2 only) the engine's copy keeps every bfloat16
+    linear's own forward, says why, and gives the tokens of the model's own layers."""
+    model = tiny("llama", seed=0).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger=layers.__name__):
+        fast = LLM(model, num_blocks=16, max_model_len=64)
+    assert "cannot pack a bfloat16 weight on this CPU" in caplog.text
+    linears = [m for m in fast.engine.model.modules() if type(m) is torch.nn.Linear]
+    assert linears and not any("forward" in vars(m) or "_packed" in vars(m) for m in linears)
+    assert fast.engine.runner.fast_layers.linears == 0
+    own = LLM(model, num_blocks=16, max_model_len=64, cpu_fast_layers=False)
+    prompts = [[5, 9, 2, 7] * 8, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in own.generate(prompts, params, use_tqdm=False)]
 
 
@@ -213,7 +245,7 @@ def test_other_modules_and_dtypes_are_left_alone():
     assert "forward" in vars(model[0]) and "forward" not in vars(model[1]) and "forward" not in vars(model[2])
 
 
-@needs_onednn
+@needs_bf16_packing
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (576, 1536)])
 def test_bfloat16_products_of_any_size_are_f_linears_to_the_bit(threads, n, k):
@@ -237,7 +269,7 @@ def test_bfloat16_products_of_any_size_are_f_linears_to_the_bit(threads, n, k):
             assert torch.equal(layer(x), plain(x)), rows
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_bfloat16_linears_run_on_packed_weights_to_the_bit():
     """A bfloat16 linear's product on its packed weight is F.linear's, bit for bit, at decode and prefill sizes;
     a weight written in place is packed again; a copy computes with its own weights, and the layer saves."""
@@ -272,7 +304,7 @@ def _siblings(bias: bool, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Modu
     return parent, copy.deepcopy(parent)
 
 
-@needs_onednn
+@needs_bf16_packing
 @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
 def test_sibling_linears_run_as_one_product_and_each_gets_its_own_bits(bias, monkeypatch):
     """q/k/v called one after another on one input: one oneDNN product, and each member's output its own
@@ -295,7 +327,7 @@ def test_sibling_linears_run_as_one_product_and_each_gets_its_own_bits(bias, mon
     assert len(products) == layers.PACKED_MAX_ROWS_BF16  # one product a row count, not three
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_the_warm_up_makes_each_products_kernels_once_per_row_count_and_changes_nothing(monkeypatch):
     """``warm_packed_products`` runs each distinct packed product (the q/k/v group's, o_proj's) once for every row
     count up to its bound, on zeros, and never again for what it did; the group is left as it was (no slices held,
@@ -318,7 +350,7 @@ def test_the_warm_up_makes_each_products_kernels_once_per_row_count_and_changes_
                                                                                         "o_proj"))
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_the_warm_up_leaves_out_the_row_counts_that_run_on_amx_tiles(monkeypatch):
     """Products without a bias on a CPU with AMX take up to AMX_ROWS rows on their tiles, so oneDNN never sees those
     row counts and the warm-up makes no kernels for them; elsewhere it makes them from one row."""
@@ -333,7 +365,7 @@ def test_the_warm_up_leaves_out_the_row_counts_that_run_on_amx_tiles(monkeypatch
     assert sorted(products) == sorted(list(range(first, 41)) * 2)  # the q/k/v group's and o_proj's
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_siblings_called_out_of_step_get_their_own_products_and_the_group_is_undone():
     """A model that calls a member on another input while the others' slices wait (cross-attention's keys, say)
     still gets each member's own product, computed again; after MAX_MISSES such calls the group is undone and each
@@ -360,7 +392,7 @@ def test_siblings_called_out_of_step_get_their_own_products_and_the_group_is_und
         assert all(torch.equal(getattr(fresh, n)(x), getattr(twin, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_a_copy_of_fused_siblings_runs_each_alone_with_its_own_weights():
     parent, plain = _siblings(True, seed=5)
     layers.enable_fast_layers(parent, exact=True)
@@ -375,7 +407,7 @@ def test_a_copy_of_fused_siblings_runs_each_alone_with_its_own_weights():
     torch.save(parent, io.BytesIO())
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_a_member_running_alone_is_checked_first_and_keeps_f_linear_where_its_packed_product_differs(monkeypatch):
     """A fused group's members are checked as a group, not alone: the first time one runs alone (its group undone,
     or a copy of it) its own packed product is checked against F.linear, and where that check fails the member
@@ -468,7 +500,7 @@ def test_the_small_batch_product_refuses_what_it_cannot_compute():
         cpu.linear_bf16(torch.zeros(1, 16, dtype=torch.bfloat16), w, torch.zeros(4, dtype=torch.bfloat16))
 
 
-@needs_onednn
+@needs_bf16_packing
 @needs_c
 def test_true_sends_one_or_two_sequences_to_linear_c_and_larger_batches_to_onednn():
     """With ``cpu_fast_layers=True`` a bfloat16 model's linears take products of one or two rows (one or two
@@ -570,7 +602,7 @@ def test_the_default_takes_decode_batches_of_up_to_32_to_amx_and_larger_ones_to_
                 assert (cpu.AMX_PROFILER_NAME in ops_called(lambda: layer(x))) == on_amx, (bias, rows)
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_a_fused_groups_tiles_follow_a_weight_written_in_place_and_a_shape_that_does_not_tile_has_none():
     """A group's weights written in place are laid out again (tiles too) before its next product: every member's
     output is still its own ``F.linear``'s, on tiles and off; a layer whose outputs are not a multiple of 16 gets no

@@ -101,12 +101,13 @@ from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, 
 from kvpaging.kernels.cpu.huge_pages import zeros_in_huge_pages
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
-           "warm_packed_products"]
+           "bf16_packing_usable", "warm_packed_products"]
 
 logger = logging.getLogger(__name__)
 
 
 _onednn_checked: bool | None = None  # the probe's verdict, once run
+_bf16_packing: bool | None = None  # whether oneDNN packs a bfloat16 weight here, once asked
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,19 @@ def onednn_usable() -> bool:
         except (RuntimeError, TypeError, NotImplementedError):
             _onednn_checked = False
     return _onednn_checked
+
+
+def bf16_packing_usable() -> bool:
+    """Whether oneDNN packs a bfloat16 weight on this CPU. torch's packing of one needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; on a CPU with neither (an AVX2-only AMD EPYC, say) a bfloat16 model's linears keep ``F.linear``,
+    and the log says why."""
+    global _bf16_packing
+    if _bf16_packing is None:
+        try:
+            _bf16_packing = onednn_usable() and _pack(torch.zeros(16, 32, dtype=torch.bfloat16)) is not None
+        except (RuntimeError, TypeError, NotImplementedError):
+            _bf16_packing = False
+    return _bf16_packing
 
 
 # Products of at most this many rows (decode steps of one or two sequences) go to linear.c with
@@ -643,6 +657,10 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
     amx, amx_bytes = _give_amx_tiles(model)
+    if use_onednn and not bf16_packing_usable() and any(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+                                                        for m in model.modules()):
+        logger.info("bfloat16 linears keep F.linear: torch's oneDNN cannot pack a bfloat16 weight on this CPU (it "
+                    "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "
                 "product; %d products of up to %d rows on AMX, on %s MiB more of their weights as its tiles; %d float32 "
                 "products of up to %d rows in C where they are MKL's to the bit, on up to %s MiB more of their weights, "
