@@ -25,15 +25,36 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BLOCK 16 /* outputs a block: one vector of 16 floats */
-#define NB 2     /* blocks computed together */
+#define BLOCK 16 /* outputs a block: one vector of 16 floats (one AVX-512 register, two AVX2 ones) */
 #define AHEAD 16 /* inputs: each block's weight is asked for this far ahead of its use */
+/* Blocks computed together, and the two sizes of a group of rows: NB x ROWS_B sums must stay in the vector
+ * registers. AVX-512 has 32 registers of 16 floats: 2 blocks x 12 rows = 24 of them. AVX2 has 16 registers of 8
+ * floats, a block taking two: 1 block x 6 rows = 12 of them (the AVX-512 tiling there spilled its sums on every
+ * multiply-add and ran about twenty times slower than MKL, 2026-12-07, an AVX2-only AMD EPYC). The order of each
+ * output's sums is the same either way. */
+#if defined(__AVX512F__)
+#define NB 2
+#define ROWS_A 8
+#define ROWS_B 12
+#else
+#define NB 1
+#define ROWS_A 4
+#define ROWS_B 6
+#endif
 
-typedef float v16 __attribute__((vector_size(4 * BLOCK)));
+/* One vector register of floats: a block is HALVES of them (one with AVX-512; two with AVX2, whose compiler keeps a
+ * 64-byte vector type in memory, not in registers). */
+#if defined(__AVX512F__)
+#define VEC 16
+#else
+#define VEC 8
+#endif
+#define HALVES (BLOCK / VEC)
+typedef float vec __attribute__((vector_size(4 * VEC)));
 
-static inline v16 load16(const float *p)
+static inline vec load_vec(const float *p)
 {
-    v16 v;
+    vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
@@ -63,26 +84,27 @@ static void blocks_for_##R##_rows(const float *x, const float *packed, float *y,
         w[j] = packed + (b + (j < nb ? j : 0)) * k * BLOCK;                                                       \
     for (int64_t start = 0; start < k; start += kc) {                                                             \
         const int64_t end = start + kc < k ? start + kc : k;                                                      \
-        v16 acc[R][NB];                                                                                           \
+        vec acc[R][NB * HALVES];                                                                                  \
         for (int r = 0; r < R; r++)                                                                               \
-            for (int j = 0; j < NB; j++)                                                                          \
-                acc[r][j] = (v16){0};                                                                             \
+            for (int j = 0; j < NB * HALVES; j++)                                                                 \
+                acc[r][j] = (vec){0};                                                                             \
         for (int64_t i = start; i < end; i++) {                                                                   \
-            v16 u[NB];                                                                                            \
+            vec u[NB * HALVES];                                                                                   \
             for (int j = 0; j < NB; j++) {                                                                        \
                 __builtin_prefetch(w[j] + (i + AHEAD) * BLOCK, 0, 3);                                             \
-                u[j] = load16(w[j] + i * BLOCK);                                                                  \
+                for (int h = 0; h < HALVES; h++)                                                                  \
+                    u[j * HALVES + h] = load_vec(w[j] + i * BLOCK + h * VEC);                                     \
             }                                                                                                     \
             for (int r = 0; r < R; r++) {                                                                         \
                 const float xr = x[(r0 + r) * k + i];                                                             \
-                for (int j = 0; j < NB; j++)                                                                      \
+                for (int j = 0; j < NB * HALVES; j++)                                                             \
                     acc[r][j] = acc[r][j] + xr * u[j];  /* one fused multiply-add each (-ffp-contract=fast) */    \
             }                                                                                                     \
         }                                                                                                         \
         for (int64_t r = 0; r < rows; r++)                                                                        \
-            for (int64_t j = 0; j < nb; j++)                                                                      \
-                for (int c = 0; c < BLOCK; c++) {                                                                 \
-                    const int64_t out = (b + j) * BLOCK + c;                                                      \
+            for (int64_t j = 0; j < nb * HALVES; j++)                                                             \
+                for (int c = 0; c < VEC; c++) {                                                                   \
+                    const int64_t out = (b + j / HALVES) * BLOCK + j % HALVES * VEC + c;                          \
                     if (out < n) {                                                                                \
                         float *at = y + (r0 + r) * n + out;                                                       \
                         *at = start ? *at + acc[r][j][c] : acc[r][j][c];                                          \
@@ -90,16 +112,17 @@ static void blocks_for_##R##_rows(const float *x, const float *packed, float *y,
                 }                                                                                                 \
     }                                                                                                             \
 }
-BLOCKS_FOR_ROWS(8)
-BLOCKS_FOR_ROWS(12)
+BLOCKS_FOR_ROWS(ROWS_A) /* blocks_for_ROWS_A_rows (the name is pasted before ROWS_A expands) */
+BLOCKS_FOR_ROWS(ROWS_B)
 
 /* y = x w^T for `rows` rows of x [rows][k], w packed by kvpaging_f32_pack, each output's inputs summed in runs of
  * kc. Returns 0, or -1 when scratch memory is short (nothing written). */
 int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64_t rows, int64_t n, int64_t k,
                             int64_t kc, int64_t threads)
 {
-    /* rows in groups of 8 or of 12, whichever pads fewer (12 on a tie: fewer passes over each block's weights) */
-    const int64_t by = (rows + 11) / 12 * 12 <= (rows + 7) / 8 * 8 ? 12 : 8;
+    /* rows in groups of ROWS_A or of ROWS_B, whichever pads fewer (ROWS_B on a tie: fewer passes over each block's
+     * weights) */
+    const int64_t by = (rows + ROWS_B - 1) / ROWS_B * ROWS_B <= (rows + ROWS_A - 1) / ROWS_A * ROWS_A ? ROWS_B : ROWS_A;
     const int64_t groups = (rows + by - 1) / by, blocks = (n + BLOCK - 1) / BLOCK;
     float *padded = NULL;  /* x with its last group of rows filled up with zeros, where it is not whole */
     if (rows % by) {
@@ -115,10 +138,10 @@ int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64
     for (int64_t b = 0; b < blocks; b += NB)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r0 = g * by, left = rows - r0, nb = blocks - b < NB ? blocks - b : NB;
-            if (by == 12)
-                blocks_for_12_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
+            if (by == ROWS_B)
+                blocks_for_ROWS_B_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
             else
-                blocks_for_8_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
+                blocks_for_ROWS_A_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
         }
     free(padded);
     return 0;
