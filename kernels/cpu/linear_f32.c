@@ -6,7 +6,7 @@
  * bandwidth. MKL's sgemm reads the trained model's float32 weights in such a step at about a third of what one core
  * streams (benchmarks/decode_step.py --dtype float32). Here the weight is laid out once (kvpaging_f32_pack) as
  * blocks of 16 outputs, input by input: 16 floats, one 64-byte line, per input, so a product reads the weight front
- * to back, once, in order, and the 16 outputs of a block are one vector register's lanes.
+ * to back, once, in order, and the 16 outputs of a block are one AVX-512 register's lanes (two AVX2 registers').
  *
  * The order of the sums is MKL's as found on the machines this was written on (an AMX Xeon, torch 2.13's MKL, one
  * and two threads; benchmarks/RESULTS.md): for 16 rows and more, MKL sums each output's inputs in `kc`-long runs
