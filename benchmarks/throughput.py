@@ -333,8 +333,8 @@ def f32_verdicts() -> str:
     from kvpaging.kernels.cpu import layers as cpu_layers
 
     shapes: dict[tuple, dict[bool, list[int]]] = {}
-    for (n, k, threads, rows), ok in sorted(cpu_layers._f32_rows.items()):
-        shapes.setdefault((n, k, threads), {True: [], False: []})[ok].append(rows)
+    for (n, k, threads, rows), kc in sorted(cpu_layers._f32_rows.items()):
+        shapes.setdefault((n, k, threads), {True: [], False: []})[kc > 0].append(rows)
 
     def spans(rows: list[int]) -> str:
         runs, start = [], None

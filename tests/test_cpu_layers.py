@@ -652,8 +652,9 @@ def test_a_float32_linear_is_mkls_product_to_the_bit_at_every_row_count_and_on_i
 @needs_c
 def test_a_float32_linear_runs_the_c_product_where_it_agrees_and_f_linear_where_it_does_not(monkeypatch):
     """Where the C product gives MKL's bits (found on the machines this was written on for 16 rows and more) it runs
-    in F.linear's place; a row count whose check failed runs F.linear, and so does every row count of a shape whose
-    run length was not found."""
+    in F.linear's place, with the run length found; a row count whose check failed runs F.linear, and so does a row
+    count for which no run length is found (the next row count of that shape is searched again, until one is: then
+    a new row count tries that one alone)."""
     layer = torch.nn.Linear(576, 192, bias=False)
     layers._give_f32_forward(layer)
     monkeypatch.setattr(layers, "_f32_runs", {})
@@ -662,36 +663,70 @@ def test_a_float32_linear_runs_the_c_product_where_it_agrees_and_f_linear_where_
     with torch.no_grad(), cpu_threads(1):
         layer(x)
         key = (192, 576, 1)
-        if not layers._f32_runs.get(key):
+        if not layers._f32_rows[(*key, 24)]:
             pytest.skip("MKL does not sum 24-row float32 products in runs here: the layers keep F.linear")
-        assert layers._f32_rows[(*key, 24)] is True
+        assert layers._f32_rows[(*key, 24)] == layers._f32_runs[key] > 0
         assert "kvpaging::cpu_linear_f32" in ops_called(lambda: layer(x))
-        layers._f32_rows[(*key, 24)] = False  # as if the check had failed: F.linear from then on
+        layers._f32_rows[(*key, 24)] = 0  # as if the check had failed: F.linear from then on
         assert "kvpaging::cpu_linear_f32" not in ops_called(lambda: layer(x))
         monkeypatch.setattr(layers, "f32_linear_unchecked", lambda x, packed, n, kc: torch.zeros(x.shape[0], n))
         layers._f32_rows.pop((*key, 24))  # a check whose C product differs: refused, and F.linear's product served
-        assert torch.equal(layer(x), F.linear(x, layer.weight)) and layers._f32_rows[(*key, 24)] is False
-        layers._f32_runs.clear()  # a shape whose run length is not found: every row count of it refused
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and layers._f32_rows[(*key, 24)] == 0
+        layers._f32_runs.clear()  # a shape whose run length is not found: refused at that row count, searched at the next
         layers._f32_rows.clear()
-        y = torch.randn(30, 576)
-        assert torch.equal(layer(y), F.linear(y, layer.weight))
-        assert layers._f32_runs[key] == 0 and layers._f32_rows[(*key, 30)] is False
+        searched = []
+        monkeypatch.setattr(layers, "f32_run_length", lambda *a: searched.append(a[0].shape[0]) or 0)
+        for rows in (30, 31):
+            y = torch.randn(rows, 576)
+            assert torch.equal(layer(y), F.linear(y, layer.weight))
+            assert layers._f32_rows[(*key, rows)] == 0 and key not in layers._f32_runs
+        assert searched == [30, 31]
+        layers._f32_runs[key] = 288  # once a run length is known, a new row count tries it alone: no search
+        z = torch.randn(40, 576)
+        assert torch.equal(layer(z), F.linear(z, layer.weight)) and layers._f32_rows[(*key, 40)] == 0
+        assert searched == [30, 31]
+
+
+@needs_c
+def test_the_run_length_search_tries_the_shapes_last_one_first_and_finds_it_at_a_new_row_count(monkeypatch):
+    """The search at a new row count starts with the run length found at another (one product where MKL sums alike);
+    a product that only one run length reproduces is found whichever comes first."""
+    tried = []
+    real = layers.f32_linear_unchecked
+
+    def spy(x, packed, n, kc):
+        tried.append(kc)
+        return real(x, packed, n, kc)
+
+    monkeypatch.setattr(layers, "f32_linear_unchecked", spy)
+    w = torch.randn(48, 576)
+    packed = cpu.f32_pack(w)
+    x = torch.randn(5, 576)
+    for kc in (576, 288, 192, 144, 96, 72):
+        own = real(x, packed, 48, kc)  # a product summed in runs of kc: only kc gives its bits (random inputs)
+        tried.clear()
+        assert layers.f32_run_length(x, packed, own, first=kc) == kc and tried == [kc]
+        tried.clear()
+        assert layers.f32_run_length(x, packed, own) == kc and tried[-1] == kc
+    tried.clear()
+    assert layers.f32_run_length(x, packed, torch.zeros(5, 48), first=288) == 0 and len(tried) == 6
 
 
 @needs_c
 def test_a_float32_linear_lays_its_weight_out_only_when_a_product_needs_it(monkeypatch):
-    """Products of a few rows (before any shape's run length is known) are F.linear's and lay nothing out: an engine
-    that serves a few sequences at a time pays no memory for the C product."""
+    """Products of one row are F.linear's, unchecked, and lay nothing out (MKL's one-row product sums otherwise on
+    every machine seen): an engine that serves one sequence at a time pays no memory for the C product. The first
+    product of two rows or more lays the weight out and is checked."""
     monkeypatch.setattr(layers, "_f32_runs", {})
     monkeypatch.setattr(layers, "_f32_rows", {})
     layer = torch.nn.Linear(96, 64, bias=False)
     layers._give_f32_forward(layer)
     with torch.no_grad():
-        for rows in (1, 4, 15):
-            layer(torch.randn(rows, 96))
+        for _ in range(3):
+            layer(torch.randn(1, 96))
         assert layer._f32.weight is None and not layers._f32_rows
-        layer(torch.randn(16, 96))  # the first product of 16 rows: laid out, and checked
-        assert layer._f32.weight is not None and (64, 96, torch.get_num_threads(), 16) in layers._f32_rows
+        layer(torch.randn(2, 96))  # the first product of two rows: laid out, and checked
+        assert layer._f32.weight is not None and (64, 96, torch.get_num_threads(), 2) in layers._f32_rows
 
 
 @needs_c

@@ -54,7 +54,8 @@ implementation of the *same* maths (measured by
   (a second copy of the weights, logged). It runs a product of up to ``F32_MAX_ROWS`` rows only where it gave
   ``F.linear``'s bits: the first real product of each shape, row count and thread count is computed both ways
   and compared (``_f32_check``), and ``F.linear`` keeps every size where they differ (on that machine, fewer
-  than 16 rows) and every product of more rows. So it is on by default (``cpu_fast_layers=None``): a float32
+  than 16 rows; on an AVX2-only AMD EPYC, one row), one-row products and every product of more rows. So it is on
+  by default (``cpu_fast_layers=None``): a float32
   model's tokens stay ``generate()``'s.
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
@@ -484,33 +485,40 @@ def _small_batch_agrees(module: torch.nn.Linear) -> bool:
 # products with the weights from memory took the C product 0.62x MKL's time at 16 rows, 0.68x at 24, 0.81x at 48,
 # 0.97x at 96 and 1.05x at 128 (one thread on the AMX Xeon, `benchmarks/f32_linear.py`, benchmarks/RESULTS.md).
 F32_MAX_ROWS = 96
-# (outputs, inputs, threads) -> the run length with which linear_f32.c gave F.linear's bits (found at the first
-# product of 16 rows or more, where MKL sums in runs on the machines seen), and (outputs, inputs, threads, rows) ->
-# whether it did for that row count (each checked once, on the first real product of that size, by one layer of
-# that shape: how MKL adds a product's terms depends on the shape, the rows and the threads, not on the values)
+# Products of fewer rows are F.linear's, unchecked: MKL's one-row product (a matrix-vector one) summed otherwise than
+# any run length on every machine seen.
+F32_MIN_ROWS = 2
+# (outputs, inputs, threads, rows) -> the run length with which linear_f32.c gave F.linear's bits for that row count,
+# 0 where no run length did (each size checked once, on its first real product, by one layer of that shape: how MKL
+# adds a product's terms depends on the shape, the rows and the threads, not on the values). MKL sums in runs from 16
+# rows on the AMX Xeon, from 4 at two threads for some shapes, and from 2 on an AVX2-only AMD EPYC (2026-12-07:
+# `benchmarks/f32_small_order.py`), so every size from F32_MIN_ROWS is checked: a server that decodes a handful of
+# sequences at a time gets the C product wherever it is exact.
+_f32_rows: dict[tuple, int] = {}
+# (outputs, inputs, threads) -> the run length last found for the shape: the first one tried at its next row count
 _f32_runs: dict[tuple, int] = {}
-_f32_rows: dict[tuple, bool] = {}
 
 
 def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     """A float32 linear (no bias): a decode step's rows through ``linear_f32.c`` where its product is ``F.linear``'s
     to the bit for this shape, row count and thread count (checked once, on the first such product, against
     ``F.linear`` itself); ``F.linear`` otherwise. The weight is laid out for the C product at the first product
-    that needs it (a model that never runs one, batches of a few sequences, never pays the memory)."""
+    that needs it (a model that only ever runs one sequence at a time never pays the memory)."""
     weight = self._parameters["weight"]
     k = self.in_features
     if (input.dtype is not torch.float32 or input.device.type != "cpu" or input.dim() < 2 or input.shape[-1] != k
-            or input.numel() > F32_MAX_ROWS * k or not input.is_contiguous() or self._parameters["bias"] is not None):
+            or input.numel() > F32_MAX_ROWS * k or input.numel() < F32_MIN_ROWS * k or not input.is_contiguous()
+            or self._parameters["bias"] is not None):
         return F.linear(input, weight, self._parameters["bias"])
     shape, rows = (self.out_features, k, torch.get_num_threads()), input.numel() // k
-    verdict, runs = _f32_rows.get((*shape, rows)), _f32_runs.get(shape)
-    if verdict is False or runs == 0 or (runs is None and rows < 16):  # refused, or not to be checked yet (_f32_check)
+    kc = _f32_rows.get((*shape, rows))
+    if kc == 0:  # checked, and refused
         return F.linear(input, weight)
     packed = self._f32
     if packed.version != weight._version:  # not laid out yet, or its weight was written in place since
         packed.weight, packed.version = _f32_layout(weight), weight._version
-    if verdict:
-        return f32_linear_unchecked(input, packed.weight, shape[0], runs)
+    if kc:
+        return f32_linear_unchecked(input, packed.weight, shape[0], kc)
     own = F.linear(input, weight)
     _f32_check(input, packed.weight, own, shape, rows)
     return own
@@ -535,25 +543,29 @@ def _f32_layout(weight: torch.Tensor) -> torch.Tensor:
     return layout
 
 
-def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor) -> int:
+def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, first: int | None = None) -> int:
     """The run length with which ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``, whose weight
-    ``packed`` lays out) to the bit, or 0 where none does. The candidates: ``k`` cut into 1 to 8 equal parts, those of
-    at most 384 first (MKL's runs seen so far are equal parts of at most 384)."""
+    ``packed`` lays out) to the bit, or 0 where none does. The candidates: ``first`` (a run length found for the shape
+    at another row count), then ``k`` cut into 1 to 8 equal parts, those of at most 384 first (MKL's runs seen so far
+    are equal parts of at most 384)."""
     n, k = own.shape[-1], x.shape[-1]
-    candidates = sorted({k // p for p in range(1, 9) if k % p == 0}, key=lambda kc: (kc > 384, -kc))
+    candidates = sorted({k // p for p in range(1, 9) if k % p == 0}, key=lambda kc: (kc != first, kc > 384, -kc))
     return next((kc for kc in candidates if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
 
 
 def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: tuple, rows: int) -> None:
-    """Decide whether ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``) to the bit at this row count:
-    at a shape's first product of 16 rows or more, by searching for the run length (``f32_run_length``); after it,
-    with the run length found (a row count below 16 waits, undecided, until it is known)."""
-    if shape not in _f32_runs:  # (the caller gets here with 16 rows or more)
-        _f32_runs[shape] = f32_run_length(x, packed, own)
-        _f32_rows[(*shape, rows)] = bool(_f32_runs[shape])
-        return
-    kc = _f32_runs[shape]
-    _f32_rows[(*shape, rows)] = bool(kc) and torch.equal(f32_linear_unchecked(x, packed, shape[0], kc), own)
+    """Decide whether ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``) to the bit at this row count,
+    and with which run length: until one is found for the shape, by searching (``f32_run_length``); after, by trying
+    that one alone (MKL's run length for a shape was the same at every row count where it summed in runs, on every
+    machine seen), so a new row count costs one more product, once."""
+    kc = _f32_runs.get(shape)
+    if kc is None:
+        kc = f32_run_length(x, packed, own)
+    elif not torch.equal(f32_linear_unchecked(x, packed, shape[0], kc), own):
+        kc = 0
+    _f32_rows[(*shape, rows)] = kc
+    if kc:
+        _f32_runs[shape] = kc
 
 
 def _give_f32_forward(module: torch.nn.Linear) -> None:
