@@ -495,7 +495,7 @@ F32_MIN_ROWS = 2
 # `benchmarks/f32_small_order.py`), so every size from F32_MIN_ROWS is checked: a server that decodes a handful of
 # sequences at a time gets the C product wherever it is exact.
 _f32_rows: dict[tuple, int] = {}
-# (outputs, inputs, threads) -> the run length last found for the shape: the first one tried at its next row count
+# (outputs, inputs, threads) -> the run length found for the shape: the one tried, alone, at its next row count
 _f32_runs: dict[tuple, int] = {}
 
 
@@ -543,13 +543,12 @@ def _f32_layout(weight: torch.Tensor) -> torch.Tensor:
     return layout
 
 
-def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, first: int | None = None) -> int:
+def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor) -> int:
     """The run length with which ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``, whose weight
-    ``packed`` lays out) to the bit, or 0 where none does. The candidates: ``first`` (a run length found for the shape
-    at another row count), then ``k`` cut into 1 to 8 equal parts, those of at most 384 first (MKL's runs seen so far
-    are equal parts of at most 384)."""
+    ``packed`` lays out) to the bit, or 0 where none does. The candidates: ``k`` cut into 1 to 8 equal parts, those of
+    at most 384 first (MKL's runs seen so far are equal parts of at most 384)."""
     n, k = own.shape[-1], x.shape[-1]
-    candidates = sorted({k // p for p in range(1, 9) if k % p == 0}, key=lambda kc: (kc != first, kc > 384, -kc))
+    candidates = sorted({k // p for p in range(1, 9) if k % p == 0}, key=lambda kc: (kc > 384, -kc))
     return next((kc for kc in candidates if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
 
 
@@ -637,10 +636,11 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
 
     use_onednn = onednn_usable()
     use_c = available()
-    dtypes = (torch.bfloat16,) if exact else (torch.float32, torch.bfloat16)
+    bf16 = bf16_packing_usable()  # False: no bfloat16 weight is packed, fused or probed (each would only fail)
+    dtypes = tuple(d for d in ((torch.bfloat16,) if exact else (torch.float32, torch.bfloat16)) if bf16 or d != torch.bfloat16)
     probed: set[tuple] = set()  # the shapes whose packed products agreed at every probe row count (_packed_if_it_agrees)
     # sibling linears first: a group's probe covers its members, which then need none of their own
-    packed_bytes = _fuse_siblings(model, exact, use_c, probed) if use_onednn else 0
+    packed_bytes = _fuse_siblings(model, exact, use_c, probed) if use_onednn and bf16 else 0
     linears = norms = small = groups = f32 = f32_bytes = 0
     for module in model.modules():
         if has_fast_path(module):
@@ -669,8 +669,8 @@ def enable_fast_layers(model: torch.nn.Module, exact: bool = False) -> FastLayer
             module.forward = types.MethodType(_fast_rms_norm_forward, module)
             norms += 1
     amx, amx_bytes = _give_amx_tiles(model)
-    if use_onednn and not bf16_packing_usable() and any(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
-                                                        for m in model.modules()):
+    if use_onednn and not bf16 and any(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+                                       for m in model.modules()):
         logger.info("bfloat16 linears keep F.linear: torch's oneDNN cannot pack a bfloat16 weight on this CPU (it "
                     "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     logger.info("fast CPU layers: %d linears (%d with C products for 1-%d rows, %d groups of siblings run as one "

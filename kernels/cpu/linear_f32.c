@@ -32,21 +32,17 @@
  * floats, a block taking two: 1 block x 6 rows = 12 of them (the AVX-512 tiling there spilled its sums on every
  * multiply-add and ran about twenty times slower than MKL, 2026-12-07, an AVX2-only AMD EPYC). The order of each
  * output's sums is the same either way. */
+/* VEC: the floats of one vector register; a block is HALVES of them (one with AVX-512; two with AVX2, whose compiler
+ * keeps a 64-byte vector type in memory, not in registers). */
 #if defined(__AVX512F__)
 #define NB 2
 #define ROWS_A 8
 #define ROWS_B 12
+#define VEC 16
 #else
 #define NB 1
 #define ROWS_A 4
 #define ROWS_B 6
-#endif
-
-/* One vector register of floats: a block is HALVES of them (one with AVX-512; two with AVX2, whose compiler keeps a
- * 64-byte vector type in memory, not in registers). */
-#if defined(__AVX512F__)
-#define VEC 16
-#else
 #define VEC 8
 #endif
 #define HALVES (BLOCK / VEC)
