@@ -1,16 +1,17 @@
-"""A float32 decode step's linear products: MKL's (``F.linear``) against ``linear_f32.c``, weights from memory.
+"""A float32 decode step's linear products: MKL's (``F.linear``) against the C products, weights from memory.
 
 The trained model's float32 decode step reads every linear weight once (538 MB for SmolLM2-135M). This times the
 products of one step at given row counts both ways: ``F.linear`` (Intel MKL's sgemm in torch's x86 wheels) on the
-weight as ``nn.Linear`` keeps it, and ``kernels/cpu/linear_f32.c`` on the weight laid out once as blocks of 16
-outputs, summing each output's inputs in MKL's runs (its run length for each shape found here as the engine finds
-it, ``kernels/cpu/layers.py``). The weights are the model's shapes (q, k and v, o, gate and up, down, for each of 30
-layers, and the 49,152 x 576 LM head), random, 30 distinct copies, so every product reads its weight from memory as
-in a step. The two run in turns, ``--repeats`` rounds; medians are printed with the bytes per second, and whether
-the C product gave ``F.linear``'s bits at that row count (the engine uses it only where it does).
+weight as ``nn.Linear`` keeps it, and the engine's float32 layers (``kernels/cpu/layers.py``): ``linear_f32.c``
+(each output's inputs in MKL's runs, on the weight laid out once as blocks of 16 outputs) and, for up to three rows,
+``linear_f32_lanes.c`` (MKL's lanes, on the weight as it is), by the plan the engine finds for each shape and row
+count on its first product (``_f32_check``; where none gives ``F.linear``'s bits the layer runs ``F.linear`` itself,
+and the line says so). The weights are the model's shapes (q, k and v, o, gate and up, down, for each of 30 layers,
+and the 49,152 x 576 LM head), random, 30 distinct copies, so every product reads its weight from memory as in a
+step. The two run in turns, ``--repeats`` rounds; medians are printed with the bytes per second.
 
     OMP_NUM_THREADS=1 python benchmarks/f32_linear.py --threads 1
-    OMP_NUM_THREADS=2 python benchmarks/f32_linear.py --threads 2 --rows 16 48 128
+    OMP_NUM_THREADS=2 python benchmarks/f32_linear.py --threads 2 --rows 1 2 3 5 16 48 128
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvpaging.kernels.cpu import f32_linear_unchecked, f32_pack
-from kvpaging.kernels.cpu.layers import f32_run_length
+from kvpaging.kernels.cpu import layers as cpu_layers
 
 LAYERS = 30
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))  # q k v o gate up down
@@ -41,38 +41,44 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=g) for _ in range(LAYERS) for shape in SHAPES]
     weights.append(torch.randn(HEAD, generator=g))
-    packed = [f32_pack(w) for w in weights]
+    linears = []
+    for w in weights:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight = torch.nn.Parameter(w, requires_grad=False)
+        cpu_layers._give_f32_forward(linear)  # the engine's float32 forward (the C products where exact)
+        linears.append(linear)
     total = sum(w.numel() * 4 for w in weights)
     print(f"machine: {platform.machine()} {platform.node()} | torch {torch.__version__} | {args.threads} thread(s) | "
           f"{len(weights)} products, {total / 1e6:.0f} MB of float32 weights a step")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w in weights}}
-        runs = {}
-        for w, p in zip(weights, packed):
-            if tuple(w.shape) not in runs:
-                x = xs[w.shape[1]]
-                runs[tuple(w.shape)] = f32_run_length(x, p, F.linear(x, w))  # as the engine searches for it
-        exact = all(runs.values())
-        kcs = {shape: kc or min(384, shape[1]) for shape, kc in runs.items()}  # timed either way
 
         def mkl():
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
 
         def c_product():
-            for w, p in zip(weights, packed):
-                f32_linear_unchecked(xs[w.shape[1]], p, w.shape[0], kcs[tuple(w.shape)])
+            for linear in linears:
+                linear(xs[linear.in_features])
 
-        times = {"MKL (F.linear)": [], "linear_f32.c": []}
-        mkl(), c_product()
-        for _ in range(args.repeats):
-            for name, fn in (("MKL (F.linear)", mkl), ("linear_f32.c", c_product)):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
+        with torch.no_grad():
+            c_product()  # each shape's first product at this row count: checked, its plan kept
+            plans = {(n, k): cpu_layers._f32_rows[(n, k, args.threads, rows)]
+                     for n, k in {tuple(w.shape) for w in weights}}
+            times = {"MKL (F.linear)": [], "C": []}
+            mkl()
+            for _ in range(args.repeats):
+                for name, fn in (("MKL (F.linear)", mkl), ("C", c_product)):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+        exact = "every shape" if all(plans.values()) else "F.linear kept for " + ", ".join(
+            f"{n} x {k}" for (n, k), plan in sorted(plans.items()) if not plan)
+        kinds = sorted({"runs" if plan[1] == rows else "lanes" if not plan[1] else "runs + lanes"
+                        for plan in plans.values() if plan})
         line = ", ".join(f"{name} {statistics.median(t) * 1e3:6.1f} ms ({total / statistics.median(t) / 1e9:4.1f} GB/s)"
                          for name, t in times.items())
-        print(f"{rows:4d} rows (F.linear's bits: {'yes' if exact else 'no'}): {line}")
+        print(f"{rows:4d} rows (C where exact: {exact}; {'/'.join(kinds) or '-'}): {line}")
 
 
 if __name__ == "__main__":

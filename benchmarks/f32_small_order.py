@@ -12,7 +12,11 @@ this prints whether every element of ``F.linear(x, w)`` equals
   and the result ``(s_0 + s_1) + (s_2 + s_3)``: what a kernel that runs one output's inputs along an AVX-512
   register computes when it folds the register's four 128-bit quarters onto the first, then adds that quarter's
   pairs. Emulated here in numpy (each fused multiply-add in float64, where the product is exact, then rounded to
-  float32: a double rounding could differ in a rare case, and would show as a mismatch).
+  float32: a double rounding could differ in a rare case, and would show as a mismatch);
+* ``4 lanes``: ``linear_f32_lanes.c`` (each product rounded, then added in four lanes of inputs, folded as
+  ``(l_0 + l_2) + (l_1 + l_3)``, after a head that reaches the inputs' 16-byte alignment, for one row the weights'),
+  for every row below four, else for the rows past the last group of four, the others in ``runs`` (what MKL does at
+  two threads on an AVX2-only AMD EPYC; the order that machine's probes found, benchmarks/RESULTS.md).
 
     python benchmarks/f32_small_order.py --threads 1
     python benchmarks/f32_small_order.py --threads 2
@@ -65,7 +69,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
     print(f"machine: {platform.machine()} | torch {torch.__version__} | {args.threads} thread(s) | "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("rows | " + " | ".join(f"{n} x {k}: runs, lanes" for n, k in SHAPES))
+    print("rows | " + " | ".join(f"{n} x {k}: runs, lanes, 4 lanes" for n, k in SHAPES))
     weights = [torch.randn(n, k, generator=g) for n, k in SHAPES]
     packed = [cpu.f32_pack(w) for w in weights]
     runs = []
@@ -79,8 +83,16 @@ def main() -> None:
             own = F.linear(x, w)
             by_runs = bool(kc) and torch.equal(cpu.f32_linear_unchecked(x, p, w.shape[0], kc), own)
             by_lanes = all(np.array_equal(lanes_order(x[r].numpy(), w.numpy()), own[r].numpy()) for r in range(rows))
-            cells.append(f"{'yes' if by_runs else 'no':>3}, {'yes' if by_lanes else 'no':>3}")
-        print(f"{rows:4d} | " + " | ".join(f"{c:>22}" for c in cells))
+            split = rows - rows % 4
+            by_four = False
+            if rows % 4 and (not split or kc):  # the first rows in runs (any), the rest in four lanes
+                four = torch.empty_like(own)
+                if split:
+                    cpu.f32_linear_unchecked(x, p, w.shape[0], kc, four, split)
+                cpu.f32_lanes_unchecked(x, w, -1 if rows == 1 else -2, four, split)
+                by_four = torch.equal(four, own)
+            cells.append(", ".join(f"{'yes' if v else 'no':>3}" for v in (by_runs, by_lanes, by_four)))
+        print(f"{rows:4d} | " + " | ".join(f"{c:>31}" for c in cells))
     print("(runs found at 16 rows: " + ", ".join(f"{n} x {k}: {kc or 'none'}" for (n, k), kc in zip(SHAPES, runs)) + ")")
 
 

@@ -328,13 +328,14 @@ def main() -> None:
 
 
 def f32_verdicts() -> str:
-    """Which row counts of each float32 product shape ran in C (``linear_f32.c``, MKL's bits: checked on the first
-    product of each size, ``kernels/cpu/layers.py``) and which stayed ``F.linear``, in this process."""
+    """Which row counts of each float32 product shape ran in C (``linear_f32.c`` and ``linear_f32_lanes.c``, MKL's
+    bits: checked on the first product of each size, ``kernels/cpu/layers.py``) and which stayed ``F.linear``, in this
+    process."""
     from kvpaging.kernels.cpu import layers as cpu_layers
 
     shapes: dict[tuple, dict[bool, list[int]]] = {}
-    for (n, k, threads, rows), kc in sorted(cpu_layers._f32_rows.items()):
-        shapes.setdefault((n, k, threads), {True: [], False: []})[kc > 0].append(rows)
+    for (n, k, threads, rows), plan in sorted(cpu_layers._f32_rows.items()):
+        shapes.setdefault((n, k, threads), {True: [], False: []})[bool(plan)].append(rows)
 
     def spans(rows: list[int]) -> str:
         runs, start = [], None

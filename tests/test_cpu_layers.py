@@ -647,6 +647,8 @@ def test_a_float32_linear_is_mkls_product_to_the_bit_at_every_row_count_and_on_i
                 assert torch.equal(layer(x), F.linear(x, layer.weight))
                 x = torch.randn(300, k, generator=g)  # a prompt chunk: F.linear's own
                 assert torch.equal(layer(x), F.linear(x, layer.weight))
+                x = torch.randn(0, k)  # no rows at all (a step of no tokens for this layer)
+                assert layer(x).shape == (0, n)
 
 
 @needs_c
@@ -665,13 +667,14 @@ def test_a_float32_linear_runs_the_c_product_where_it_agrees_and_f_linear_where_
         key = (192, 576, 1)
         if not layers._f32_rows[(*key, 24)]:
             pytest.skip("MKL does not sum 24-row float32 products in runs here: the layers keep F.linear")
-        assert layers._f32_rows[(*key, 24)] == layers._f32_runs[key] > 0
+        assert layers._f32_rows[(*key, 24)] == (layers._f32_runs[key], 24, 0) and layers._f32_runs[key] > 0
         assert "kvpaging::cpu_linear_f32" in ops_called(lambda: layer(x))
-        layers._f32_rows[(*key, 24)] = 0  # as if the check had failed: F.linear from then on
+        layers._f32_rows[(*key, 24)] = ()  # as if the check had failed: F.linear from then on
         assert "kvpaging::cpu_linear_f32" not in ops_called(lambda: layer(x))
-        monkeypatch.setattr(layers, "f32_linear_unchecked", lambda x, packed, n, kc: torch.zeros(x.shape[0], n))
+        monkeypatch.setattr(layers, "f32_linear_unchecked", lambda x, packed, n, kc, *a: torch.zeros(x.shape[0], n))
+        monkeypatch.setattr(layers, "f32_lanes_unchecked", lambda x, w, head, out, first: out.zero_())
         layers._f32_rows.pop((*key, 24))  # a check whose C product differs: refused, and F.linear's product served
-        assert torch.equal(layer(x), F.linear(x, layer.weight)) and layers._f32_rows[(*key, 24)] == 0
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and layers._f32_rows[(*key, 24)] == ()
         layers._f32_runs.clear()  # a shape whose run length is not found: refused at that row count, searched at the next
         layers._f32_rows.clear()
         searched = []
@@ -679,12 +682,12 @@ def test_a_float32_linear_runs_the_c_product_where_it_agrees_and_f_linear_where_
         for rows in (30, 31):
             y = torch.randn(rows, 576)
             assert torch.equal(layer(y), F.linear(y, layer.weight))
-            assert layers._f32_rows[(*key, rows)] == 0 and key not in layers._f32_runs
-        assert searched == [30, 31]
+            assert layers._f32_rows[(*key, rows)] == () and key not in layers._f32_runs
+        assert searched == [30, 28, 31, 28]  # all rows in runs, then the first 28 (their last rows in lanes)
         layers._f32_runs[key] = 288  # once a run length is known, a new row count tries it alone: no search
         z = torch.randn(40, 576)
-        assert torch.equal(layer(z), F.linear(z, layer.weight)) and layers._f32_rows[(*key, 40)] == 0
-        assert searched == [30, 31]
+        assert torch.equal(layer(z), F.linear(z, layer.weight)) and layers._f32_rows[(*key, 40)] == ()
+        assert searched == [30, 28, 31, 28]
 
 
 @needs_c
@@ -712,19 +715,125 @@ def test_the_run_length_search_finds_the_one_run_length_a_product_was_summed_wit
 
 @needs_c
 def test_a_float32_linear_lays_its_weight_out_only_when_a_product_needs_it(monkeypatch):
-    """Products of one row are F.linear's, unchecked, and lay nothing out (MKL's one-row product sums otherwise on
-    every machine seen): an engine that serves one sequence at a time pays no memory for the C product. The first
-    product of two rows or more lays the weight out and is checked."""
+    """Products of one row are checked against the lanes order alone, which reads the weight as it is: an engine that
+    serves one sequence at a time pays no memory for the C products. The first product of four rows is checked in
+    runs first, which needs the weight laid out."""
     monkeypatch.setattr(layers, "_f32_runs", {})
     monkeypatch.setattr(layers, "_f32_rows", {})
     layer = torch.nn.Linear(96, 64, bias=False)
     layers._give_f32_forward(layer)
     with torch.no_grad():
         for _ in range(3):
-            layer(torch.randn(1, 96))
-        assert layer._f32.weight is None and not layers._f32_rows
-        layer(torch.randn(2, 96))  # the first product of two rows: laid out, and checked
-        assert layer._f32.weight is not None and (64, 96, torch.get_num_threads(), 2) in layers._f32_rows
+            x = torch.randn(1, 96)
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
+        assert layer._f32.weight is None and (64, 96, torch.get_num_threads(), 1) in layers._f32_rows
+        layer(torch.randn(4, 96))  # the first product of four rows: laid out, and checked
+        assert layer._f32.weight is not None and (64, 96, torch.get_num_threads(), 4) in layers._f32_rows
+
+
+def _lanes_reference(x: torch.Tensor, w: torch.Tensor, head: int) -> torch.Tensor:
+    """The order ``linear_f32_lanes.c`` documents, one float32 operation at a time in torch (every output at once):
+    each product rounded; the first ``head`` inputs added in order; lane ``l`` the inputs ``head + l``, ``head + l +
+    4``, ... in order, lane 0 after the head; ``(lane 0 + lane 2) + (lane 1 + lane 3)``; then the inputs past the
+    lanes' last group of four, in order."""
+    k = x.shape[-1]
+    end = head + (k - head) // 4 * 4
+    products = x[:, None, :] * w[None, :, :]  # [rows, n, k], each rounded to float32
+    lanes = [None, None, None, None]
+    if head:
+        lanes[0] = products[..., 0]
+        for i in range(1, head):
+            lanes[0] = lanes[0] + products[..., i]
+    for i in range(head, end):
+        lane = (i - head) % 4
+        lanes[lane] = products[..., i] if lanes[lane] is None else lanes[lane] + products[..., i]
+    if end == head:
+        total = lanes[0] if head else torch.zeros(products.shape[:2])
+    else:
+        total = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+    for i in range(end, k):
+        total = total + products[..., i]
+    return total
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_lanes_kernel_sums_in_the_order_it_documents(threads):
+    """``linear_f32_lanes.c`` against a torch emulation of its documented order (not MKL: that is the engine's check),
+    for one to three rows, fixed heads of 0 to 5 and the two heads taken from the addresses, inputs past the lanes'
+    last group of four, outputs past the last group, misaligned inputs and weights, and rows after a ``first``."""
+    g = torch.Generator().manual_seed(3)
+    with cpu_threads(threads):
+        for n, k in ((37, 64), (16, 23), (9, 8), (3, 5)):
+            for w_off in (0, 1, 2):
+                w = torch.randn(n * k + 3, generator=g)[w_off:w_off + n * k].view(n, k)
+                for rows in (1, 2, 3):
+                    for x_off in (0, 1, 3):
+                        x = torch.randn(rows * k + 3, generator=g)[x_off:x_off + rows * k].view(rows, k)
+                        for head in (0, 1, 2, 3, 4, 5, -1, -2):
+                            if head == -1:  # up to the first weight past the first at a 16-byte boundary: 1 to 4
+                                fixed = 4 - (w.data_ptr() // 4) % 4
+                            elif head == -2:  # up to the first input at a 16-byte boundary: 0 to 3
+                                fixed = -(x.data_ptr() // 4) % 4
+                            else:
+                                fixed = head
+                            if head < 0 and k % 4:
+                                continue  # rows of x or of w aligned differently: not what the kernel is used for
+                            got = cpu.f32_lanes_unchecked(x, w, head)
+                            assert torch.equal(got, _lanes_reference(x, w, min(fixed, k))), (n, k, rows, head)
+                # rows after `first`: the ones before are left alone
+                x = torch.randn(5, k, generator=g)
+                out = torch.full((5, n), 7.0)
+                cpu.f32_lanes_unchecked(x, w, 2, out, 3)
+                assert torch.equal(out[:3], torch.full((3, n), 7.0))
+                assert torch.equal(out[3:], _lanes_reference(x[3:], w, 2))
+        with pytest.raises(ValueError, match="4 rows"):
+            cpu.f32_lanes_unchecked(torch.randn(4, 8), torch.randn(9, 8))
+
+
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_float32_linear_stays_mkls_product_on_inputs_and_weights_at_any_alignment(threads, monkeypatch):
+    """MKL's kernels for a few rows start their lanes where the inputs' or the weights' addresses say (found on an
+    AVX2-only AMD EPYC): a row count checked on one alignment must still give ``F.linear``'s bits on inputs and
+    weights at every other alignment of a float."""
+    monkeypatch.setattr(layers, "_f32_runs", {})
+    monkeypatch.setattr(layers, "_f32_rows", {})
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad(), cpu_threads(threads):
+        for n, k in ((192, 576), (64, 96)):
+            for w_off in (0, 1, 2, 3):
+                layer = torch.nn.Linear(k, n, bias=False)
+                weight = torch.randn(n * k + 4, generator=g)[w_off:w_off + n * k].view(n, k)
+                layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+                layers._give_f32_forward(layer)
+                for rows in range(1, 12):
+                    for x_off in (0, 1, 2, 3):
+                        x = torch.randn(rows * k + 4, generator=g)[x_off:x_off + rows * k].view(rows, k)
+                        assert torch.equal(layer(x), F.linear(x, weight)), (n, k, w_off, rows, x_off)
+
+
+@needs_c
+def test_float32_products_of_a_few_rows_run_in_lanes_where_mkl_sums_so(monkeypatch):
+    """On a CPU where MKL sums products of one to three rows in four lanes (an AVX2-only AMD EPYC), the engine's
+    float32 layers run them in C: a server decoding one to three sequences reads its weights at the C product's
+    speed, not MKL's small-product kernels'."""
+    monkeypatch.setattr(layers, "_f32_rows", {})
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(192, 576, generator=g)
+    x = torch.randn(2, 576, generator=g)
+    with cpu_threads(1):
+        if not torch.equal(cpu.f32_lanes_unchecked(x, w, -2), F.linear(x, w)):
+            pytest.skip("MKL does not sum two-row float32 products in four lanes here")
+        layer = torch.nn.Linear(576, 192, bias=False)
+        layers._give_f32_forward(layer)
+        with torch.no_grad():
+            for rows in (1, 2, 3):
+                y = torch.randn(rows, 576, generator=g)
+                layer(y)  # checked
+                assert layers._f32_rows[(192, 576, 1, rows)][1] == 0, rows  # every row in lanes
+                assert "kvpaging::cpu_linear_f32" in ops_called(lambda: layer(y))
+        assert layer._f32.weight is None  # no layout: the lanes read the weight as it is
 
 
 @needs_c

@@ -1,6 +1,6 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Nine small C files live here:
+Ten small C files live here:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
@@ -19,6 +19,9 @@ Nine small C files live here:
 * ``linear_f32.c``: a float32 linear layer for a decode step's rows, summing each output's inputs in MKL's runs, on
   a weight laid out once as blocks of 16 outputs (:func:`f32_pack`, :func:`f32_linear_unchecked`; ``layers.py`` uses
   it for each shape and row count where it gave ``F.linear``'s bits);
+* ``linear_f32_lanes.c``: the same for one to three rows in MKL's other order (products rounded, then added in four
+  lanes), on the weight as it is (:func:`f32_lanes_unchecked`; ``layers.py`` again, only where it gave
+  ``F.linear``'s bits);
 * ``rotary.c``: the rotary position embedding as transformers applies it, to the bit (:func:`rotary`, for the
   engine's direct forward, ``kvpaging/worker/direct_forward.py``);
 * ``argmax.c``: each row's greedy pick, the index ``torch.max(x, dim=-1)`` gives (:func:`argmax_rows`, for the
@@ -60,7 +63,7 @@ import torch
 __all__ = ["available", "unavailable_reason", "decode_attention_fn", "prefill_attention_fn", "store_kv_fn", "rms_norm", "rms_norm_unchecked", "add_rms_norm",
            "add_rms_norm_unchecked", "rotary", "silu_mul", "silu_mul_unchecked", "silu_table", "linear_bf16", "argmax_rows", "PROFILER_NAME", "RMS_NORM_PROFILER_NAME",
            "LINEAR_PROFILER_NAME", "ARGMAX_PROFILER_NAME", "PREFILL_PROFILER_NAME", "amx_ready", "amx_pack", "amx_linear",
-           "amx_linear_unchecked", "AMX_PROFILER_NAME", "f32_pack", "f32_linear_unchecked", "F32_PROFILER_NAME"]
+           "amx_linear_unchecked", "AMX_PROFILER_NAME", "f32_pack", "f32_linear_unchecked", "f32_lanes_unchecked", "F32_PROFILER_NAME"]
 
 # Each source with its own flags. -ffast-math lets the compiler reorder the dot products' sums into vector lanes; it
 # is used to compile only: linking a shared library with it would switch the whole process to flush-denormals-to-zero
@@ -76,8 +79,9 @@ SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("rms_norm.c", ["-ffp-contract=off", "-fno-math-errno", *WIDE]),
     ("linear.c", ["-ffast-math"]), ("rotary.c", ["-ffp-contract=off", "-fno-math-errno", *WIDE]),
     ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []), ("silu_mul.c", ["-ffp-contract=off", *WIDE]),
-    # `acc + x * w` must be one fused multiply-add there, as in MKL's sgemm (linear_f32.c's header)
-    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]))}
+    # `acc + x * w` must be one fused multiply-add there, as in MKL's sgemm (linear_f32.c's header); and none in
+    # MKL's order for one to three rows (linear_f32_lanes.c's)
+    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]), ("linear_f32_lanes.c", ["-ffp-contract=off", *WIDE]))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -105,7 +109,7 @@ _rms_rows_fn = None
 _mean_lanes: int | None = None  # the vector width for which rms_norm.c's mean is torch's to the bit (0: none), once known
 _argmax_fn = None
 _amx = None  # linear_amx.c's (ready, pack, linear) functions
-_f32 = None  # linear_f32.c's (pack, linear) functions
+_f32 = None  # linear_f32.c's (pack, linear) functions, and linear_f32_lanes.c's linear
 _silu_mul_fn = None
 _silu_table: torch.Tensor | None | bool = False  # torch's SiLU of every bfloat16 number (None: none; False: not made)
 _reason: str | None = None  # why the kernel could not be built, once tried
@@ -245,10 +249,11 @@ def _load():
     pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
     linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64], i64
     _amx = (ready, pack, linear)
-    pack, linear = lib.kvpaging_f32_pack, lib.kvpaging_f32_linear
+    pack, linear, lanes = lib.kvpaging_f32_pack, lib.kvpaging_f32_linear, lib.kvpaging_f32_linear_lanes
     pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
     linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64], i64
-    _f32 = (pack, linear)
+    lanes.argtypes, lanes.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64], i64
+    _f32 = (pack, linear, lanes)
     _silu_mul_fn = lib.kvpaging_silu_mul
     _silu_mul_fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     _silu_mul_fn.restype = None
@@ -652,14 +657,37 @@ def f32_pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def f32_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int) -> torch.Tensor:
+def f32_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int, out: torch.Tensor | None = None,
+                         rows: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` for rows of float32 ``x`` (contiguous, ``k`` features last), ``packed`` being
     ``f32_pack(weight)`` and ``n`` the weight's outputs: each output's inputs summed in runs of ``kc`` by fused
     multiply-adds in order, the runs' sums added in order (``linear_f32.c``). MKL's ``F.linear`` sums so for the
-    shapes and row counts ``kernels/cpu/layers.py`` finds it does, and only there is this used in its place."""
+    shapes and row counts ``kernels/cpu/layers.py`` finds it does, and only there is this used in its place. With
+    ``rows``, only the first ``rows`` rows, into ``out`` (default: a new tensor)."""
     k = x.shape[-1]
-    out = x.new_empty(*x.shape[:-1], n)
-    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.numel() // k, n, k, kc, torch.get_num_threads())
+    rows = x.numel() // k if rows is None else rows
+    out = x.new_empty(*x.shape[:-1], n) if out is None else out
+    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n, k, kc, torch.get_num_threads())
     if call_named(F32_PROFILER_NAME, _f32[1], args):
-        raise MemoryError(f"f32_linear: no memory for {x.numel() // k} x {k} padded inputs")
+        raise MemoryError(f"f32_linear: no memory for {rows} x {k} padded inputs")
+    return out
+
+
+def f32_lanes_unchecked(x: torch.Tensor, weight: torch.Tensor, head: int = 0, out: torch.Tensor | None = None,
+                        first: int = 0) -> torch.Tensor:
+    """``x @ weight.T`` for one to three rows of float32 ``x`` (contiguous, ``k`` features last; from row ``first``
+    on, into ``out``, default a new tensor), ``weight`` a contiguous float32 ``[n, k]``: each product rounded, then
+    added in four lanes (input ``i`` in lane ``(i - head) mod 4``, the first ``head`` inputs added in order before
+    lane 0's first; ``head`` -1 or -2: as many as MKL's kernels take from the weights' or the inputs' addresses), the
+    lanes added as ``(0 + 2) + (1 + 3)``, then the inputs past their last group of four in order
+    (``linear_f32_lanes.c``): MKL's order for so few rows where ``kernels/cpu/layers.py`` finds it is, and only there
+    is this used in its place."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels are unavailable here: {_reason}")
+    n, k = weight.shape
+    rows = x.numel() // k
+    out = x.new_empty(*x.shape[:-1], n) if out is None else out
+    args = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), first, rows, n, k, head, torch.get_num_threads())
+    if call_named(F32_PROFILER_NAME, _f32[2], args):
+        raise ValueError(f"f32_lanes: {rows - first} rows; it takes one to three")
     return out

@@ -51,11 +51,14 @@ implementation of the *same* maths (measured by
   MKL sums each output's inputs in runs (288 of 576 inputs, 384 of 1,536), each a chain of fused multiply-adds
   in input order, and adds the runs (found on an AMX Xeon with torch 2.13's MKL, one and two threads;
   ``benchmarks/RESULTS.md``). ``linear_f32.c`` sums so, on the weight laid out once as blocks of 16 outputs
-  (a second copy of the weights, logged). It runs a product of up to ``F32_MAX_ROWS`` rows only where it gave
-  ``F.linear``'s bits: the first real product of each shape, row count and thread count is computed both ways
-  and compared (``_f32_check``), and ``F.linear`` keeps every size where they differ (on that machine, fewer
-  than 16 rows; on an AVX2-only AMD EPYC, one row), one-row products and every product of more rows. So it is on
-  by default (``cpu_fast_layers=None``): a float32
+  (a second copy of the weights, logged). Fewer rows MKL sums in another order: each product rounded, then added in
+  four lanes of inputs, the lanes folded in pairs (with a head of four inputs for one row), found on an AVX2-only AMD
+  EPYC; ``linear_f32_lanes.c`` sums so, on the weight as it is, for up to three rows (at two threads MKL sums a
+  product's rows past its last group of four so too, and the two kernels share such a product). Each size runs in C
+  only where it gave ``F.linear``'s bits: the first real product of each shape, row count and thread count, up to
+  ``F32_MAX_ROWS`` rows, is computed both ways and compared (``_f32_check``), and ``F.linear`` keeps every size
+  where they differ (on the Xeon, fewer than 16 rows: its small products sum in 16 lanes) and every product of more
+  rows. So it is on by default (``cpu_fast_layers=None``): a float32
   model's tokens stay ``generate()``'s.
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
@@ -97,7 +100,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available,
-                                  f32_linear_unchecked, f32_pack, linear_bf16, linear_bf16_unchecked, rms_norm,
+                                  f32_lanes_unchecked, f32_linear_unchecked, f32_pack, linear_bf16, linear_bf16_unchecked, rms_norm,
                                   rms_norm_unchecked)
 from kvpaging.kernels.cpu.huge_pages import zeros_in_huge_pages
 
@@ -485,43 +488,59 @@ def _small_batch_agrees(module: torch.nn.Linear) -> bool:
 # products with the weights from memory took the C product 0.62x MKL's time at 16 rows, 0.68x at 24, 0.81x at 48,
 # 0.97x at 96 and 1.05x at 128 (one thread on the AMX Xeon, `benchmarks/f32_linear.py`, benchmarks/RESULTS.md).
 F32_MAX_ROWS = 96
-# Products of fewer rows are F.linear's, unchecked: MKL's one-row product (a matrix-vector one) summed otherwise than
-# any run length on every machine seen.
-F32_MIN_ROWS = 2
-# (outputs, inputs, threads, rows) -> the run length with which linear_f32.c gave F.linear's bits for that row count,
-# 0 where no run length did (each size checked once, on its first real product, by one layer of that shape: how MKL
-# adds a product's terms depends on the shape, the rows and the threads, not on the values). MKL sums in runs from 16
-# rows on the AMX Xeon, from 4 at two threads for some shapes, and from 2 on an AVX2-only AMD EPYC (2026-12-07:
-# `benchmarks/f32_small_order.py`), so every size from F32_MIN_ROWS is checked: a server that decodes a handful of
-# sequences at a time gets the C product wherever it is exact.
-_f32_rows: dict[tuple, int] = {}
+# (outputs, inputs, threads, rows) -> the plan with which the C products gave F.linear's bits for that row count, ()
+# where none did (each size checked once, on its first real product, by one layer of that shape: how MKL adds a
+# product's terms depends on the shape, the rows and the threads, not on the values). A plan is (kc, split, head):
+# rows before `split` summed in runs of kc (linear_f32.c), the rest in four lanes after `head` inputs in order
+# (linear_f32_lanes.c). MKL sums in runs from 16 rows on the AMX Xeon, from 4 at two threads for some shapes; on an
+# AVX2-only AMD EPYC (2026-12-07) in runs of 192 from 4 rows, in lanes below (after a head of 4 for one row), and at
+# two threads a product's rows past its last group of four in lanes (`benchmarks/f32_small_order.py`): every size is
+# checked, so a server that decodes a handful of sequences at a time gets the C products wherever they are exact.
+_f32_rows: dict[tuple, tuple] = {}
 # (outputs, inputs, threads) -> the run length found for the shape: the one tried, alone, at its next row count
 _f32_runs: dict[tuple, int] = {}
 
 
 def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """A float32 linear (no bias): a decode step's rows through ``linear_f32.c`` where its product is ``F.linear``'s
-    to the bit for this shape, row count and thread count (checked once, on the first such product, against
-    ``F.linear`` itself); ``F.linear`` otherwise. The weight is laid out for the C product at the first product
-    that needs it (a model that only ever runs one sequence at a time never pays the memory)."""
+    """A float32 linear (no bias): a decode step's rows through ``linear_f32.c`` and ``linear_f32_lanes.c`` where
+    their product is ``F.linear``'s to the bit for this shape, row count and thread count (checked once, on the first
+    such product, against ``F.linear`` itself); ``F.linear`` otherwise."""
     weight = self._parameters["weight"]
     k = self.in_features
     if (input.dtype is not torch.float32 or input.device.type != "cpu" or input.dim() < 2 or input.shape[-1] != k
-            or input.numel() > F32_MAX_ROWS * k or input.numel() < F32_MIN_ROWS * k or not input.is_contiguous()
-            or self._parameters["bias"] is not None):
+            or not k <= input.numel() <= F32_MAX_ROWS * k or not input.is_contiguous()
+            or self._parameters["bias"] is not None or not weight.is_contiguous()):
         return F.linear(input, weight, self._parameters["bias"])
     shape, rows = (self.out_features, k, torch.get_num_threads()), input.numel() // k
-    kc = _f32_rows.get((*shape, rows))
-    if kc == 0:  # checked, and refused
+    plan = _f32_rows.get((*shape, rows))
+    if plan == ():  # checked, and refused
         return F.linear(input, weight)
-    packed = self._f32
+    if plan:
+        return _f32_product(self, input, *plan)
+    own = F.linear(input, weight)
+    _f32_check(self, input.reshape(rows, k), own.reshape(rows, -1), shape)
+    return own
+
+
+def _f32_product(layer: torch.nn.Linear, x: torch.Tensor, kc: int, split: int, head: int) -> torch.Tensor:
+    """``layer``'s product of ``x`` by the plan ``(kc, split, head)`` (``_f32_rows``)."""
+    n, k = layer.out_features, layer.in_features
+    rows = x.numel() // k
+    if split == rows:
+        return f32_linear_unchecked(x, _f32_packed(layer), n, kc)
+    out = x.new_empty(*x.shape[:-1], n)
+    if split:
+        f32_linear_unchecked(x, _f32_packed(layer), n, kc, out, split)
+    return f32_lanes_unchecked(x, layer.weight, head, out, split)
+
+
+def _f32_packed(layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer``'s weight laid out for ``linear_f32.c``, made at the first product that sums rows in runs (a model
+    that never runs one never pays the memory; the lanes read the weight as it is)."""
+    packed, weight = layer._f32, layer.weight
     if packed.version != weight._version:  # not laid out yet, or its weight was written in place since
         packed.weight, packed.version = _f32_layout(weight), weight._version
-    if kc:
-        return f32_linear_unchecked(input, packed.weight, shape[0], kc)
-    own = F.linear(input, weight)
-    _f32_check(input, packed.weight, own, shape, rows)
-    return own
+    return packed.weight
 
 
 # id(weight) -> (a weak reference to the weight, its _version, a weak reference to its layout): engines made on one
@@ -552,19 +571,50 @@ def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor) -> 
     return next((kc for kc in candidates if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
 
 
-def _f32_check(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor, shape: tuple, rows: int) -> None:
-    """Decide whether ``linear_f32.c`` gives ``own`` (``F.linear``'s product of ``x``) to the bit at this row count,
-    and with which run length: until one is found for the shape, by searching (``f32_run_length``); after, by trying
-    that one alone (MKL's run length for a shape was the same at every row count where it summed in runs, on every
-    machine seen), so a new row count costs one more product, once."""
-    kc = _f32_runs.get(shape)
-    if kc is None:
-        kc = f32_run_length(x, packed, own)
-    elif not torch.equal(f32_linear_unchecked(x, packed, shape[0], kc), own):
-        kc = 0
-    _f32_rows[(*shape, rows)] = kc
-    if kc:
-        _f32_runs[shape] = kc
+def f32_plans(rows: int, kc: int | None, n: int, k: int) -> list[tuple[int | None, int, int]]:
+    """The plans ``(kc, split, head)`` to try for a product of ``rows`` rows of an ``n`` x ``k`` weight, in order
+    (``kc`` None: the shape's run length is not known yet, to be searched): all rows in runs, and the rows past the
+    last group of four in lanes (all of them below four rows, then tried first), their head where MKL's is: reaching
+    the inputs' 16-byte alignment (-2), and for one row also the weights' (-1: MKL's matrix-vector product). Lanes
+    only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least 8 outputs and
+    16 inputs: MKL's kernels for tinier products sum otherwise)."""
+    runs = [(kc, rows, 0)] if rows > 1 else []  # MKL's one-row product never summed in runs on any machine seen
+    lanes = []
+    tail = rows % 4
+    if tail and k % 4 == 0 and n >= 8 and k >= 16:
+        split = rows - tail
+        lanes = [(kc if split else 0, split, head) for head in ((-2, -1) if tail == 1 else (-2,))]
+    # below four rows lanes first (never runs on a machine seen): where they hold, the weight is never laid out
+    return lanes + runs if rows < 4 else runs + lanes
+
+
+def _f32_check(layer: torch.nn.Linear, x: torch.Tensor, own: torch.Tensor, shape: tuple) -> None:
+    """Decide whether the C products give ``own`` (``F.linear``'s product of ``x``, [rows, k]) to the bit at this row
+    count, and with which plan (``f32_plans``, in order). A plan with rows in runs needs the shape's run length:
+    until one is found, it is searched (``f32_run_length``) on those rows; after, that one is tried alone (MKL's run
+    length for a shape was the same at every row count where it summed in runs, on every machine seen), so a new row
+    count costs a product or two more, once. MKL's lanes start where the inputs' or the weights' addresses say: a
+    plan with lanes is also tried on the inputs 4 bytes off their alignment."""
+    rows = x.shape[0]
+    found = ()
+    for kc, split, head in f32_plans(rows, _f32_runs.get(shape), *shape[:2]):
+        if kc is None:  # rows in runs, and the shape's run length not known yet
+            kc = _f32_runs.get(shape) or f32_run_length(x[:split], _f32_packed(layer), own[:split])
+            if not kc:
+                continue
+            _f32_runs[shape] = kc
+        if (torch.equal(_f32_product(layer, x, kc, split, head), own)
+                and (split == rows or _off_by_4(layer, x, kc, split, head))):
+            found = (kc, split, head)
+            break
+    _f32_rows[(*shape, rows)] = found
+
+
+def _off_by_4(layer: torch.nn.Linear, x: torch.Tensor, kc: int, split: int, head: int) -> bool:
+    """Whether the plan gives ``F.linear``'s bits on a copy of ``x`` that starts 4 bytes past where ``x`` does."""
+    shifted = x.new_empty(x.numel() + 1)[1:].view(x.shape)
+    shifted.copy_(x)
+    return torch.equal(_f32_product(layer, shifted, kc, split, head), F.linear(shifted, layer.weight))
 
 
 def _give_f32_forward(module: torch.nn.Linear) -> None:
