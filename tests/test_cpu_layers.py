@@ -789,6 +789,21 @@ def test_the_lanes_kernel_sums_in_the_order_it_documents(threads):
                 assert torch.equal(out[3:], _lanes_reference(x[3:], w, 2))
         with pytest.raises(ValueError, match="4 rows"):
             cpu.f32_lanes_unchecked(torch.randn(4, 8), torch.randn(9, 8))
+        # the same order for a product's last rows beside runs, on the weight laid out for linear_f32.c
+        for n, k in ((37, 64), (16, 23), (40, 576)):
+            w = torch.randn(n, k, generator=g)
+            packed = cpu.f32_pack(w)
+            for rows in (1, 4, 5, 6, 7, 9):
+                for lanes in range(0, min(3, rows) + 1):
+                    x_off = 1 if rows % 2 else 0
+                    x = torch.randn(rows * k + 1, generator=g)[x_off:x_off + rows * k].view(rows, k)
+                    runs = rows - lanes
+                    for head in (0, 3, 4, -2):
+                        got = cpu.f32_linear_unchecked(x, packed, n, 64, lanes, head)
+                        if runs:
+                            assert torch.equal(got[:runs], cpu.f32_linear_unchecked(x[:runs], packed, n, 64))
+                        fixed = -(x[runs:].data_ptr() // 4) % 4 if head == -2 else head
+                        assert torch.equal(got[runs:], _lanes_reference(x[runs:], w, min(fixed, k))), (n, k, rows)
 
 
 @needs_c

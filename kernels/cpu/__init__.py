@@ -251,7 +251,7 @@ def _load():
     _amx = (ready, pack, linear)
     pack, linear, lanes = lib.kvpaging_f32_pack, lib.kvpaging_f32_linear, lib.kvpaging_f32_linear_lanes
     pack.argtypes, pack.restype = [ptr, ptr, i64, i64], None
-    linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64], i64
+    linear.argtypes, linear.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64], i64
     lanes.argtypes, lanes.restype = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64], i64
     _f32 = (pack, linear, lanes)
     _silu_mul_fn = lib.kvpaging_silu_mul
@@ -657,17 +657,19 @@ def f32_pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def f32_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int, out: torch.Tensor | None = None,
-                         rows: int | None = None) -> torch.Tensor:
+def f32_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int, lanes: int = 0,
+                         head: int = -2) -> torch.Tensor:
     """``x @ weight.T`` for rows of float32 ``x`` (contiguous, ``k`` features last), ``packed`` being
     ``f32_pack(weight)`` and ``n`` the weight's outputs: each output's inputs summed in runs of ``kc`` by fused
-    multiply-adds in order, the runs' sums added in order (``linear_f32.c``). MKL's ``F.linear`` sums so for the
-    shapes and row counts ``kernels/cpu/layers.py`` finds it does, and only there is this used in its place. With
-    ``rows``, only the first ``rows`` rows, into ``out`` (default: a new tensor)."""
+    multiply-adds in order, the runs' sums added in order (``linear_f32.c``); the last ``lanes`` rows (0 to 3) in
+    lanes instead, as :func:`f32_lanes_unchecked` sums them (``head`` fixed, or -2). MKL's ``F.linear`` sums so for
+    the shapes and row counts ``kernels/cpu/layers.py`` finds it does, and only there is this used in its place."""
     k = x.shape[-1]
-    rows = x.numel() // k if rows is None else rows
-    out = x.new_empty(*x.shape[:-1], n) if out is None else out
-    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n, k, kc, torch.get_num_threads())
+    rows = x.numel() // k
+    if not 0 <= lanes <= min(3, rows) or head == -1:
+        raise ValueError(f"f32_linear: {lanes} rows in lanes of {rows} (0 to 3), head {head} (not -1 here)")
+    out = x.new_empty(*x.shape[:-1], n)
+    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n, k, kc, lanes, head, torch.get_num_threads())
     if call_named(F32_PROFILER_NAME, _f32[1], args):
         raise MemoryError(f"f32_linear: no memory for {rows} x {k} padded inputs")
     return out

@@ -526,12 +526,9 @@ def _f32_product(layer: torch.nn.Linear, x: torch.Tensor, kc: int, split: int, h
     """``layer``'s product of ``x`` by the plan ``(kc, split, head)`` (``_f32_rows``)."""
     n, k = layer.out_features, layer.in_features
     rows = x.numel() // k
-    if split == rows:
-        return f32_linear_unchecked(x, _f32_packed(layer), n, kc)
-    out = x.new_empty(*x.shape[:-1], n)
-    if split:
-        f32_linear_unchecked(x, _f32_packed(layer), n, kc, out, split)
-    return f32_lanes_unchecked(x, layer.weight, head, out, split)
+    if split:  # rows in runs (the last rows - split in lanes beside them): the weight laid out
+        return f32_linear_unchecked(x, _f32_packed(layer), n, kc, rows - split, head)
+    return f32_lanes_unchecked(x, layer.weight, head)  # every row in lanes: the weight as it is
 
 
 def _f32_packed(layer: torch.nn.Linear) -> torch.Tensor:
@@ -575,15 +572,15 @@ def f32_plans(rows: int, kc: int | None, n: int, k: int) -> list[tuple[int | Non
     """The plans ``(kc, split, head)`` to try for a product of ``rows`` rows of an ``n`` x ``k`` weight, in order
     (``kc`` None: the shape's run length is not known yet, to be searched): all rows in runs, and the rows past the
     last group of four in lanes (all of them below four rows, then tried first), their head where MKL's is: reaching
-    the inputs' 16-byte alignment (-2), and for one row also the weights' (-1: MKL's matrix-vector product). Lanes
-    only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least 8 outputs and
+    the inputs' 16-byte alignment (-2), and for a one-row product also the weights' (-1: MKL's matrix-vector
+    product). Lanes only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least 8 outputs and
     16 inputs: MKL's kernels for tinier products sum otherwise)."""
     runs = [(kc, rows, 0)] if rows > 1 else []  # MKL's one-row product never summed in runs on any machine seen
     lanes = []
     tail = rows % 4
     if tail and k % 4 == 0 and n >= 8 and k >= 16:
         split = rows - tail
-        lanes = [(kc if split else 0, split, head) for head in ((-2, -1) if tail == 1 else (-2,))]
+        lanes = [(kc if split else 0, split, head) for head in ((-2, -1) if rows == 1 else (-2,))]
     # below four rows lanes first (never runs on a machine seen): where they hold, the weight is never laid out
     return lanes + runs if rows < 4 else runs + lanes
 

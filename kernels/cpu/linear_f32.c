@@ -17,7 +17,8 @@
  * count and a thread count, and keeps F.linear wherever they differ.
  *
  * Compiled with -ffp-contract=fast (kernels/cpu/__init__.py): `acc + x * w` must be one fused multiply-add, as MKL's
- * is; the runs' sums are plain additions. Threads (OpenMP, torch's own) share out the blocks of outputs; each output
+ * is; the runs' sums are plain additions. A product's last rows may be summed in MKL's other order instead, four
+ * lanes of rounded products (linear_f32_lanes.c, compiled without fused multiply-adds), block by block beside them. Threads (OpenMP, torch's own) share out the blocks of outputs; each output
  * is computed by one thread with the same loops in the same order, however many run. Built with the other CPU
  * kernels.
  */
@@ -111,11 +112,18 @@ static void blocks_for_##R##_rows(const float *x, const float *packed, float *y,
 BLOCKS_FOR_ROWS(ROWS_A) /* blocks_for_ROWS_A_rows (the name is pasted before ROWS_A expands) */
 BLOCKS_FOR_ROWS(ROWS_B)
 
-/* y = x w^T for `rows` rows of x [rows][k], w packed by kvpaging_f32_pack, each output's inputs summed in runs of
- * kc. Returns 0, or -1 when scratch memory is short (nothing written). */
-int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64_t rows, int64_t n, int64_t k,
-                            int64_t kc, int64_t threads)
+/* linear_f32_lanes.c: the last rows of a block's outputs in MKL's lanes, on the packed weight */
+void kvpaging_f32_lanes_block(const float *x, const float *packed, float *y, int64_t first, int64_t rows, int64_t n,
+                              int64_t k, int64_t head, int64_t b);
+
+/* y = x w^T for `all` rows of x [all][k], w packed by kvpaging_f32_pack: the first all - lanes rows with each
+ * output's inputs summed in runs of kc, the last `lanes` (0 to 3) in MKL's lanes after `head` inputs
+ * (linear_f32_lanes.c), block by block, so each block's weights come from memory once for both. Returns 0, or -1
+ * when scratch memory is short (nothing written). */
+int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64_t all, int64_t n, int64_t k,
+                            int64_t kc, int64_t lanes, int64_t head, int64_t threads)
 {
+    const int64_t rows = all - lanes; /* in runs */
     /* rows in groups of ROWS_A or of ROWS_B, whichever pads fewer (ROWS_B on a tie: fewer passes over each block's
      * weights) */
     const int64_t by = (rows + ROWS_B - 1) / ROWS_B * ROWS_B <= (rows + ROWS_A - 1) / ROWS_A * ROWS_A ? ROWS_B : ROWS_A;
@@ -131,14 +139,18 @@ int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64
 #ifdef _OPENMP
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1)
 #endif
-    for (int64_t b = 0; b < blocks; b += NB)
+    for (int64_t b = 0; b < blocks; b += NB) {
+        const int64_t nb = blocks - b < NB ? blocks - b : NB;
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t r0 = g * by, left = rows - r0, nb = blocks - b < NB ? blocks - b : NB;
+            const int64_t r0 = g * by, left = rows - r0;
             if (by == ROWS_B)
                 blocks_for_ROWS_B_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
             else
                 blocks_for_ROWS_A_rows(xp, packed, y, r0, left < by ? left : by, n, k, kc, b, nb);
         }
+        for (int64_t j = 0; lanes && j < nb; j++) /* while the blocks' weights are still in the caches */
+            kvpaging_f32_lanes_block(x, packed, y, rows, all, n, k, head, b + j);
+    }
     free(padded);
     return 0;
 }

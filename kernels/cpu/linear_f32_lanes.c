@@ -79,12 +79,16 @@ static void outputs_##O##_rows_##R(const float *x, const float *w, float *y, int
             }                                                                                                     \
         i += 4;                                                                                                   \
     }                                                                                                             \
-    for (; i < end; i += 4)                                                                                       \
+    for (; i < end; i += 4) {                                                                                     \
+        vec4 v[R]; /* the rows' four inputs, loaded once for the O outputs */                                      \
+        for (int r = 0; r < R; r++)                                                                               \
+            v[r] = load4(x + (r0 + r) * k + i);                                                                   \
         for (int o = 0; o < O; o++) {                                                                             \
             const vec4 u = load4(w + (j0 + o) * k + i);                                                           \
             for (int r = 0; r < R; r++)                                                                           \
-                acc[r][o] = acc[r][o] + load4(x + (r0 + r) * k + i) * u;                                          \
+                acc[r][o] = acc[r][o] + v[r] * u;                                                                 \
         }                                                                                                         \
+    }                                                                                                             \
     for (int r = 0; r < R; r++)                                                                                   \
         for (int o = 0; o < O; o++) {                                                                             \
             float sum = head == end ? first[r][o]                                                                 \
@@ -100,6 +104,81 @@ OUTPUTS_FOR_ROWS(4, 3)
 OUTPUTS_FOR_ROWS(1, 1)
 OUTPUTS_FOR_ROWS(1, 2)
 OUTPUTS_FOR_ROWS(1, 3)
+
+/* The same order on a weight packed by kvpaging_f32_pack (linear_f32.c: blocks of BLOCK outputs, input by input),
+ * for the outputs of block b: rows `first` to `rows` - 1 (at most MAX_ROWS), their head fixed or, where `head` is -2,
+ * from x's address (head_of). linear_f32.c calls it for a product's rows past its runs, block by block. */
+#define BLOCK 16
+#if defined(__AVX512F__)
+#define VEC 16
+#else
+#define VEC 8
+#endif
+typedef float vec __attribute__((vector_size(4 * VEC)));
+
+static inline vec load_vec(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#define PART_FOR_ROWS(R)                                                                                          \
+static void part_for_##R##_rows(const float *x, const float *w, float *y, int64_t r0, int64_t n, int64_t k,     \
+                                int64_t head, int64_t out0)                                                       \
+{                                                                                                                 \
+    head = head_of(x, w, r0, 0, k, head);                                                                         \
+    if (head > k)                                                                                                 \
+        head = k;                                                                                                 \
+    const int64_t end = head + (k - head) / 4 * 4;                                                                \
+    vec lane[R][4], first[R];                                                                                     \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        first[r] = (vec){0};                                                                                      \
+        for (int l = 0; l < 4; l++)                                                                               \
+            lane[r][l] = (vec){0};                                                                                \
+        for (int64_t i = 0; i < head; i++)                                                                        \
+            first[r] = first[r] + x[(r0 + r) * k + i] * load_vec(w + i * BLOCK);                                  \
+    }                                                                                                             \
+    int64_t i = head;                                                                                             \
+    if (head && i < end) {                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                             \
+            lane[r][0] = first[r] + x[(r0 + r) * k + i] * load_vec(w + i * BLOCK);                                \
+            for (int l = 1; l < 4; l++)                                                                           \
+                lane[r][l] = x[(r0 + r) * k + i + l] * load_vec(w + (i + l) * BLOCK);                             \
+        }                                                                                                         \
+        i += 4;                                                                                                   \
+    }                                                                                                             \
+    for (; i < end; i += 4)                                                                                       \
+        for (int l = 0; l < 4; l++) {                                                                             \
+            const vec u = load_vec(w + (i + l) * BLOCK);                                                          \
+            for (int r = 0; r < R; r++)                                                                           \
+                lane[r][l] = lane[r][l] + x[(r0 + r) * k + i + l] * u;                                            \
+        }                                                                                                         \
+    for (int r = 0; r < R; r++) {                                                                                 \
+        vec sum = head == end ? first[r] : (lane[r][0] + lane[r][2]) + (lane[r][1] + lane[r][3]);                 \
+        for (int64_t t = end; t < k; t++)                                                                         \
+            sum = sum + x[(r0 + r) * k + t] * load_vec(w + t * BLOCK);                                            \
+        for (int c = 0; c < VEC && out0 + c < n; c++)                                                             \
+            y[(r0 + r) * n + out0 + c] = sum[c];                                                                  \
+    }                                                                                                             \
+}
+PART_FOR_ROWS(1)
+PART_FOR_ROWS(2)
+PART_FOR_ROWS(3)
+
+void kvpaging_f32_lanes_block(const float *x, const float *packed, float *y, int64_t first, int64_t rows, int64_t n,
+                              int64_t k, int64_t head, int64_t b)
+{
+    const float *w = packed + b * k * BLOCK;
+    for (int64_t h = 0; h < BLOCK / VEC; h++) {
+        if (rows - first == 1)
+            part_for_1_rows(x, w + h * VEC, y, first, n, k, head, b * BLOCK + h * VEC);
+        else if (rows - first == 2)
+            part_for_2_rows(x, w + h * VEC, y, first, n, k, head, b * BLOCK + h * VEC);
+        else if (rows - first == 3)
+            part_for_3_rows(x, w + h * VEC, y, first, n, k, head, b * BLOCK + h * VEC);
+    }
+}
 
 /* Rows `first` to `rows` - 1 of y = x w^T (x [rows][k], w [n][k] as nn.Linear keeps it), at most MAX_ROWS of them,
  * in the lanes order above (`head` -1 or -2: from the addresses, head_of); the rows before `first` are left alone.
