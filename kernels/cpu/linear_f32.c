@@ -18,9 +18,9 @@
  *
  * Compiled with -ffp-contract=fast (kernels/cpu/__init__.py): `acc + x * w` must be one fused multiply-add, as MKL's
  * is; the runs' sums are plain additions. A product's last rows may be summed in MKL's other order instead, four
- * lanes of rounded products (linear_f32_lanes.c, compiled without fused multiply-adds), block by block beside them. Threads (OpenMP, torch's own) share out the blocks of outputs; each output
- * is computed by one thread with the same loops in the same order, however many run. Built with the other CPU
- * kernels.
+ * lanes of rounded products (linear_f32_lanes.c, compiled without fused multiply-adds), block by block beside them.
+ * Threads (OpenMP, torch's own) share out the blocks of outputs; each output is computed by one thread with the same
+ * loops in the same order, however many run. Built with the other CPU kernels.
  */
 #include <stdint.h>
 #include <stdlib.h>

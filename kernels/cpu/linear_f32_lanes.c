@@ -55,7 +55,7 @@ static inline int64_t head_of(const float *x, const float *w, int64_t r0, int64_
 static void outputs_##O##_rows_##R(const float *x, const float *w, float *y, int64_t r0, int64_t n, int64_t k,  \
                                    int64_t head, int64_t j0)                                                      \
 {                                                                                                                 \
-    head = head_of(x, w, r0, j0, k, head);                                                                               \
+    head = head_of(x, w, r0, j0, k, head);                                                                        \
     if (head > k)                                                                                                 \
         head = k;                                                                                                 \
     const int64_t end = head + (k - head) / 4 * 4; /* the lanes' last input + 1; the rest added after them */    \
