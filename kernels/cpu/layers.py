@@ -52,14 +52,14 @@ implementation of the *same* maths (measured by
   in input order, and adds the runs (found on an AMX Xeon with torch 2.13's MKL, one and two threads;
   ``benchmarks/RESULTS.md``). ``linear_f32.c`` sums so, on the weight laid out once as blocks of 16 outputs
   (a second copy of the weights, logged). Fewer rows MKL sums in another order: each product rounded, then added in
-  four lanes of inputs, the lanes folded in pairs (with a head of four inputs for one row), found on an AVX2-only AMD
-  EPYC; ``linear_f32_lanes.c`` sums so, on the weight as it is, for up to three rows (at two threads MKL sums a
-  product's rows past its last group of four so too, and the two kernels share such a product). Each size runs in C
-  only where it gave ``F.linear``'s bits: the first real product of each shape, row count and thread count, up to
-  ``F32_MAX_ROWS`` rows, is computed both ways and compared (``_f32_check``), and ``F.linear`` keeps every size
-  where they differ (on the Xeon, fewer than 16 rows: its small products sum in 16 lanes) and every product of more
-  rows. So it is on by default (``cpu_fast_layers=None``): a float32
-  model's tokens stay ``generate()``'s.
+  four lanes of inputs, the lanes folded in pairs, where the lanes start depending on the inputs' (one row: the
+  weights') alignment, found on an AVX2-only AMD EPYC; ``linear_f32_lanes.c`` sums so, on the weight as it is, for
+  up to three rows (at two threads MKL sums a product's rows past its last group of four so too, and the two
+  kernels share such a product). Each size runs in C only where it gave ``F.linear``'s bits: the first real product
+  of each shape, row count and thread count, up to ``F32_MAX_ROWS`` rows, is computed both ways and compared
+  (``_f32_check``), and ``F.linear`` keeps every size where they differ (on the Xeon, fewer than 16 rows: its small
+  products sum in 16 lanes) and every product of more rows. So it is on by default (``cpu_fast_layers=None``): a
+  float32 model's tokens stay ``generate()``'s.
 * **One or two bfloat16 rows** (a decode step of one or two sequences): a matrix-vector product,
   whose time is the weight's bytes over memory bandwidth; oneDNN's tiled kernels read them at
   about half of it. ``linear.c`` streams each weight row once (float32 sums, rounded to bfloat16
@@ -100,8 +100,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpaging.kernels.cpu import (AMX_MAX_ROWS, amx_linear_unchecked, amx_pack, amx_ready, available,
-                                  f32_lanes_unchecked, f32_linear_unchecked, f32_pack, linear_bf16, linear_bf16_unchecked, rms_norm,
-                                  rms_norm_unchecked)
+                                  f32_lanes_unchecked, f32_linear_unchecked, f32_pack, linear_bf16,
+                                  linear_bf16_unchecked, rms_norm, rms_norm_unchecked)
 from kvpaging.kernels.cpu.huge_pages import zeros_in_huge_pages
 
 __all__ = ["enable_fast_layers", "FastLayers", "has_fast_path", "is_c_rms_norm", "onednn_linear", "onednn_usable",
@@ -493,9 +493,10 @@ F32_MAX_ROWS = 96
 # product's terms depends on the shape, the rows and the threads, not on the values). A plan is (kc, split, head):
 # rows before `split` summed in runs of kc (linear_f32.c), the rest in four lanes after `head` inputs in order
 # (linear_f32_lanes.c). MKL sums in runs from 16 rows on the AMX Xeon, from 4 at two threads for some shapes; on an
-# AVX2-only AMD EPYC (2026-12-07) in runs of 192 from 4 rows, in lanes below (after a head of 4 for one row), and at
-# two threads a product's rows past its last group of four in lanes (`benchmarks/f32_small_order.py`): every size is
-# checked, so a server that decodes a handful of sequences at a time gets the C products wherever they are exact.
+# AVX2-only AMD EPYC (2026-12-07) in runs of 192 from 4 rows, in lanes below (where they start depending on the
+# inputs' or the weights' alignment), and at two threads a product's rows past its last group of four in lanes
+# (`benchmarks/f32_small_order.py`): every size is checked, so a server that decodes a handful of sequences at a time
+# gets the C products wherever they are exact.
 _f32_rows: dict[tuple, tuple] = {}
 # (outputs, inputs, threads) -> the run length found for the shape: the one tried, alone, at its next row count
 _f32_runs: dict[tuple, int] = {}
@@ -573,8 +574,8 @@ def f32_plans(rows: int, kc: int | None, n: int, k: int) -> list[tuple[int | Non
     (``kc`` None: the shape's run length is not known yet, to be searched): all rows in runs, and the rows past the
     last group of four in lanes (all of them below four rows, then tried first), their head where MKL's is: reaching
     the inputs' 16-byte alignment (-2), and for a one-row product also the weights' (-1: MKL's matrix-vector
-    product). Lanes only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least 8 outputs and
-    16 inputs: MKL's kernels for tinier products sum otherwise)."""
+    product). Lanes only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least
+    8 outputs and 16 inputs: MKL's kernels for tinier products sum otherwise)."""
     runs = [(kc, rows, 0)] if rows > 1 else []  # MKL's one-row product never summed in runs on any machine seen
     lanes = []
     tail = rows % 4
