@@ -86,10 +86,8 @@ def main() -> None:
             split = rows - rows % 4
             by_four = False
             if rows % 4 and (not split or kc):  # the first rows in runs (any), the rest in four lanes
-                four = torch.empty_like(own)
-                if split:
-                    cpu.f32_linear_unchecked(x, p, w.shape[0], kc, four, split)
-                cpu.f32_lanes_unchecked(x, w, -1 if rows == 1 else -2, four, split)
+                four = (cpu.f32_lanes_unchecked(x, w, -1 if rows == 1 else -2) if not split  # the engine's two paths
+                        else cpu.f32_linear_unchecked(x, p, w.shape[0], kc, rows - split, -2))
                 by_four = torch.equal(four, own)
             cells.append(", ".join(f"{'yes' if v else 'no':>3}" for v in (by_runs, by_lanes, by_four)))
         print(f"{rows:4d} | " + " | ".join(f"{c:>31}" for c in cells))

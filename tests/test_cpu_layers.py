@@ -804,6 +804,10 @@ def test_the_lanes_kernel_sums_in_the_order_it_documents(threads):
                             assert torch.equal(got[:runs], cpu.f32_linear_unchecked(x[:runs], packed, n, 64))
                         fixed = -(x[runs:].data_ptr() // 4) % 4 if head == -2 else head
                         assert torch.equal(got[runs:], _lanes_reference(x[runs:], w, min(fixed, k))), (n, k, rows)
+            with pytest.raises(ValueError, match="4 rows in lanes"):  # refused in C, nothing written
+                cpu.f32_linear_unchecked(torch.randn(5, k), packed, n, 64, 4)
+            with pytest.raises(ValueError, match="head -1"):  # the weights' own alignment: not in the laid-out one
+                cpu.f32_linear_unchecked(torch.randn(5, k), packed, n, 64, 1, -1)
 
 
 @needs_c

@@ -517,18 +517,16 @@ def _f32_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
     if plan == ():  # checked, and refused
         return F.linear(input, weight)
     if plan:
-        return _f32_product(self, input, *plan)
+        return _f32_product(self, input, rows, *plan)
     own = F.linear(input, weight)
     _f32_check(self, input.reshape(rows, k), own.reshape(rows, -1), shape)
     return own
 
 
-def _f32_product(layer: torch.nn.Linear, x: torch.Tensor, kc: int, split: int, head: int) -> torch.Tensor:
-    """``layer``'s product of ``x`` by the plan ``(kc, split, head)`` (``_f32_rows``)."""
-    n, k = layer.out_features, layer.in_features
-    rows = x.numel() // k
+def _f32_product(layer: torch.nn.Linear, x: torch.Tensor, rows: int, kc: int, split: int, head: int) -> torch.Tensor:
+    """``layer``'s product of ``x`` (``rows`` rows) by the plan ``(kc, split, head)`` (``_f32_rows``)."""
     if split:  # rows in runs (the last rows - split in lanes beside them): the weight laid out
-        return f32_linear_unchecked(x, _f32_packed(layer), n, kc, rows - split, head)
+        return f32_linear_unchecked(x, _f32_packed(layer), layer.out_features, kc, rows - split, head)
     return f32_lanes_unchecked(x, layer.weight, head)  # every row in lanes: the weight as it is
 
 
@@ -569,39 +567,39 @@ def f32_run_length(x: torch.Tensor, packed: torch.Tensor, own: torch.Tensor) -> 
     return next((kc for kc in candidates if torch.equal(f32_linear_unchecked(x, packed, n, kc), own)), 0)
 
 
-def f32_plans(rows: int, kc: int | None, n: int, k: int) -> list[tuple[int | None, int, int]]:
-    """The plans ``(kc, split, head)`` to try for a product of ``rows`` rows of an ``n`` x ``k`` weight, in order
-    (``kc`` None: the shape's run length is not known yet, to be searched): all rows in runs, and the rows past the
-    last group of four in lanes (all of them below four rows, then tried first), their head where MKL's is: reaching
-    the inputs' 16-byte alignment (-2), and for a one-row product also the weights' (-1: MKL's matrix-vector
-    product). Lanes only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least
-    8 outputs and 16 inputs: MKL's kernels for tinier products sum otherwise)."""
-    runs = [(kc, rows, 0)] if rows > 1 else []  # MKL's one-row product never summed in runs on any machine seen
+def f32_plans(rows: int, n: int, k: int) -> list[tuple[int, int]]:
+    """The plans ``(split, head)`` to try for a product of ``rows`` rows of an ``n`` x ``k`` weight, in order: rows
+    before ``split`` in runs, the rest in lanes after ``head`` inputs. All rows in runs, and the rows past the last
+    group of four in lanes (all of them below four rows, then tried first), their head where MKL's is: reaching the
+    inputs' 16-byte alignment (-2), and for a one-row product also the weights' (-1: MKL's matrix-vector product).
+    Lanes only where MKL's were mapped (``k`` a multiple of 4, so every row of x is aligned alike; at least 8 outputs
+    and 16 inputs: MKL's kernels for tinier products sum otherwise)."""
+    runs = [(rows, 0)] if rows > 1 else []  # MKL's one-row product never summed in runs on any machine seen
     lanes = []
     tail = rows % 4
     if tail and k % 4 == 0 and n >= 8 and k >= 16:
-        split = rows - tail
-        lanes = [(kc if split else 0, split, head) for head in ((-2, -1) if rows == 1 else (-2,))]
+        lanes = [(rows - tail, head) for head in ((-2, -1) if rows == 1 else (-2,))]
     # below four rows lanes first (never runs on a machine seen): where they hold, the weight is never laid out
     return lanes + runs if rows < 4 else runs + lanes
 
 
 def _f32_check(layer: torch.nn.Linear, x: torch.Tensor, own: torch.Tensor, shape: tuple) -> None:
     """Decide whether the C products give ``own`` (``F.linear``'s product of ``x``, [rows, k]) to the bit at this row
-    count, and with which plan (``f32_plans``, in order). A plan with rows in runs needs the shape's run length:
-    until one is found, it is searched (``f32_run_length``) on those rows; after, that one is tried alone (MKL's run
-    length for a shape was the same at every row count where it summed in runs, on every machine seen), so a new row
-    count costs a product or two more, once. MKL's lanes start where the inputs' or the weights' addresses say: a
-    plan with lanes is also tried on the inputs 4 bytes off their alignment."""
+    count, and with which plan ``(kc, split, head)`` (``f32_plans``, in order). A plan with rows in runs needs the
+    shape's run length kc: until one is found, it is searched (``f32_run_length``) on those rows; after, that one is
+    tried alone (MKL's run length for a shape was the same at every row count where it summed in runs, on every
+    machine seen), so a new row count costs a product or two more, once. MKL's lanes start where the inputs' or the
+    weights' addresses say: a plan with lanes is also tried on the inputs 4 bytes off their alignment."""
     rows = x.shape[0]
     found = ()
-    for kc, split, head in f32_plans(rows, _f32_runs.get(shape), *shape[:2]):
-        if kc is None:  # rows in runs, and the shape's run length not known yet
+    for split, head in f32_plans(rows, *shape[:2]):
+        kc = 0  # no rows in runs
+        if split:
             kc = _f32_runs.get(shape) or f32_run_length(x[:split], _f32_packed(layer), own[:split])
             if not kc:
                 continue
             _f32_runs[shape] = kc
-        if (torch.equal(_f32_product(layer, x, kc, split, head), own)
+        if (torch.equal(_f32_product(layer, x, rows, kc, split, head), own)
                 and (split == rows or _off_by_4(layer, x, kc, split, head))):
             found = (kc, split, head)
             break
@@ -612,7 +610,7 @@ def _off_by_4(layer: torch.nn.Linear, x: torch.Tensor, kc: int, split: int, head
     """Whether the plan gives ``F.linear``'s bits on a copy of ``x`` that starts 4 bytes past where ``x`` does."""
     shifted = x.new_empty(x.numel() + 1)[1:].view(x.shape)
     shifted.copy_(x)
-    return torch.equal(_f32_product(layer, shifted, kc, split, head), F.linear(shifted, layer.weight))
+    return torch.equal(_f32_product(layer, shifted, x.shape[0], kc, split, head), F.linear(shifted, layer.weight))
 
 
 def _give_f32_forward(module: torch.nn.Linear) -> None:

@@ -118,11 +118,14 @@ void kvpaging_f32_lanes_block(const float *x, const float *packed, float *y, int
 
 /* y = x w^T for `all` rows of x [all][k], w packed by kvpaging_f32_pack: the first all - lanes rows with each
  * output's inputs summed in runs of kc, the last `lanes` (0 to 3) in MKL's lanes after `head` inputs
- * (linear_f32_lanes.c), block by block, so each block's weights come from memory once for both. Returns 0, or -1
- * when scratch memory is short (nothing written). */
+ * (linear_f32_lanes.c), block by block, so each block's weights come from memory once for both. Returns 0, -1
+ * when scratch memory is short, or -2 for `lanes` outside 0 to 3 (or above `all`) or a head of -1, which needs the
+ * weight as nn.Linear keeps it (nothing written either way). */
 int64_t kvpaging_f32_linear(const float *x, const float *packed, float *y, int64_t all, int64_t n, int64_t k,
                             int64_t kc, int64_t lanes, int64_t head, int64_t threads)
 {
+    if (lanes < 0 || lanes > 3 || lanes > all || head == -1)
+        return -2;
     const int64_t rows = all - lanes; /* in runs */
     /* rows in groups of ROWS_A or of ROWS_B, whichever pads fewer (ROWS_B on a tie: fewer passes over each block's
      * weights) */
