@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvpaging.worker.sampler import Sampler, SamplerOutput, make_generator
+from kvpaging.engine.row_sampling import make_generator
+from kvpaging.worker.sampler import Sampler, SamplerOutput
 from kvpaging.sampling_params import SamplingParams
 
 sampler = Sampler()

@@ -93,7 +93,6 @@ class SequenceBlocks:
     block_hashes: list[int] = field(default_factory=list)  # of leading full blocks already offered to the cache
     row: int = -1  # this table's row in the model runner's BlockTable (kvpaging/worker/model_runner.py)
     seq_id: Hashable = None  # whose table it is
-    last: KVBlock | None = None  # blocks[-1] (None while empty): read at every decode, so kept at hand
     # with a sliding window: the leading entries given back to the pool (None in ``blocks``, -1 in ``block_ids``),
     # and the identity of the last of them as the prefix cache knew it (its cache_id; None: it was not cached)
     num_passed: int = 0
@@ -337,7 +336,6 @@ class BlockManager:
         """A new table holding a prefix hit, its first ``skip`` blocks already passed (-1, not taken)."""
         hit = prefix_hit.blocks
         st = SequenceBlocks([None] * skip + list(hit[skip:]), len(hit) * self.block_size, list(prefix_hit.block_hashes))
-        st.last = hit[-1] if len(hit) > skip else None
         if skip:
             st.num_passed, st.passed_cache_id = skip, hit[skip - 1].cache_id
         return st
@@ -353,7 +351,7 @@ class BlockManager:
         if self.blocks_to_append(st, num_new_tokens) > self.pool.free_queue.num_free_blocks:
             return False
         if self._shared_partly_filled(st):
-            self._copy_on_write(st, st.last)
+            self._copy_on_write(st, st.blocks[-1])
         self._grow(st, num_new_tokens)
         self._note_peak()
         return True
@@ -369,7 +367,7 @@ class BlockManager:
 
     def _shared_partly_filled(self, st: SequenceBlocks) -> bool:
         """Whether the last block of ``st`` is partly filled and shared (a fork's): the next token goes to a copy."""
-        return bool(st.num_tokens % self.block_size) and st.last is not None and st.last.ref_cnt > 1
+        return bool(st.num_tokens % self.block_size) and st.blocks[-1].ref_cnt > 1
 
     def append_decode_slots(self, seqs: list) -> int:
         """One more slot for each of ``seqs``, decodes the scheduler found (each has one token to compute, its
@@ -396,8 +394,8 @@ class BlockManager:
         for seq in seqs:
             st = seq.blocks
             n = st.num_tokens
-            last = st.last
-            if n % bs and last.ref_cnt == 1:  # room in an unshared last block: the common case
+            last = st.blocks[-1] if n % bs else None  # partly filled: the token goes there, unless it is shared
+            if last is not None and last.ref_cnt == 1:  # room in an unshared last block: the common case
                 filling.append(last)
                 st.num_tokens = n + 1
             else:  # a full last block (or none) needs a new block; a shared, partly filled one its copy
@@ -405,7 +403,7 @@ class BlockManager:
                     self._check_fits(st.seq_id, n + 1, n)  # raises: the pool could never hold it
                 if not free_queue.num_free_blocks:
                     break
-                if n % bs:
+                if last is not None:
                     self._copy_on_write(st, last)
                 self._grow(st, 1)
                 slow = True
@@ -424,7 +422,7 @@ class BlockManager:
         copy = pool.get_new_block(shared.num_filled)
         pool.free_block(shared)  # one owner fewer; it stays with the others
         pool.hold_until_copied(shared)  # until copied, it must not be handed out again
-        st.blocks[-1] = st.last = copy
+        st.blocks[-1] = copy
         self._table_updates.append((st.row, len(st.blocks) - 1, [copy.block_id]))
         self._blocks_to_copy.append((shared.block_id, copy.block_id))
         self._num_cow_copies += 1
@@ -435,7 +433,7 @@ class BlockManager:
         bs = self.block_size
         remaining = num_new_tokens
         if st.num_tokens % bs:
-            last = st.last
+            last = st.blocks[-1]
             room = min(bs - last.num_filled, remaining)
             pool.fill(last, room)
             remaining -= room
@@ -443,16 +441,14 @@ class BlockManager:
             count = -(-remaining // bs)
             first = len(st.blocks)
             if count == 1:  # one new block (every decode that crosses into a new block): no lists made
-                last = pool.get_new_block(remaining)
-                st.blocks.append(last)
-                self._table_updates.append((st.row, first, [last.block_id]))
+                block = pool.get_new_block(remaining)
+                st.blocks.append(block)
+                self._table_updates.append((st.row, first, [block.block_id]))
             else:
                 blocks = [pool.get_new_block(bs) for _ in range(count - 1)]
                 blocks.append(pool.get_new_block(remaining - (count - 1) * bs))
-                last = blocks[-1]
                 st.blocks += blocks
                 self._table_updates.append((st.row, first, [block.block_id for block in blocks]))
-            st.last = last
             self._num_table_blocks += count
         st.num_tokens += num_new_tokens
 
@@ -467,7 +463,6 @@ class BlockManager:
         child = SequenceBlocks(list(parent.blocks), parent.num_tokens, list(parent.block_hashes))
         child.row = self._take_row()
         child.seq_id = child_id
-        child.last = parent.last
         child.num_passed, child.passed_cache_id = parent.num_passed, parent.passed_cache_id
         self._table_updates.append((child.row, 0, _runner_row(child)))
         self._seqs[child_id] = child

@@ -154,7 +154,7 @@ class GroupedBlockManager:
                 group._give_back_passed(st, st.num_tokens)
             tables = [of[seq_id] for of in tables_of]
             n = tables[0].num_tokens
-            lasts = [st.last for st in tables] if n % bs else None
+            lasts = [st.blocks[-1] for st in tables] if n % bs else None
             if lasts is not None and all(last.ref_cnt == 1 for last in lasts):  # room in every group's last block
                 filling += lasts
                 for st in tables:

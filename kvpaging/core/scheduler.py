@@ -339,7 +339,7 @@ class Scheduler:
             status = check_stop(seq, token, self.eos_token_ids)
         except Exception as error:  # noqa: BLE001 - this request's text, nobody else's
             logger.error("request %s failed: its stop-string check raised %r", seq.request.request_id, error)
-            self._fail_request(seq.request, error, result.failed, result.released_tables if keep_tables else None)
+            self.fail_request(seq.request, error, result.failed, result.released_tables if keep_tables else None)
             return
         if status is not None:
             if keep_tables:
@@ -353,7 +353,7 @@ class Scheduler:
         samples = out.samples
         for k, error in failed_rows.items():
             logger.error("request %s failed: sampling its row raised %r", samples[k].request.request_id, error)
-            self._fail_request(samples[k].request, error, result.failed,
+            self.fail_request(samples[k].request, error, result.failed,
                                result.released_tables if keep_tables else None)
         keep = [k for k, seq in enumerate(samples) if not seq.status.is_finished]
         result.sampled = [samples[k] for k in keep]
@@ -361,15 +361,12 @@ class Scheduler:
                 None if logprobs is None else [logprobs[k] for k in keep],
                 None if top_logprobs is None else [top_logprobs[k] for k in keep])
 
-    def fail_request(self, request: Request, error: BaseException) -> list[Sequence]:
-        """Finish every unfinished sequence of ``request`` with ``error`` and free their blocks (its
-        output could not be made, say); the sequences that were failed. Nobody else is touched."""
-        failed: list[Sequence] = []
-        self._fail_request(request, error, failed, None)
-        return failed
-
-    def _fail_request(self, request: Request, error: BaseException, failed: list[Sequence],
-                      released_tables: dict | None) -> None:
+    def fail_request(self, request: Request, error: BaseException, failed: list[Sequence] | None = None,
+                     released_tables: dict | None = None) -> list[Sequence]:
+        """Finish every unfinished sequence of ``request`` with ``error`` and free their blocks (its row could not
+        be sampled, its output not be made, say), adding them to ``failed`` (and their last tables to
+        ``released_tables``, when given); returns ``failed``. Nobody else is touched."""
+        failed = [] if failed is None else failed
         request.error = error
         for seq in request.seqs:
             if not seq.status.is_finished:
@@ -377,6 +374,7 @@ class Scheduler:
                     released_tables[seq.seq_id] = tuple(seq.blocks.block_ids)
                 self._finish(seq, SequenceStatus.FINISHED_ERROR, remove=True)
                 failed.append(seq)
+        return failed
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> list[Sequence]:
         """The forward (or the sampler, outside any one row) raised: finish every sequence of the step's
@@ -384,7 +382,7 @@ class Scheduler:
         self.bm.step_done(failed=True)
         failed: list[Sequence] = []
         for step_seq in out.decodes + [c.seq for c in out.chunks]:
-            self._fail_request(step_seq.request, error, failed, None)
+            self.fail_request(step_seq.request, error, failed)
         return failed
 
     def _finish(self, seq: Sequence, status: SequenceStatus, remove: bool) -> None:

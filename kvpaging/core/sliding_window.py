@@ -73,8 +73,6 @@ class SlidingWindowBlockManager(BlockManager):
         self._num_table_blocks -= passed - st.num_passed
         self._num_passed_blocks += passed - st.num_passed
         st.num_passed = passed
-        if passed == len(st.blocks):
-            st.last = None
         # the runner's copy reads block 0 there: the whole table the first time (a write from column 0 is one),
         # after that only the entries passed now
         self._table_updates.append((st.row, 0, _runner_row(st)) if not old else (st.row, old, [0] * (passed - old)))

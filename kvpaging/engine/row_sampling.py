@@ -12,11 +12,11 @@ import torch
 
 from kvpaging.core.sequence import Sequence
 from kvpaging.sampling_params import SamplingParams
-from kvpaging.worker.sampler import SamplerOutput, make_generator
+from kvpaging.worker.sampler import SamplerOutput
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["SeededGenerators", "completion_seed", "sample_tokens"]
+__all__ = ["SeededGenerators", "completion_seed", "make_generator", "sample_tokens"]
 
 
 def completion_seed(seed: int, index: int) -> int:
@@ -24,6 +24,15 @@ def completion_seed(seed: int, index: int) -> int:
     completion 0, one derived from ``(seed, index)`` for the others (Python hashes a tuple of ints the same in every
     process). Separate requests given these seeds sample the very same tokens as the n completions."""
     return seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A private random generator seeded with ``seed`` (None without one), on the device the logits are on."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
 
 
 class SeededGenerators:

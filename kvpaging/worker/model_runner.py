@@ -134,15 +134,13 @@ class ModelRunner:
 
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self, config.max_num_seqs, -(-config.max_model_len // self.block_size))
-        elif not config.enforce_eager and self.device.type == "cuda" and self.state_slots is not None:
-            logger.info("decode steps run eagerly: the state layers run each step's sequences in groups worked out on "
-                        "the host, which a CUDA graph cannot replay")
-        elif not config.enforce_eager and self.device.type == "cuda" and self.layer_groups is not None:
-            logger.info("decode steps run eagerly: the graphs hold one block table, and this model's sliding and "
-                        "full layers keep one per layer group")
         elif not config.enforce_eager and self.device.type == "cuda":
-            logger.info("the %s attention backend runs eagerly: CUDA graphs capture the Triton kernels only",
-                        config.attention_backend)
+            why = f"CUDA graphs capture the Triton kernels on one rank only, not the {config.attention_backend} backend"
+            if self.state_slots is not None:
+                why = "the state layers group each step's sequences on the host, which a graph cannot replay"
+            elif self.layer_groups is not None:
+                why = "the graphs hold one block table, and this model keeps one per layer group"
+            logger.info("decode steps run eagerly: %s", why)
 
     def shutdown(self) -> None:
         """Nothing to release here (a tensor-parallel runner stops its worker processes)."""

@@ -53,19 +53,6 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float]] | None = None
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """The private random generator of a request with a seed (None without one).
-
-    The engine makes one when a seeded request arrives and passes it to every
-    step; it must live on the device the logits are on.
-    """
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
 class Sampler:
     """Chooses next tokens for a batch of sequences with mixed ``SamplingParams``.
 
