@@ -172,8 +172,7 @@ def jupyterlab_server(workdir: Path, front_end: str = "jupyterlab", notebooks=(N
     finally:
         # ask the server to stop (it shuts its kernels down), then make sure, by process id
         if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            process.send_signal(signal.SIGINT)  # jupyter asks "shut down? (y/n)" after the first one
+            process.send_signal(signal.SIGTERM)  # (SIGINT makes it ask "shut down? (y/n)" and wait for an answer)
             try:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
