@@ -12,6 +12,7 @@ not import Triton, and tests that never touch Triton are unaffected.
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,33 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Run the body of a test marked ``interpreter`` in a thread of its own when the Triton kernels are interpreted.
+
+    CPython 3.11 keeps a thread's frames in chunks of a data stack and frees a chunk as soon as the calls return
+    below it, so a hot loop whose calls cross a chunk's end pays an allocation and a free at every call. Where that
+    end falls depends on how deep the loop runs: the Triton interpreter's deep call chains, run from pytest's main
+    thread, took 2 to 3 times as long as from a fresh thread (the soak's Triton run: 13.0, 22.5, 10.9 and 9.8 s
+    one, two, three and five frames deeper inside one test; 8.0 s from a thread; tests/test_browser.py aside, the
+    suite's slowest test). A thread's stack starts empty, at the same depth every time. Fixtures still run in the
+    main thread; the test's exception, if any, is raised here."""
+    if pyfuncitem.get_closest_marker("interpreter") is None or os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    raised: list[BaseException] = []
+
+    def body():
+        try:
+            pyfuncitem.obj(**funcargs)
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread below
+            raised.append(error)
+
+    thread = threading.Thread(target=body, name=f"test body: {pyfuncitem.name}")
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
+    return True

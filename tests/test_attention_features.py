@@ -80,7 +80,8 @@ CHUNKED = "chunked, prefix cache, preemption"
 
 # (the Triton interpreter is slow: one mode for it; tests/test_kernels_triton.py tests its masks alone)
 @pytest.mark.parametrize("backend, mode", [("torch", "default"), ("torch", CHUNKED), ("cpu", "default"),
-                                           ("cpu", CHUNKED), ("triton", "default")])
+                                           ("cpu", CHUNKED),
+                                           pytest.param("triton", "default", marks=pytest.mark.interpreter)])
 def test_equals_generate(case, backend, mode):
     if backend == "cpu":
         from kvpaging.kernels import cpu_backend

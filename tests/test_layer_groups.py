@@ -167,6 +167,7 @@ def test_the_pool_is_sized_in_pages_of_one_group():
         LLM(model, block_size=4, max_model_len=64, num_blocks=16, attention_backend="torch")
 
 
+@pytest.mark.interpreter
 def test_triton_kernels_and_an_fp8_cache():
     """The Triton kernels (under the interpreter here, compiled on a GPU) with each group's tables, and an FP8
     cache whose scales are calibrated per layer over the shared tensors."""

@@ -184,6 +184,7 @@ def test_models_with_a_full_attention_layer_pass_nothing_in_one_table():
     assert passing_window(tiny_model("llama").config) == 0
 
 
+@pytest.mark.interpreter
 def test_triton_kernels_start_at_the_window(mistral):
     """The Triton kernels (under the interpreter here) begin each query's keys at its window, so a passed
     entry (-1) is never read: the same tokens, fewer prompts and tokens for the interpreter's sake."""

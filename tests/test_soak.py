@@ -50,7 +50,8 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.interpreter) if "triton" in name else name
+                                  for name in RUNS])
 def test_soak(name):
     config = RUNS[name]
     result = soak.soak(config)

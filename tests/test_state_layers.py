@@ -191,6 +191,7 @@ def test_tensor_parallelism_refuses_state_layers():
     assert info.value.cause == "state_layers" and "tensor_parallel_size=1" in str(info.value)
 
 
+@pytest.mark.interpreter
 def test_triton_kernels_and_an_fp8_cache_on_a_hybrid_model():
     """The Triton kernels (under the interpreter here) on the attention layers, and an FP8 cache (calibrated on
     the attention layers alone)."""
