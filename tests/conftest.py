@@ -49,10 +49,10 @@ def pytest_pyfunc_call(pyfuncitem):
     CPython 3.11 keeps a thread's frames in chunks of a data stack and frees a chunk as soon as the calls return
     below it, so a hot loop whose calls cross a chunk's end pays an allocation and a free at every call. Where that
     end falls depends on how deep the loop runs: the Triton interpreter's deep call chains, run from pytest's main
-    thread, took 2 to 3 times as long as from a fresh thread (the soak's Triton run: 13.0, 22.5, 10.9 and 9.8 s
-    one, two, three and five frames deeper inside one test; 8.0 s from a thread; tests/test_browser.py aside, the
-    suite's slowest test). A thread's stack starts empty, at the same depth every time. Fixtures still run in the
-    main thread; the test's exception, if any, is raised here."""
+    thread, took 2 to 3 times as long as from a fresh thread (the Triton soak 57-69 s in the suite, 20 s so;
+    ``python benchmarks/frame_chunks.py`` shows it on a plain call: 140-150 times as long at one depth in 85). A
+    thread's stack starts empty, at the same depth every time. Fixtures still run in the main thread; the test's
+    exception, if any, is raised here."""
     if pyfuncitem.get_closest_marker("interpreter") is None or os.environ.get("TRITON_INTERPRET") != "1":
         return None
     funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
