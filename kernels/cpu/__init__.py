@@ -665,14 +665,14 @@ def f32_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, n: int, kc: int,
     lanes instead, as :func:`f32_lanes_unchecked` sums them (``head`` fixed, or -2). MKL's ``F.linear`` sums so for
     the shapes and row counts ``kernels/cpu/layers.py`` finds it does, and only there is this used in its place."""
     k = x.shape[-1]
+    rows = x.numel() // k
     out = x.new_empty(*x.shape[:-1], n)
-    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.numel() // k, n, k, kc, lanes, head,
-            torch.get_num_threads())
+    args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n, k, kc, lanes, head, torch.get_num_threads())
     failed = call_named(F32_PROFILER_NAME, _f32[1], args)
     if failed == -2:
-        raise ValueError(f"f32_linear: {lanes} rows in lanes of {x.numel() // k} (0 to 3), head {head} (not -1 here)")
+        raise ValueError(f"f32_linear: {lanes} rows in lanes of {rows} (0 to 3), head {head} (not -1 here)")
     if failed:
-        raise MemoryError(f"f32_linear: no memory for {x.numel() // k} x {k} padded inputs")
+        raise MemoryError(f"f32_linear: no memory for {rows} x {k} padded inputs")
     return out
 
 

@@ -354,7 +354,7 @@ class Scheduler:
         for k, error in failed_rows.items():
             logger.error("request %s failed: sampling its row raised %r", samples[k].request.request_id, error)
             self.fail_request(samples[k].request, error, result.failed,
-                               result.released_tables if keep_tables else None)
+                              result.released_tables if keep_tables else None)
         keep = [k for k, seq in enumerate(samples) if not seq.status.is_finished]
         result.sampled = [samples[k] for k in keep]
         return ([token_ids[k] for k in keep],

@@ -41,8 +41,7 @@ class SeededGenerators:
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.shared = torch.Generator(device=device)
-        self.shared.manual_seed(seed)
+        self.shared = make_generator(seed, device)
 
     def of(self, samples: list[Sequence], params: list[SamplingParams]) -> list[torch.Generator | None] | None:
         """Each sample's own generator (None: the shared one), or None when no sample has a seed."""

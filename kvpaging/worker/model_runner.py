@@ -135,11 +135,12 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self, config.max_num_seqs, -(-config.max_model_len // self.block_size))
         elif not config.enforce_eager and self.device.type == "cuda":
-            why = f"CUDA graphs capture the Triton kernels on one rank only, not the {config.attention_backend} backend"
             if self.state_slots is not None:
                 why = "the state layers group each step's sequences on the host, which a graph cannot replay"
             elif self.layer_groups is not None:
                 why = "the graphs hold one block table, and this model keeps one per layer group"
+            else:
+                why = f"CUDA graphs capture the Triton kernels on one rank only, not the {config.attention_backend} one"
             logger.info("decode steps run eagerly: %s", why)
 
     def shutdown(self) -> None:
