@@ -41,7 +41,7 @@ BEYOND = {
     "kvpaging/worker/state_layers.py": "hybrid models' recurrent and convolution states",
     "kvpaging/worker/direct_forward.py": "a Llama-structured model's forward with its layers called straight (CPU)",
     "kvpaging/entrypoints/chat_utils.py": "LLM.chat's conversations through the chat template",
-    "kvpaging/worker/host_memory.py": "glibc's malloc told to keep freed memory (CPU)",
+    "kvpaging/worker/host_memory.py": "glibc's malloc (CPU) and the interpreter's frame chunks kept for reuse",
 }
 LIMIT = 40
 

@@ -53,6 +53,7 @@ from kvpaging.worker.model_runner import BlockTable, prepare_step_inputs
 from kvpaging.sampling_params import SamplingParams
 from kvpaging.core.scheduler import Scheduler
 from kvpaging.core.sequence import Request
+from kvpaging.worker.host_memory import keep_frame_chunks
 
 
 class GcTime:
@@ -343,6 +344,10 @@ def main() -> None:
         print_figures(runs)
         print("garbage collections during each run (count, CPU time): " + "; ".join(str(r["gc"]) for r in runs))
         return
+    # As in the engine (its model runner keeps them), the interpreter's frame chunks are kept, for both engines alike:
+    # where a loop of theirs sits at a chunk's end, neither maps and unmaps memory at every call there
+    # (kvpaging/worker/host_memory.py, benchmarks/frame_chunks.py)
+    chunks_kept = keep_frame_chunks()
     # With --nano-vllm the two engines take turns (kvpaging, nano-vllm, kvpaging, ...), so that both meet
     # the same machine; the first run of each warms up. Ratios are the median of the per-turn ratios.
     runs, nano_runs, nano_alone = [], [], []
@@ -356,7 +361,7 @@ def main() -> None:
             nano_alone.append(run_nano_vllm(args, args.nano_vllm, with_input_preparation=False))
     runs, nano_runs, nano_alone = runs[1:], nano_runs[1:], nano_alone[1:]
     r = runs[0]
-    print(f"machine: {platform.machine()} python {platform.python_version()}")
+    print(f"machine: {platform.machine()} python {platform.python_version()}; frame chunks kept: {chunks_kept}")
     print(f"requests={args.requests} max_num_seqs={args.max_num_seqs} block_size={args.block_size} "
           f"prefix_caching={not args.no_prefix_caching} decode_caching={not (args.no_decode_caching or args.no_prefix_caching)} steps={r['steps']} sequence-steps={r['seq_steps']} "
           f"preemptions={r['preemptions']} prefix hit rate={r['hit_rate']:.3f}")

@@ -1,6 +1,6 @@
 """The C kernels for CPUs: built on first use with the machine's C compiler, loaded with ctypes.
 
-Ten small C files live here:
+Ten small C files live here, and one that is not a kernel:
 
 * ``decode_attention.c``: paged decode attention that reads each sequence's
   blocks in place (the "cpu" attention backend, ``kernels/cpu_backend.py``,
@@ -27,7 +27,10 @@ Ten small C files live here:
 * ``argmax.c``: each row's greedy pick, the index ``torch.max(x, dim=-1)`` gives (:func:`argmax_rows`, for the
   sampler when every row of a step is greedy);
 * ``silu_mul.c``: a gated MLP's ``silu(gate) * up`` in bfloat16, to the bit, in one pass, its SiLU from a table torch
-  computed (:func:`silu_mul`, for the engine's direct forward).
+  computed (:func:`silu_mul`, for the engine's direct forward);
+* ``frame_chunks.c``: not a kernel: an arena allocator for the Python interpreter that keeps the frame chunks it gives
+  back, so that a loop of calls at a chunk's end stops mapping and unmapping memory at every call
+  (:func:`frame_chunk_keeper`; ``kvpaging/worker/host_memory.py`` installs it).
 
 They are compiled together (each with its own flags) the first time one is needed, with the C compiler
 found on the machine (``$CC``, else ``cc``), for this machine's CPU
@@ -81,7 +84,8 @@ SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []), ("silu_mul.c", ["-ffp-contract=off", *WIDE]),
     # `acc + x * w` must be one fused multiply-add there, as in MKL's sgemm (linear_f32.c's header); and none in
     # MKL's order for one to three rows (linear_f32_lanes.c's)
-    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]), ("linear_f32_lanes.c", ["-ffp-contract=off", *WIDE]))}
+    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]), ("linear_f32_lanes.c", ["-ffp-contract=off", *WIDE]),
+    ("frame_chunks.c", []))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -111,6 +115,7 @@ _argmax_fn = None
 _amx = None  # linear_amx.c's (ready, pack, linear) functions
 _f32 = None  # linear_f32.c's (pack, linear) functions, and linear_f32_lanes.c's linear
 _silu_mul_fn = None
+_frame_chunks = None  # frame_chunks.c's (keep, reused) functions
 _silu_table: torch.Tensor | None | bool = False  # torch's SiLU of every bfloat16 number (None: none; False: not made)
 _reason: str | None = None  # why the kernel could not be built, once tried
 
@@ -195,7 +200,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
     global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
-    global _amx, _prefill_fns, _f32, _silu_mul_fn
+    global _amx, _prefill_fns, _f32, _silu_mul_fn, _frame_chunks
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = find_compiler()
@@ -257,6 +262,10 @@ def _load():
     _silu_mul_fn = lib.kvpaging_silu_mul
     _silu_mul_fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     _silu_mul_fn.restype = None
+    keep, reused = lib.kvpaging_keep_frame_chunks, lib.kvpaging_frame_chunks_reused
+    keep.argtypes, keep.restype = [ptr, ptr], None
+    reused.argtypes, reused.restype = [], i64
+    _frame_chunks = (keep, reused)
     return _decode_fn
 
 
@@ -267,6 +276,13 @@ def call_named(name: str, fn, args: tuple):
         with torch.profiler.record_function(name):
             return fn(*args)
     return fn(*args)
+
+
+def frame_chunk_keeper():
+    """``frame_chunks.c``'s two functions (ctypes): ``keep(current, keeping)`` fills the arena allocator ``keeping``
+    that wraps ``current``, and ``reused()`` counts the regions it handed out again; None where the C code cannot be
+    built."""
+    return None if _load() is None else _frame_chunks
 
 
 def available() -> bool:

@@ -1,4 +1,5 @@
-"""The C library's allocator told to keep freed memory, for a model that runs on the CPU (glibc only).
+"""Memory the process would give back and map again at every step, kept instead: the C library's (a model on the CPU,
+glibc only) and the Python interpreter's frame chunks (every device: the engine's host path).
 
 torch's CPU tensors come from ``malloc``. glibc hands out a block over its mmap threshold (128 KiB at first, raised as
 such blocks are freed, to 32 MiB at most) as pages fresh from the kernel and gives them back when the block is freed;
@@ -13,6 +14,14 @@ until it ends.
 It is the process's allocator, so the setting is process-wide: set once, and not where the user tuned glibc's
 malloc already (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES`` in the environment).
 vLLM's CPU backend asks users for the same by preloading tcmalloc.
+
+The interpreter's frame chunks (:func:`keep_frame_chunks`): CPython 3.11 to 3.13 keep Python frames on a data stack of
+16 KiB chunks, each mapped when a call needs it and unmapped as soon as that call returns, so a loop whose calls sit at
+a chunk's end maps and unmaps memory at every call (CPython issue gh-142183; ``kernels/cpu/frame_chunks.c``). Whether
+the engine's loops sit there depends on how deep the caller is (a notebook cell, a test, a thread): at such depths
+the scheduler, block manager and input preparation ran 1.3-1.5x slower (``python benchmarks/frame_chunks.py
+--engine``). The interpreter's arena allocator is wrapped once per process by one that keeps up to eight freed
+regions of at most 64 KiB (frame chunks; never pymalloc's arenas) and hands them out again.
 """
 
 from __future__ import annotations
@@ -21,15 +30,24 @@ import ctypes
 import logging
 import os
 import platform
+import sys
+import sysconfig
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "keep_frame_chunks", "frame_chunks_reused"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit systems
 TRIM_THRESHOLD = 256 << 20
 _done: bool | None = None  # whether it was set, once tried
+_chunks_kept: bool | None = None  # whether the frame chunks are kept, once tried
+
+
+class _ArenaAllocator(ctypes.Structure):
+    """CPython's ``PyObjectArenaAllocator``: a context and its alloc and free functions."""
+
+    _fields_ = [("ctx", ctypes.c_void_p), ("alloc", ctypes.c_void_p), ("free", ctypes.c_void_p)]
 
 
 def keep_freed_memory() -> bool:
@@ -49,3 +67,38 @@ def keep_freed_memory() -> bool:
                 logger.info("malloc keeps freed memory (blocks up to %d MiB from its heap, %d MiB of free memory kept): "
                             "a step's temporaries reuse mapped pages", MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return _done
+
+
+def keep_frame_chunks() -> bool:
+    """Wrap the interpreter's arena allocator in ``frame_chunks.c``'s, which keeps freed frame chunks (see the module
+    docstring), once per process; True if it is in place. Only on CPython 3.11 to 3.13 with the GIL (earlier ones keep
+    frames elsewhere, 3.14 caches chunks itself), and where the CPU kernels' C code builds."""
+    global _chunks_kept
+    if _chunks_kept is None:
+        _chunks_kept = False
+        if (sys.implementation.name != "cpython" or not (3, 11) <= sys.version_info[:2] <= (3, 13)
+                or sysconfig.get_config_var("Py_GIL_DISABLED")):
+            return False
+        from kvpaging.kernels import cpu
+
+        functions = cpu.frame_chunk_keeper()
+        if functions is None:
+            logger.debug("frame chunks not kept: %s", cpu.unavailable_reason())
+            return False
+        current, keeping = _ArenaAllocator(), _ArenaAllocator()
+        ctypes.pythonapi.PyObject_GetArenaAllocator(ctypes.byref(current))
+        functions[0](ctypes.byref(current), ctypes.byref(keeping))
+        ctypes.pythonapi.PyObject_SetArenaAllocator(ctypes.byref(keeping))  # (the interpreter copies the struct)
+        _chunks_kept = True
+        logger.info("the interpreter keeps up to 8 freed frame chunks for reuse (CPython gh-142183): calls at a "
+                    "chunk's end no longer map and unmap memory")
+    return _chunks_kept
+
+
+def frame_chunks_reused() -> int:
+    """How many frame chunks (or other small regions) the kept ones have served so far; 0 before they are kept."""
+    if not _chunks_kept:
+        return 0
+    from kvpaging.kernels import cpu
+
+    return int(cpu.frame_chunk_keeper()[1]())

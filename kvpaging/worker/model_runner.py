@@ -36,7 +36,7 @@ from kvpaging.models import private_copy
 from kvpaging.worker.attention import ATTN_NAME, CURRENT_STEP, AttentionMetadata, register_attention
 from kvpaging.worker.direct_forward import direct_forward_if_exact
 from kvpaging.worker.fp8_scales import calibrate_fp8_scales
-from kvpaging.worker.host_memory import keep_freed_memory
+from kvpaging.worker.host_memory import keep_frame_chunks, keep_freed_memory
 from kvpaging.worker.kv_layout import LayerKV, cache_indexes, config_layout, layer_groups
 from kvpaging.worker.state_layers import install_state_layers
 
@@ -62,6 +62,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries reuse mapped pages (kvpaging/worker/host_memory.py)
+        keep_frame_chunks()  # and the host path's calls reuse the interpreter's frame chunks (the same file)
         self.num_layers = config_hf.num_hidden_layers
         # each layer's KV heads (this rank's share of them with tensor parallelism) and widths (kvpaging/worker/kv_layout.py)
         self.kv_layout = kv_layout or config_layout(config_hf, self.num_layers, config.tensor_parallel_size)
