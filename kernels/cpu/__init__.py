@@ -30,7 +30,7 @@ Ten small C files live here, and one that is not a kernel:
   computed (:func:`silu_mul`, for the engine's direct forward);
 * ``frame_chunks.c``: not a kernel: an arena allocator for the Python interpreter that keeps the frame chunks it gives
   back, so that a loop of calls at a chunk's end stops mapping and unmapping memory at every call
-  (:func:`frame_chunk_keeper`; ``kvpaging/worker/host_memory.py`` installs it).
+  (:func:`frame_chunk_keeper`, a library of its own; ``kvpaging/worker/host_memory.py`` installs it).
 
 They are compiled together (each with its own flags) the first time one is needed, with the C compiler
 found on the machine (``$CC``, else ``cc``), for this machine's CPU
@@ -84,8 +84,7 @@ SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("argmax.c", ["-fno-math-errno"]), ("linear_amx.c", []), ("silu_mul.c", ["-ffp-contract=off", *WIDE]),
     # `acc + x * w` must be one fused multiply-add there, as in MKL's sgemm (linear_f32.c's header); and none in
     # MKL's order for one to three rows (linear_f32_lanes.c's)
-    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]), ("linear_f32_lanes.c", ["-ffp-contract=off", *WIDE]),
-    ("frame_chunks.c", []))}
+    ("linear_f32.c", ["-ffp-contract=fast", *WIDE]), ("linear_f32_lanes.c", ["-ffp-contract=off", *WIDE]))}
 HEADERS = [Path(__file__).with_name("bf16.h")]  # included by them: part of what a build depends on
 COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-lm"]
@@ -115,7 +114,7 @@ _argmax_fn = None
 _amx = None  # linear_amx.c's (ready, pack, linear) functions
 _f32 = None  # linear_f32.c's (pack, linear) functions, and linear_f32_lanes.c's linear
 _silu_mul_fn = None
-_frame_chunks = None  # frame_chunks.c's (keep, reused) functions
+_frame_chunks = None  # frame_chunks.c's (keep, reused) functions, once built; a str: why it could not be
 _silu_table: torch.Tensor | None | bool = False  # torch's SiLU of every bfloat16 number (None: none; False: not made)
 _reason: str | None = None  # why the kernel could not be built, once tried
 
@@ -140,15 +139,17 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _compile(cc: str, target: Path, extra: list[str], workers: int | None = None) -> None:
-    """Compile every source, side by side on ``workers`` threads (default: up to four of the cores this process may
-    use), then link them."""
+def _compile(cc: str, target: Path, extra: list[str], workers: int | None = None,
+             sources: dict[Path, list[str]] | None = None) -> None:
+    """Compile every source (``sources``, each with its flags; default: the kernels'), side by side on ``workers``
+    threads (default: up to four of the cores this process may use), then link them."""
+    sources = SOURCES if sources is None else sources
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in sources]
         lib = Path(tmp) / target.name
         commands = [[cc, *COMPILE_FLAGS, *flags, *extra, "-c", str(src), "-o", obj]
-                    for (src, flags), obj in zip(SOURCES.items(), objects)]
+                    for (src, flags), obj in zip(sources.items(), objects)]
         if workers is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             workers = max(1, min(4, cores))
@@ -165,17 +166,17 @@ def _run_compiler(cmd: list[str]) -> None:
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
 
 
-def _build(cc: str, target: Path, extra: list[str]) -> Path:
-    """``target``, compiled now unless it was before (in a private temporary folder when the cache folder is not
-    writable)."""
+def _build(cc: str, target: Path, extra: list[str], sources: dict[Path, list[str]] | None = None) -> Path:
+    """``target``, compiled now from ``sources`` (default: the kernels') unless it was before (in a private temporary
+    folder when the cache folder is not writable)."""
     if target.exists():
         return target
     try:
-        _compile(cc, target, extra)
+        _compile(cc, target, extra, sources=sources)
         return target
     except OSError:
         target = Path(tempfile.mkdtemp(prefix="kvpaging-")) / target.name
-        _compile(cc, target, extra)
+        _compile(cc, target, extra, sources=sources)
         return target
 
 
@@ -200,7 +201,7 @@ def _library(cc: str, key: str) -> ctypes.CDLL:
 def _load():
     """Compile (once per machine and source) and load the kernel; None, with ``_reason`` set, if impossible."""
     global _decode_fn, _decode_bf16_fn, _rms_norm_fn, _linear_bf16_fn, _rotary_fn, _store_kv_fn, _rms_rows_fn, _argmax_fn, _reason
-    global _amx, _prefill_fns, _f32, _silu_mul_fn, _frame_chunks
+    global _amx, _prefill_fns, _f32, _silu_mul_fn
     if _decode_fn is not None or _reason is not None:
         return _decode_fn
     cc = find_compiler()
@@ -262,10 +263,6 @@ def _load():
     _silu_mul_fn = lib.kvpaging_silu_mul
     _silu_mul_fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     _silu_mul_fn.restype = None
-    keep, reused = lib.kvpaging_keep_frame_chunks, lib.kvpaging_frame_chunks_reused
-    keep.argtypes, keep.restype = [ptr, ptr], None
-    reused.argtypes, reused.restype = [], i64
-    _frame_chunks = (keep, reused)
     return _decode_fn
 
 
@@ -280,9 +277,35 @@ def call_named(name: str, fn, args: tuple):
 
 def frame_chunk_keeper():
     """``frame_chunks.c``'s two functions (ctypes): ``keep(current, keeping)`` fills the arena allocator ``keeping``
-    that wraps ``current``, and ``reused()`` counts the regions it handed out again; None where the C code cannot be
-    built."""
-    return None if _load() is None else _frame_chunks
+    that wraps ``current``, and ``reused()`` counts the regions it handed out again; None where it cannot be built
+    (:func:`frame_chunks_unavailable_reason` says why). A library of its own, built in well under a second: a model
+    on a GPU needs it and none of the kernels."""
+    global _frame_chunks
+    if _frame_chunks is None:
+        source = Path(__file__).with_name("frame_chunks.c")
+        cc = find_compiler()
+        if cc is None:
+            _frame_chunks = "no C compiler found (set $CC, or install gcc)"
+            return None
+        try:
+            version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+            key = hashlib.sha256("\0".join([source.read_text(), cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
+                                 .encode()).hexdigest()[:16]
+            lib = ctypes.CDLL(str(_build(cc, _cache_dir() / f"frame_chunks_{key}.so", [], {source: []})))
+        except (OSError, RuntimeError) as exc:
+            _frame_chunks = f"frame_chunks.c could not be built with {cc}: {exc}"
+            return None
+        keep, reused = lib.kvpaging_keep_frame_chunks, lib.kvpaging_frame_chunks_reused
+        keep.argtypes, keep.restype = [ctypes.c_void_p, ctypes.c_void_p], None
+        reused.argtypes, reused.restype = [], ctypes.c_int64
+        _frame_chunks = (keep, reused)
+    return None if isinstance(_frame_chunks, str) else _frame_chunks
+
+
+def frame_chunks_unavailable_reason() -> str | None:
+    """Why :func:`frame_chunk_keeper` gives None; None when it gives the functions."""
+    frame_chunk_keeper()
+    return _frame_chunks if isinstance(_frame_chunks, str) else None
 
 
 def available() -> bool:

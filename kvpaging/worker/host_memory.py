@@ -35,7 +35,7 @@ import sysconfig
 
 logger = logging.getLogger("kvpaging")
 
-__all__ = ["keep_freed_memory", "keep_frame_chunks", "frame_chunks_reused"]
+__all__ = ["frame_chunks_reused", "keep_frame_chunks", "keep_freed_memory"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit systems
@@ -72,7 +72,7 @@ def keep_freed_memory() -> bool:
 def keep_frame_chunks() -> bool:
     """Wrap the interpreter's arena allocator in ``frame_chunks.c``'s, which keeps freed frame chunks (see the module
     docstring), once per process; True if it is in place. Only on CPython 3.11 to 3.13 with the GIL (earlier ones keep
-    frames elsewhere, 3.14 caches chunks itself), and where the CPU kernels' C code builds."""
+    frames elsewhere, 3.14 caches chunks itself), and where a C compiler builds ``frame_chunks.c``."""
     global _chunks_kept
     if _chunks_kept is None:
         _chunks_kept = False
@@ -83,7 +83,7 @@ def keep_frame_chunks() -> bool:
 
         functions = cpu.frame_chunk_keeper()
         if functions is None:
-            logger.debug("frame chunks not kept: %s", cpu.unavailable_reason())
+            logger.debug("frame chunks not kept: %s", cpu.frame_chunks_unavailable_reason())
             return False
         current, keeping = _ArenaAllocator(), _ArenaAllocator()
         ctypes.pythonapi.PyObject_GetArenaAllocator(ctypes.byref(current))
