@@ -16,6 +16,7 @@ its arena allocator between the two), so that a slow minute of a shared machine 
 
     python benchmarks/frame_chunks.py
     python benchmarks/frame_chunks.py --engine
+    python benchmarks/frame_chunks.py --trained 8 --shallowest 80 --deepest 140 --every 2
 """
 
 from __future__ import annotations
@@ -75,6 +76,32 @@ def host_path(steps: int):
     return run
 
 
+def trained_model(num_requests: int, max_tokens: int):
+    """A function timing ``LLM.generate`` over ``num_requests`` chat requests to the trained model (wall-clock
+    seconds, one torch thread); the engine made and warmed up before it runs."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvpaging import SamplingParams
+    from kvpaging.models import load_trained_model
+    from kvpaging.models.trained_model import trained_path
+    from kvpaging.teach import serving
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(trained_path("smollm2"))
+    work = serving.make_chat_workload(tokenizer, num_requests, max_tokens=max_tokens)
+    llm = serving.kvpaging_llm(load_trained_model("smollm2"), work, tokenizer=tokenizer, cpu_fast_layers=None)
+    prompts = [{"prompt_token_ids": p} for p, _ in work.requests]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for _, n in work.requests]
+
+    def run() -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return run
+
+
 def at(depth: int, pad: int, work) -> float:
     if depth:
         return at(depth - 1, pad, work)
@@ -87,8 +114,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", action="store_true", help="the engine's host path instead of a plain call")
     ap.add_argument("--steps", type=int, default=60, help="with --engine: steps timed at each depth")
-    ap.add_argument("--deepest", type=int, default=160, help="with --engine: the deepest depth")
-    ap.add_argument("--repeats", type=int, default=3, help="with --engine: runs at each depth (the fastest counts)")
+    ap.add_argument("--trained", type=int, default=0, metavar="N", help="N chat requests to the trained model instead")
+    ap.add_argument("--max-tokens", type=int, default=32, help="with --trained: the most tokens each answer gets")
+    ap.add_argument("--shallowest", type=int, default=0, help="with --engine or --trained: the shallowest depth")
+    ap.add_argument("--deepest", type=int, default=160, help="with --engine or --trained: the deepest depth")
+    ap.add_argument("--every", type=int, default=1, help="with --engine or --trained: the step between depths")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="with --engine or --trained: runs at each depth (the fastest counts)")
     args = ap.parse_args()
     get, put = ctypes.pythonapi.PyObject_GetArenaAllocator, ctypes.pythonapi.PyObject_SetArenaAllocator
     interpreters = host_memory._ArenaAllocator()
@@ -97,9 +129,10 @@ def main() -> None:
         raise SystemExit("the frame chunks cannot be kept here (see host_memory.keep_frame_chunks)")
     keeping = host_memory._ArenaAllocator()
     get(ctypes.byref(keeping))
-    if args.engine:
-        run = host_path(args.steps)
-        work, depths, pads, limit = lambda: min(run() for _ in range(args.repeats)), range(args.deepest + 1), (0,), 1.2
+    if args.engine or args.trained:
+        run = trained_model(args.trained, args.max_tokens) if args.trained else host_path(args.steps)
+        work, pads, limit = lambda: min(run() for _ in range(args.repeats)), (0,), 1.2
+        depths = range(args.shallowest, args.deepest + 1, args.every)
         at(0, 0, work)  # warm up
     else:
         work, depths, pads, limit = calls, range(400), (0, 1), 2.0
@@ -115,8 +148,8 @@ def main() -> None:
           f"{host_memory.frame_chunks_reused() - before:,}")
     for name, measured in times.items():
         median = statistics.median(t for _, t in measured)
-        what = (f"{median * 1e6:.3f} us per sequence-step" if args.engine
-                else f"200,000 calls take {median * 1e3:.1f} ms")
+        what = (f"{median:.3f} s per generate" if args.trained else f"{median * 1e6:.3f} us per sequence-step"
+                if args.engine else f"200,000 calls take {median * 1e3:.1f} ms")
         print(f"{name}: {what} at the median depth; depths over {limit} times that (depth, times the median):")
         print(f"  {[(depth, round(t / median, 2)) for depth, t in measured if t > limit * median]}")
 
