@@ -53,7 +53,8 @@ def pytest_pyfunc_call(pyfuncitem):
     ``python benchmarks/frame_chunks.py`` shows it on a plain call: 140-150 times as long at one depth in 85). A
     thread's stack starts empty, at the same depth every time. Fixtures still run in the main thread; the test's
     exception, if any, is raised here. (The engine's own answer, ``host_memory.keep_frame_chunks``, which a model
-    runner installs, needs the C compiler, and ran the soak in 26 s from the main thread: the thread needs nothing.)"""
+    runner installs, needs the C compiler; from the main thread it brought the soak within a few seconds of the
+    thread's time, but the thread needs nothing.)"""
     if pyfuncitem.get_closest_marker("interpreter") is None or os.environ.get("TRITON_INTERPRET") != "1":
         return None
     funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
