@@ -19,8 +19,8 @@ The interpreter's frame chunks (:func:`keep_frame_chunks`): CPython 3.11 to 3.13
 16 KiB chunks, each mapped when a call needs it and unmapped as soon as that call returns, so a loop whose calls sit at
 a chunk's end maps and unmaps memory at every call (CPython issue gh-142183; ``kernels/cpu/frame_chunks.c``). Whether
 the engine's loops sit there depends on how deep the caller is (a notebook cell, a test, a thread): at such depths
-the scheduler, block manager and input preparation ran 1.3-1.5x slower (``python benchmarks/frame_chunks.py
---engine``). The interpreter's arena allocator is wrapped once per process by one that keeps up to eight freed
+the scheduler, block manager and input preparation ran 1.2-3x slower, the trained model's ``generate`` up to 1.4x
+(``python benchmarks/frame_chunks.py --engine``, ``--trained 8``; RESULTS.md, "The twenty-fifth session"). The interpreter's arena allocator is wrapped once per process by one that keeps up to eight freed
 regions of at most 64 KiB (frame chunks; never pymalloc's arenas) and hands them out again.
 """
 
@@ -85,10 +85,12 @@ def keep_frame_chunks() -> bool:
         if functions is None:
             logger.debug("frame chunks not kept: %s", cpu.frame_chunks_unavailable_reason())
             return False
+        get, put = ctypes.pythonapi.PyObject_GetArenaAllocator, ctypes.pythonapi.PyObject_SetArenaAllocator
+        get.restype = put.restype = None
         current, keeping = _ArenaAllocator(), _ArenaAllocator()
-        ctypes.pythonapi.PyObject_GetArenaAllocator(ctypes.byref(current))
+        get(ctypes.byref(current))
         functions[0](ctypes.byref(current), ctypes.byref(keeping))
-        ctypes.pythonapi.PyObject_SetArenaAllocator(ctypes.byref(keeping))  # (the interpreter copies the struct)
+        put(ctypes.byref(keeping))  # (the interpreter copies the struct)
         _chunks_kept = True
         logger.info("the interpreter keeps up to 8 freed frame chunks for reuse (CPython gh-142183): calls at a "
                     "chunk's end no longer map and unmap memory")
