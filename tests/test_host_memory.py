@@ -68,7 +68,7 @@ def test_a_users_own_malloc_settings_are_left_alone():
 # Calls at every depth: at the depths where a call's frame starts a new chunk of the data stack, each call maps a fresh
 # chunk (a page fault as its frame is written) and unmaps it on return, unless the chunks are kept.
 CHUNKS_PROBE = """
-import resource, sys
+import resource, sys, threading
 from kvpaging.worker import host_memory
 
 def leaf(a, b, c, d):
@@ -91,7 +91,24 @@ done = host_memory.keep_frame_chunks()
 worst()
 reused = host_memory.frame_chunks_reused()
 kept = worst()
-print(done, plain, kept, host_memory.frame_chunks_reused() - reused)
+reused = host_memory.frame_chunks_reused() - reused
+
+# then threads (each its own data stack), garbage and a recursion of 15,000 frames (chunks of every size) through it
+def work():
+    for _ in range(30):
+        junk = [list(range(1000)) for _ in range(100)]
+        del junk
+        at(150), at(300)
+
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+sys.setrecursionlimit(20000)
+def deep(n):
+    return 0 if n == 0 else 1 + deep(n - 1)
+print(done, plain, kept, reused, deep(15000))
 """
 
 
@@ -100,8 +117,9 @@ print(done, plain, kept, host_memory.frame_chunks_reused() - reused)
 def test_calls_at_a_chunks_end_stop_mapping_memory_once_frame_chunks_are_kept():
     out = subprocess.run([sys.executable, "-c", CHUNKS_PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    done, plain, kept, reused = out.stdout.split()
+    done, plain, kept, reused, depth = out.stdout.split()
     assert done == "True"
+    assert depth == "15000"
     # before: at the worst depth, every one of the 2,000 calls faulted in a fresh chunk; after: none did, and the kept
     # chunks served those calls instead
     assert int(plain) >= 2000, plain
