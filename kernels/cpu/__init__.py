@@ -180,6 +180,14 @@ def _build(cc: str, target: Path, extra: list[str], sources: dict[Path, list[str
         return target
 
 
+def _build_key(cc: str, texts: list[str], flags: list[str]) -> str:
+    """What a library's machine code depends on, hashed: its sources' ``texts``, the compiler and its version, the
+    flags (``flags``: the sources' own) and the CPU."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    return hashlib.sha256("\0".join([*texts, cc, version, *COMPILE_FLAGS, *flags, *LINK_FLAGS, _cpu_id()])
+                          .encode()).hexdigest()[:16]
+
+
 def _library(cc: str, key: str) -> ctypes.CDLL:
     """The library for this source, compiler and CPU, loaded: with OpenMP where the compiler builds it and the
     process's OpenMP runtime (the ``libgomp.so.1`` torch loaded) has what it calls, else without. A compiler's
@@ -209,11 +217,8 @@ def _load():
         _reason = "no C compiler found (set $CC, or install gcc)"
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        sources = [src.read_text() for src in [*SOURCES, *HEADERS]]
         flags = [flag for source_flags in SOURCES.values() for flag in source_flags]
-        key = hashlib.sha256("\0".join([*sources, cc, version, *COMPILE_FLAGS, *flags, *LINK_FLAGS, _cpu_id()])
-                             .encode()).hexdigest()[:16]
+        key = _build_key(cc, [src.read_text() for src in [*SOURCES, *HEADERS]], flags)
         lib = _library(cc, key)
     except (OSError, RuntimeError) as exc:
         _reason = f"the C kernel could not be built with {cc}: {exc}"
@@ -288,9 +293,7 @@ def frame_chunk_keeper():
             _frame_chunks = "no C compiler found (set $CC, or install gcc)"
             return None
         try:
-            version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-            key = hashlib.sha256("\0".join([source.read_text(), cc, version, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()])
-                                 .encode()).hexdigest()[:16]
+            key = _build_key(cc, [source.read_text()], [])
             lib = ctypes.CDLL(str(_build(cc, _cache_dir() / f"frame_chunks_{key}.so", [], {source: []})))
         except (OSError, RuntimeError) as exc:
             _frame_chunks = f"frame_chunks.c could not be built with {cc}: {exc}"
