@@ -4,9 +4,9 @@ does it and with the frame chunks kept (``kvpaging/worker/host_memory.py``'s ``k
 A thread's frames live in chunks of a data stack; a chunk is freed as soon as the calls return below it, so a loop of
 calls that each cross a chunk's end allocates and frees a chunk at every call (CPython issue gh-142183). By default
 this calls a small function 200,000 times at every depth from 0 to 399 (and one frame deeper) and prints the depths
-where it took over twice the median time (see ``tests/conftest.py``, which runs the Triton interpreter's tests in a
-thread of their own for this reason). ``--engine`` runs the engine's host path instead (the real ``Scheduler``,
-``BlockManager`` and ``prepare_step_inputs`` over 200 decoding sequences, ``--steps`` steps, as
+where it took over twice the median time (``tests/conftest.py`` keeps the chunks for the whole test session).
+``--engine`` runs the engine's host path instead (the real ``Scheduler``, ``BlockManager`` and
+``prepare_step_inputs`` over 200 decoding sequences, ``--steps`` steps, as
 ``benchmarks/host_overhead.py`` does with random tokens) at each depth from 0 to ``--deepest``, the fastest of
 ``--repeats`` runs at each (a shared machine only ever adds time), and prints its median time per sequence-step and
 the depths over 1.2 times that.

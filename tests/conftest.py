@@ -12,7 +12,6 @@ not import Triton, and tests that never touch Triton are unaffected.
 import os
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -42,33 +41,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    """Run the body of a test marked ``interpreter`` in a thread of its own when the Triton kernels are interpreted.
+def pytest_configure(config):
+    """Keep the interpreter's frame chunks for the whole session, as every engine process does
+    (``kvpaging/worker/host_memory.py``): CPython 3.11 frees a chunk of its frame stack as soon as the calls return
+    below it, so a hot loop whose calls cross a chunk's end mapped and unmapped memory at every call, and where that
+    end falls depends on how deep the loop runs. The Triton interpreter's deep call chains, run from pytest's main
+    thread, took 2 to 3 times as long as from a script (``python benchmarks/frame_chunks.py`` shows it on a plain
+    call). Installed here, it holds from the first test on, not from the first engine a test makes."""
+    from kvpaging.worker.host_memory import keep_frame_chunks
 
-    CPython 3.11 keeps a thread's frames in chunks of a data stack and frees a chunk as soon as the calls return
-    below it, so a hot loop whose calls cross a chunk's end pays an allocation and a free at every call. Where that
-    end falls depends on how deep the loop runs: the Triton interpreter's deep call chains, run from pytest's main
-    thread, took 2 to 3 times as long as from a fresh thread (the Triton soak 57-69 s in the suite, 20 s so;
-    ``python benchmarks/frame_chunks.py`` shows it on a plain call: 140-150 times as long at one depth in 85). A
-    thread's stack starts empty, at the same depth every time. Fixtures still run in the main thread; the test's
-    exception, if any, is raised here. (The engine's own answer, ``host_memory.keep_frame_chunks``, which a model
-    runner installs, needs the C compiler; from the main thread it brought the soak within a few seconds of the
-    thread's time, but the thread needs nothing.)"""
-    if pyfuncitem.get_closest_marker("interpreter") is None or os.environ.get("TRITON_INTERPRET") != "1":
-        return None
-    funcargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    raised: list[BaseException] = []
-
-    def body():
-        try:
-            pyfuncitem.obj(**funcargs)
-        except BaseException as error:  # noqa: BLE001 - handed to the main thread below
-            raised.append(error)
-
-    thread = threading.Thread(target=body, name=f"test body: {pyfuncitem.name}")
-    thread.start()
-    thread.join()
-    if raised:
-        raise raised[0]
-    return True
+    keep_frame_chunks()

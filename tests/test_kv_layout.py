@@ -78,7 +78,8 @@ CHUNKED = "chunked, prefix cache, preemption"
 
 # (the Triton interpreter is slow: one mode for it)
 @pytest.mark.parametrize("backend, mode", [("torch", "default"), ("torch", CHUNKED),
-                                           ("cpu", CHUNKED), pytest.param("triton", "default", marks=pytest.mark.interpreter)])
+                                           ("cpu", CHUNKED),
+                                           pytest.param("triton", "default", marks=pytest.mark.interpreter)])
 def test_equals_generate(case, backend, mode):
     if backend == "cpu":
         from kvpaging.kernels import cpu_backend

@@ -20,8 +20,9 @@ The interpreter's frame chunks (:func:`keep_frame_chunks`): CPython 3.11 to 3.13
 a chunk's end maps and unmaps memory at every call (CPython issue gh-142183; ``kernels/cpu/frame_chunks.c``). Whether
 the engine's loops sit there depends on how deep the caller is (a notebook cell, a test, a thread): at such depths
 the scheduler, block manager and input preparation ran 1.2-3x slower, the trained model's ``generate`` up to 1.4x
-(``python benchmarks/frame_chunks.py --engine``, ``--trained 8``; RESULTS.md, "The twenty-fifth session"). The interpreter's arena allocator is wrapped once per process by one that keeps up to eight freed
-regions of at most 64 KiB (frame chunks; never pymalloc's arenas) and hands them out again.
+(``python benchmarks/frame_chunks.py --engine``, ``--trained 8``; RESULTS.md, "The twenty-fifth session"). The
+interpreter's arena allocator is wrapped once per process by one that keeps up to eight freed regions of at most
+64 KiB (frame chunks; never pymalloc's arenas) and hands them out again.
 """
 
 from __future__ import annotations
